@@ -1,0 +1,178 @@
+// Shared by the CPU and CUDA handlers: the activation enum, the shape validation of every FFI call,
+// and the group_sizes policy. Python validates the same things at trace time with clearer messages;
+// the handlers check again because nothing stops a user from calling the FFI targets directly.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+namespace ffi = xla::ffi;
+
+// Same order as jaxmlp/activations.py NAMES.
+enum class Act : int32_t {
+  kSwiglu = 0,
+  kGeglu,
+  kReglu,
+  kGelu,
+  kRelu,
+  kSilu,
+  kSquaredRelu,
+  kClampedSwiglu,
+  kCount
+};
+
+inline bool IsGated(Act a) {
+  return a == Act::kSwiglu || a == Act::kGeglu || a == Act::kReglu || a == Act::kClampedSwiglu;
+}
+
+struct ActParams {
+  Act act;
+  float alpha;  // clamped_swiglu only
+  float limit;  // clamped_swiglu only
+};
+
+// The three grouped products. Row-major, for group g owning rows [o_g, o_g + c_g) of the ragged operand:
+//   kNN: out[o_g + i, :] = lhs[o_g + i, :] @ rhs[g]           lhs [M, K], rhs [E, K, N], out [M, N]
+//   kNT: out[o_g + i, :] = lhs[o_g + i, :] @ rhs[g]^T         lhs [M, N], rhs [E, K, N], out [M, K]
+//   kTN: out[g]          = lhs[o_g : o_g+c_g]^T @ rhs[o_g : ] lhs [M, K], rhs [M, N],    out [E, K, N]
+enum class GemmOp : int32_t { kNN = 0, kNT = 1, kTN = 2 };
+
+// group_sizes policy (documented in README "Semantics"): negative sizes count as 0 and the running total
+// is capped at M. offsets[g] = min(sum_{i<g} max(size_i, 0), M); offsets has E + 1 entries, so group g owns
+// rows [offsets[g], offsets[g+1]) and every row index derived from group_sizes lies in [0, M].
+inline void GroupOffsets(const int32_t* sizes, int64_t E, int64_t M, int64_t* offsets) {
+  int64_t total = 0;  // int64: E * INT32_MAX cannot overflow it
+  offsets[0] = 0;
+  for (int64_t g = 0; g < E; ++g) {
+    total += std::max<int32_t>(sizes[g], 0);
+    offsets[g + 1] = std::min(total, M);
+  }
+}
+
+inline bool IsFloat(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+inline std::string Dims(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// Checks that `buf` has exactly the shape `want`; an empty `want` with optional=true accepts a 0-element
+// buffer as "absent".
+inline ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buf, std::initializer_list<int64_t> want) {
+  auto d = buf.dimensions();
+  bool ok = d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
+  if (ok) return ffi::Error::Success();
+  std::string w = "[";
+  int i = 0;
+  for (int64_t v : want) w += (i++ ? ", " : "") + std::to_string(v);
+  return ffi::Error::InvalidArgument(std::string("jaxmlp: ") + name + " has shape " + Dims(d) +
+                                     ", expected " + w + "]");
+}
+
+#define JAXMLP_RETURN_IF_ERROR(expr)      \
+  do {                                    \
+    ffi::Error err_ = (expr);             \
+    if (!err_.success()) return err_;     \
+  } while (0)
+
+// Shapes of one grouped MLP call, read off the buffers.
+struct MlpDims {
+  int64_t M, d, f, F1, E;  // F1 = 2f for gated activations, f otherwise
+  bool has_b1, has_b2, has_scales;
+};
+
+// Validates x [M, d], w1 [E, d, F1], w2 [E, f, d], group_sizes [E] int32, and the optional b1 [E, F1],
+// b2 [E, d], scales [M] (a 0-element buffer means absent). All float operands share x's dtype.
+inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
+                           const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
+                           const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,
+                           MlpDims* out) {
+  if (act < 0 || act >= static_cast<int32_t>(Act::kCount))
+    return ffi::Error::InvalidArgument("jaxmlp: unknown activation id " + std::to_string(act));
+  if (x.dimensions().size() != 2 || w1.dimensions().size() != 3 || w2.dimensions().size() != 3)
+    return ffi::Error::InvalidArgument("jaxmlp: expected x [M, d], w1 [E, d, F1], w2 [E, f, d], got " +
+                                       Dims(x.dimensions()) + ", " + Dims(w1.dimensions()) + ", " +
+                                       Dims(w2.dimensions()));
+  MlpDims m;
+  m.M = x.dimensions()[0];
+  m.d = x.dimensions()[1];
+  m.E = w1.dimensions()[0];
+  m.F1 = w1.dimensions()[2];
+  m.f = IsGated(static_cast<Act>(act)) ? m.F1 / 2 : m.F1;
+  if (IsGated(static_cast<Act>(act)) && m.F1 % 2 != 0)
+    return ffi::Error::InvalidArgument("jaxmlp: a gated activation needs an even w1.shape[2], got " +
+                                       std::to_string(m.F1));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("w1", w1, {m.E, m.d, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("w2", w2, {m.E, m.f, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("group_sizes", group_sizes, {m.E}));
+  if (group_sizes.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("jaxmlp: group_sizes must be int32");
+  m.has_b1 = b1.element_count() > 0;
+  m.has_b2 = b2.element_count() > 0;
+  m.has_scales = scales.element_count() > 0;
+  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("b1", b1, {m.E, m.F1}));
+  if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("b2", b2, {m.E, m.d}));
+  if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("scales", scales, {m.M}));
+  ffi::DataType t = x.element_type();
+  if (!IsFloat(t)) return ffi::Error::InvalidArgument("jaxmlp: x must be float32, bfloat16 or float16");
+  for (const ffi::AnyBuffer* b : {&w1, &w2, &b1, &b2, &scales})
+    if (b->element_type() != t)
+      return ffi::Error::InvalidArgument("jaxmlp: x, w1, w2, b1, b2 and scales must share one dtype");
+  *out = m;
+  return ffi::Error::Success();
+}
+
+// Shapes of one grouped GEMM call (see GemmOp).
+struct GemmDims {
+  int64_t M, K, N, E;
+};
+
+inline ffi::Error CheckGemm(GemmOp op, const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& rhs,
+                            const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& out, GemmDims* dims) {
+  if (lhs.dimensions().size() != 2 || group_sizes.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("jaxmlp: grouped GEMM expects a 2-D lhs and 1-D group_sizes");
+  if (group_sizes.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("jaxmlp: group_sizes must be int32");
+  if (!IsFloat(lhs.element_type()) || rhs.element_type() != lhs.element_type() || !IsFloat(out.element_type()))
+    return ffi::Error::InvalidArgument("jaxmlp: grouped GEMM operands must share one float dtype");
+  GemmDims g;
+  g.M = lhs.dimensions()[0];
+  g.E = group_sizes.dimensions()[0];
+  switch (op) {
+    case GemmOp::kNN:
+      g.K = lhs.dimensions()[1];
+      if (rhs.dimensions().size() != 3) return CheckShape("rhs", rhs, {g.E, g.K, -1});
+      g.N = rhs.dimensions()[2];
+      JAXMLP_RETURN_IF_ERROR(CheckShape("rhs", rhs, {g.E, g.K, g.N}));
+      JAXMLP_RETURN_IF_ERROR(CheckShape("out", out, {g.M, g.N}));
+      break;
+    case GemmOp::kNT:
+      g.N = lhs.dimensions()[1];
+      if (rhs.dimensions().size() != 3) return CheckShape("rhs", rhs, {g.E, -1, g.N});
+      g.K = rhs.dimensions()[1];
+      JAXMLP_RETURN_IF_ERROR(CheckShape("rhs", rhs, {g.E, g.K, g.N}));
+      JAXMLP_RETURN_IF_ERROR(CheckShape("out", out, {g.M, g.K}));
+      break;
+    case GemmOp::kTN:
+      g.K = lhs.dimensions()[1];
+      if (rhs.dimensions().size() != 2) return CheckShape("rhs", rhs, {g.M, -1});
+      g.N = rhs.dimensions()[1];
+      JAXMLP_RETURN_IF_ERROR(CheckShape("rhs", rhs, {g.M, g.N}));
+      JAXMLP_RETURN_IF_ERROR(CheckShape("out", out, {g.E, g.K, g.N}));
+      break;
+    default:
+      return ffi::Error::InvalidArgument("jaxmlp: unknown grouped GEMM op " + std::to_string(int(op)));
+  }
+  *dims = g;
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxmlp

@@ -1,0 +1,308 @@
+// CPU handlers: the grouped MLP forward and backward and the grouped GEMM, in float32 arithmetic.
+//
+// They round intermediates to the input dtype where the CUDA handlers store them in that dtype (the FC1
+// output h, the activation output a, the FC2 input gradient and dh), so both backends compute the same
+// function. Speed matters only enough to keep the test suite and the CPU example short.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../activations.h"
+#include "../common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::DataType;
+using ffi::Error;
+using ffi::Result;
+
+// ---- dtype conversion ----------------------------------------------------------------------------
+float Bf16ToFloat(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
+  return uint16_t(u >> 16);
+}
+
+std::vector<float> ToFloat(const AnyBuffer& b) {
+  size_t n = b.element_count();
+  std::vector<float> out(n);
+  switch (b.element_type()) {
+    case DataType::F32:
+      std::memcpy(out.data(), b.untyped_data(), n * 4);
+      break;
+    case DataType::BF16: {
+      auto* p = static_cast<const uint16_t*>(b.untyped_data());
+      for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(p[i]);
+      break;
+    }
+    default: {  // F16 (validated by the callers)
+      auto* p = static_cast<const _Float16*>(b.untyped_data());
+      for (size_t i = 0; i < n; ++i) out[i] = float(p[i]);
+    }
+  }
+  return out;
+}
+
+// Rounds v to `t` and back: the value a buffer of dtype t would hold.
+float RoundTo(DataType t, float v) {
+  if (t == DataType::BF16) return Bf16ToFloat(FloatToBf16(v));
+  if (t == DataType::F16) return float(_Float16(v));
+  return v;
+}
+
+void RoundAll(DataType t, std::vector<float>& v) {
+  if (t != DataType::F32)
+    for (float& e : v) e = RoundTo(t, e);
+}
+
+void Store(const std::vector<float>& v, AnyBuffer out) {
+  size_t n = out.element_count();
+  switch (out.element_type()) {
+    case DataType::F32:
+      std::memcpy(out.untyped_data(), v.data(), n * 4);
+      break;
+    case DataType::BF16: {
+      auto* p = static_cast<uint16_t*>(out.untyped_data());
+      for (size_t i = 0; i < n; ++i) p[i] = FloatToBf16(v[i]);
+      break;
+    }
+    default: {
+      auto* p = static_cast<_Float16*>(out.untyped_data());
+      for (size_t i = 0; i < n; ++i) p[i] = _Float16(v[i]);
+    }
+  }
+}
+
+std::vector<int64_t> Offsets(const AnyBuffer& group_sizes, int64_t M) {
+  int64_t E = group_sizes.element_count();
+  std::vector<int64_t> off(E + 1);
+  GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), E, M, off.data());
+  return off;
+}
+
+// ---- grouped GEMM in float -------------------------------------------------------------------------
+// See GemmOp in common.h for the three products. `out` is overwritten (rows outside every group and the
+// weight gradients of empty groups become 0).
+void GroupedGemm(GemmOp op, const float* lhs, const float* rhs, const std::vector<int64_t>& off, int64_t M,
+                 int64_t K, int64_t N, float* out) {
+  int64_t E = int64_t(off.size()) - 1;
+  switch (op) {
+    case GemmOp::kNN:  // lhs [M, K] @ rhs[g] [K, N] -> [M, N]
+      std::fill(out, out + M * N, 0.0f);
+      for (int64_t g = 0; g < E; ++g)
+        for (int64_t r = off[g]; r < off[g + 1]; ++r)
+          for (int64_t k = 0; k < K; ++k) {
+            float a = lhs[r * K + k];
+            const float* w = rhs + (g * K + k) * N;
+            float* o = out + r * N;
+            for (int64_t n = 0; n < N; ++n) o[n] += a * w[n];
+          }
+      break;
+    case GemmOp::kNT:  // lhs [M, N] @ rhs[g]^T [N, K] -> [M, K]
+      std::fill(out, out + M * K, 0.0f);
+      for (int64_t g = 0; g < E; ++g)
+        for (int64_t r = off[g]; r < off[g + 1]; ++r)
+          for (int64_t k = 0; k < K; ++k) {
+            const float* w = rhs + (g * K + k) * N;
+            const float* a = lhs + r * N;
+            float acc = 0.0f;
+            for (int64_t n = 0; n < N; ++n) acc += a[n] * w[n];
+            out[r * K + k] = acc;
+          }
+      break;
+    case GemmOp::kTN:  // lhs[rows of g]^T [K, c] @ rhs[rows of g] [c, N] -> out[g] [K, N]
+      std::fill(out, out + E * K * N, 0.0f);
+      for (int64_t g = 0; g < E; ++g)
+        for (int64_t r = off[g]; r < off[g + 1]; ++r)
+          for (int64_t k = 0; k < K; ++k) {
+            float a = lhs[r * K + k];
+            const float* b = rhs + r * N;
+            float* o = out + (g * K + k) * N;
+            for (int64_t n = 0; n < N; ++n) o[n] += a * b[n];
+          }
+      break;
+  }
+}
+
+// Adds bias[g] to each row of group g ([M, n] += [E, n]).
+void AddGroupBias(std::vector<float>& v, const std::vector<float>& bias, const std::vector<int64_t>& off,
+                  int64_t n) {
+  for (size_t g = 0; g + 1 < off.size(); ++g)
+    for (int64_t r = off[g]; r < off[g + 1]; ++r)
+      for (int64_t j = 0; j < n; ++j) v[r * n + j] += bias[g * n + j];
+}
+
+// Per-group column sums of v [M, n] -> [E, n].
+std::vector<float> GroupColumnSums(const std::vector<float>& v, const std::vector<int64_t>& off, int64_t n) {
+  std::vector<float> out((off.size() - 1) * n, 0.0f);
+  for (size_t g = 0; g + 1 < off.size(); ++g)
+    for (int64_t r = off[g]; r < off[g + 1]; ++r)
+      for (int64_t j = 0; j < n; ++j) out[g * n + j] += v[r * n + j];
+  return out;
+}
+
+// ---- handlers --------------------------------------------------------------------------------------
+Error MlpForward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2,
+                 AnyBuffer scales, int32_t act, float alpha, float limit, Result<AnyBuffer> y,
+                 Result<AnyBuffer> h_out) {
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("y", *y, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("h", *h_out, {m.M, m.F1}));
+  const DataType t = x.element_type();
+  const ActParams p{static_cast<Act>(act), alpha, limit};
+  auto off = Offsets(group_sizes, m.M);
+  const int64_t total = off.back();
+
+  std::vector<float> X = ToFloat(x), W1 = ToFloat(w1), W2 = ToFloat(w2), S = ToFloat(scales);
+  std::vector<float> H(m.M * m.F1);
+  GroupedGemm(GemmOp::kNN, X.data(), W1.data(), off, m.M, m.d, m.F1, H.data());
+  if (m.has_b1) AddGroupBias(H, ToFloat(b1), off, m.F1);
+  RoundAll(t, H);  // h is the saved pre-activation, stored in x.dtype
+
+  std::vector<float> A(m.M * m.f, 0.0f);
+  const bool gated = IsGated(p.act);
+  for (int64_t r = 0; r < total; ++r)
+    for (int64_t j = 0; j < m.f; ++j) {
+      float gate = H[r * m.F1 + j], up = gated ? H[r * m.F1 + m.f + j] : 0.0f;
+      float a = ActivationGrad(p, gate, up).val * (m.has_scales ? S[r] : 1.0f);
+      A[r * m.f + j] = RoundTo(t, a);
+    }
+  std::vector<float> Y(m.M * m.d);
+  GroupedGemm(GemmOp::kNN, A.data(), W2.data(), off, m.M, m.f, m.d, Y.data());
+  if (m.has_b2) AddGroupBias(Y, ToFloat(b2), off, m.d);
+  Store(Y, *y);
+  Store(H, *h_out);
+  return Error::Success();
+}
+
+Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2,
+                  AnyBuffer scales, AnyBuffer h, AnyBuffer dy, int32_t act, float alpha, float limit,
+                  Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
+                  Result<AnyBuffer> db2, Result<AnyBuffer> dscales) {
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("h", h, {m.M, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dy", dy, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dx", *dx, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", *dw1, {m.E, m.d, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", *dw2, {m.E, m.f, m.d}));
+  const DataType t = x.element_type();
+  const ActParams p{static_cast<Act>(act), alpha, limit};
+  auto off = Offsets(group_sizes, m.M);
+  const int64_t total = off.back();
+  const bool gated = IsGated(p.act);
+
+  std::vector<float> X = ToFloat(x), W1 = ToFloat(w1), W2 = ToFloat(w2), S = ToFloat(scales);
+  std::vector<float> H = ToFloat(h), dY = ToFloat(dy);
+
+  std::vector<float> dA(m.M * m.f);  // gradient w.r.t. the scaled activation output
+  GroupedGemm(GemmOp::kNT, dY.data(), W2.data(), off, m.M, m.f, m.d, dA.data());
+  RoundAll(t, dA);
+
+  std::vector<float> dH(m.M * m.F1, 0.0f), As(m.M * m.f, 0.0f), dS(m.M, 0.0f);
+  for (int64_t r = 0; r < total; ++r) {
+    float s = m.has_scales ? S[r] : 1.0f, ds = 0.0f;
+    for (int64_t j = 0; j < m.f; ++j) {
+      float gate = H[r * m.F1 + j], up = gated ? H[r * m.F1 + m.f + j] : 0.0f;
+      ActGrad g = ActivationGrad(p, gate, up);
+      float da = dA[r * m.f + j];
+      ds += da * g.val;
+      As[r * m.f + j] = RoundTo(t, g.val * s);
+      dH[r * m.F1 + j] = RoundTo(t, da * s * g.dgate);
+      if (gated) dH[r * m.F1 + m.f + j] = RoundTo(t, da * s * g.dup);
+    }
+    dS[r] = ds;
+  }
+
+  std::vector<float> dX(m.M * m.d), dW1(m.E * m.d * m.F1), dW2(m.E * m.f * m.d);
+  GroupedGemm(GemmOp::kTN, As.data(), dY.data(), off, m.M, m.f, m.d, dW2.data());
+  GroupedGemm(GemmOp::kNT, dH.data(), W1.data(), off, m.M, m.d, m.F1, dX.data());
+  GroupedGemm(GemmOp::kTN, X.data(), dH.data(), off, m.M, m.d, m.F1, dW1.data());
+  Store(dX, *dx);
+  Store(dW1, *dw1);
+  Store(dW2, *dw2);
+  if (m.has_b1) {
+    JAXMLP_RETURN_IF_ERROR(CheckShape("db1", *db1, {m.E, m.F1}));
+    Store(GroupColumnSums(dH, off, m.F1), *db1);
+  }
+  if (m.has_b2) {
+    JAXMLP_RETURN_IF_ERROR(CheckShape("db2", *db2, {m.E, m.d}));
+    Store(GroupColumnSums(dY, off, m.d), *db2);
+  }
+  if (m.has_scales) {
+    JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", *dscales, {m.M}));
+    Store(dS, *dscales);
+  }
+  return Error::Success();
+}
+
+Error Gemm(AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op, Result<AnyBuffer> out) {
+  GemmDims g;
+  JAXMLP_RETURN_IF_ERROR(CheckGemm(static_cast<GemmOp>(op), lhs, rhs, group_sizes, *out, &g));
+  auto off = Offsets(group_sizes, g.M);
+  std::vector<float> L = ToFloat(lhs), R = ToFloat(rhs), O(out->element_count());
+  GroupedGemm(static_cast<GemmOp>(op), L.data(), R.data(), off, g.M, g.K, g.N, O.data());
+  Store(O, *out);
+  return Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardCpu, MlpForward,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()  // x
+                                  .Arg<AnyBuffer>()  // w1
+                                  .Arg<AnyBuffer>()  // w2
+                                  .Arg<AnyBuffer>()  // group_sizes
+                                  .Arg<AnyBuffer>()  // b1 (0 elements: absent)
+                                  .Arg<AnyBuffer>()  // b2 (0 elements: absent)
+                                  .Arg<AnyBuffer>()  // scales (0 elements: absent)
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Ret<AnyBuffer>()   // y
+                                  .Ret<AnyBuffer>());  // h
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardCpu, MlpBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()  // x
+                                  .Arg<AnyBuffer>()  // w1
+                                  .Arg<AnyBuffer>()  // w2
+                                  .Arg<AnyBuffer>()  // group_sizes
+                                  .Arg<AnyBuffer>()  // b1
+                                  .Arg<AnyBuffer>()  // b2
+                                  .Arg<AnyBuffer>()  // scales
+                                  .Arg<AnyBuffer>()  // h
+                                  .Arg<AnyBuffer>()  // dy
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Ret<AnyBuffer>()   // dx
+                                  .Ret<AnyBuffer>()   // dw1
+                                  .Ret<AnyBuffer>()   // dw2
+                                  .Ret<AnyBuffer>()   // db1
+                                  .Ret<AnyBuffer>()   // db2
+                                  .Ret<AnyBuffer>());  // dscales
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCpu, Gemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()  // lhs
+                                  .Arg<AnyBuffer>()  // rhs
+                                  .Arg<AnyBuffer>()  // group_sizes
+                                  .Attr<int32_t>("op")
+                                  .Ret<AnyBuffer>());  // out
+
+}  // namespace jaxmlp

@@ -1,0 +1,27 @@
+// Python module jaxmlp._cpu: the CPU handlers as capsules for jax.ffi.register_ffi_target.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" XLA_FFI_Error* MlpForwardCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* MlpBackwardCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* GemmCpu(XLA_FFI_CallFrame*);
+
+namespace {
+template <typename F>
+nb::capsule Capsule(F* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jaxmlp_mlp_fwd"] = Capsule(MlpForwardCpu);
+    d["jaxmlp_mlp_bwd"] = Capsule(MlpBackwardCpu);
+    d["jaxmlp_gemm"] = Capsule(GemmCpu);
+    return d;
+  });
+}

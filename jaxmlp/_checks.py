@@ -1,0 +1,88 @@
+"""Trace-time validation shared by the API and the reference: every error names the argument and the
+shape it expected."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .activations import Activation
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpShape:
+  M: int  # rows (tokens, sorted by expert; padding rows at the end)
+  d: int  # model width
+  f: int  # hidden width per expert
+  F1: int  # FC1 output width: 2f for gated activations, f otherwise
+  E: int  # experts (groups)
+
+
+def _shape(a) -> tuple[int, ...]:
+  return tuple(np.shape(a))
+
+
+def _fail(name: str, got, expected: str):
+  raise ValueError(f"{name}: got shape {tuple(got)}, expected {expected}")
+
+
+def check_group_sizes(group_sizes, E: int | None = None, name: str = "group_sizes") -> None:
+  if len(_shape(group_sizes)) != 1 or (E is not None and _shape(group_sizes)[0] != E):
+    _fail(name, _shape(group_sizes), f"[{'E' if E is None else E}] (one size per group)")
+  if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
+    raise TypeError(f"{name}: expected an integer dtype (int32), got {jnp.result_type(group_sizes)}")
+
+
+def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=None) -> MlpShape:
+  """Validates the grouped MLP operands (see jaxmlp.grouped_mlp) and returns their sizes."""
+  if len(_shape(x)) != 2:
+    _fail("x", _shape(x), "[M, d]")
+  M, d = _shape(x)
+  if len(_shape(w1)) != 3:
+    _fail("w1", _shape(w1), f"[E, {d}, {'2f' if act.gated else 'f'}]")
+  E, _, F1 = _shape(w1)
+  if act.gated and F1 % 2:
+    _fail("w1", _shape(w1), f"[E, {d}, 2f] with an even last dimension for the gated {act.name!r}")
+  f = F1 // 2 if act.gated else F1
+  if _shape(w1) != (E, d, F1):
+    _fail("w1", _shape(w1), f"[E, d, {'2f' if act.gated else 'f'}] = [{E}, {d}, {F1}] (d from x)")
+  if _shape(w2) != (E, f, d):
+    _fail("w2", _shape(w2), f"[E, f, d] = [{E}, {f}, {d}]")
+  check_group_sizes(group_sizes, E)
+  if b1 is not None and _shape(b1) != (E, F1):
+    _fail("b1", _shape(b1), f"[E, {'2f' if act.gated else 'f'}] = [{E}, {F1}]")
+  if b2 is not None and _shape(b2) != (E, d):
+    _fail("b2", _shape(b2), f"[E, d] = [{E}, {d}]")
+  if scales is not None and _shape(scales) != (M,):
+    _fail("scales", _shape(scales), f"[M] = [{M}]")
+  dtype = jnp.result_type(x)
+  if dtype not in FLOAT_DTYPES:
+    raise TypeError(f"x: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
+  for name, a in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("scales", scales)):
+    if a is not None and jnp.result_type(a) != dtype:
+      raise TypeError(f"{name}: dtype {jnp.result_type(a)} differs from x.dtype {dtype}; "
+                      "cast the operands to one dtype")
+  return MlpShape(M=M, d=d, f=f, F1=F1, E=E)
+
+
+def clamp_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
+  """The group_sizes policy: negative sizes count as 0 and the running total is capped at m.
+
+  Returns int32 sizes that sum to at most m, so no backend can index outside the m rows.
+  """
+  sizes = jnp.minimum(jnp.maximum(group_sizes, 0), m).astype(jnp.int32)
+  # A saturating running sum (associative for non-negative terms): min(a + b, m) never exceeds 2m, so
+  # adversarial sizes cannot wrap int32 the way a plain cumsum could.
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)
+  starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+  return (ends - starts).astype(jnp.int32)
+
+
+def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+  """Group index of each of the m rows for clamped group_sizes; padding rows get E."""
+  ends = jnp.cumsum(group_sizes)
+  return jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right").astype(jnp.int32)

@@ -1,0 +1,161 @@
+"""The XLA FFI calls: target registration, and one function per custom call that picks the CPU or CUDA
+handler when XLA lowers for that platform.
+
+CUDA targets come in two variants, chosen here at trace time (see `gemm_path`):
+  *_grouped   cuBLASLt grouped GEMM, group sizes read on the device: no host sync, and the handlers are
+              declared command-buffer compatible, so XLA may capture them in CUDA graphs;
+  *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host
+              copy and stream sync per call).
+CUDA handlers take their scratch memory (cuBLAS workspace, pointer arrays, intermediates) as an extra
+result buffer, so XLA plans it and no call allocates.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _cpu
+from ._checks import MlpShape
+from .activations import Activation
+
+try:
+  from . import _cuda
+  CUDA_BUILD_ERROR = None
+except ModuleNotFoundError:  # built without nvcc or the cuBLAS headers: CPU only
+  _cuda = None
+  CUDA_BUILD_ERROR = "jaxmlp was built without its CUDA handlers (no nvcc or cuBLAS headers at build time)"
+
+for _name, _capsule in _cpu.registrations().items():
+  jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+if _cuda is not None:
+  for _name, _capsule in _cuda.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+GEMM_OPS = {"nn": 0, "nt": 1, "tn": 2}
+_DTYPE_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
+
+
+@functools.cache
+def cuda_devices() -> tuple:
+  try:
+    return tuple(jax.devices("cuda"))
+  except RuntimeError:
+    return ()
+
+
+@functools.cache
+def cuda_status() -> dict:
+  """cuBLAS and device facts from the CUDA module (loads cuBLAS on first use)."""
+  if _cuda is None or not cuda_devices():
+    return {}
+  # Prefer the cuBLAS that JAX's CUDA plugin uses (the nvidia-cublas wheel), so one copy is mapped.
+  lib_dirs = [d for p in sys.path if p for d in glob.glob(os.path.join(p, "nvidia", "cu1*", "lib"))]
+  return dict(_cuda.status(lib_dirs))
+
+
+def gemm_path(dtype, *row_lengths: int) -> tuple[str, str]:
+  """Which CUDA GEMM path a call takes, and why: ("grouped" | "fallback", reason)."""
+  forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
+  status = cuda_status()
+  if forced not in ("auto", "grouped", "fallback"):
+    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped or fallback")
+  if forced == "fallback":
+    return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
+  if not status.get("grouped_available"):
+    why = status.get("grouped_reason", "no CUDA device")
+    if forced == "grouped":
+      raise RuntimeError(f"JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: {why}")
+    return "fallback", why
+  if jnp.dtype(dtype) == jnp.float32:
+    return "fallback", "float32 runs on cublasGemmGroupedBatchedEx (cuBLASLt grouped GEMM takes 16-bit inputs)"
+  if any(n % 8 for n in row_lengths):
+    return "fallback", f"row lengths {row_lengths} are not all multiples of 8 (16-byte aligned group pointers)"
+  return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
+
+
+def _optional(a, dtype):
+  """Absent optional operands travel as 0-element buffers."""
+  return jnp.zeros((0,), dtype) if a is None else a
+
+
+def _cuda_target(kind: str, dtype, *row_lengths: int) -> str:
+  if _cuda is None and cuda_devices():
+    raise RuntimeError(f"jaxmlp was built without its CUDA handlers ({CUDA_BUILD_ERROR}); reinstall with "
+                       "nvcc and the cuBLAS headers available (see README, Install)")
+  return f"jaxmlp_{kind}_{gemm_path(dtype, *row_lengths)[0]}"
+
+
+def _workspace(nbytes: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((max(int(nbytes), 1),), jnp.uint8)
+
+
+def _act_attrs(act: Activation) -> dict:
+  return dict(activation=np.int32(act.id), alpha=np.float32(act.alpha), limit=np.float32(act.limit))
+
+
+def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpShape):
+  """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
+  dt = x.dtype
+  args = (x, w1, w2, group_sizes.astype(jnp.int32), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt))
+  outs = [jax.ShapeDtypeStruct((s.M, s.d), dt), jax.ShapeDtypeStruct((s.M, s.F1), dt)]
+  attrs = _act_attrs(act)
+
+  def cpu(*a):
+    return tuple(jax.ffi.ffi_call("jaxmlp_mlp_fwd", outs, vmap_method="sequential")(*a, **attrs))
+
+  def cuda(*a):
+    ws = _cuda.mlp_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+    target = _cuda_target("mlp_fwd", dt, s.d, s.f, s.F1)
+    return tuple(jax.ffi.ffi_call(target, outs + [_workspace(ws)], vmap_method="sequential")(*a, **attrs)[:2])
+
+  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+
+
+def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: MlpShape):
+  """One custom call for the whole backward: (dx, dw1, dw2, db1, db2, dscales), None where absent."""
+  dt = x.dtype
+  args = (x, w1, w2, group_sizes.astype(jnp.int32), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt),
+          h, dy.astype(dt))
+  sds = jax.ShapeDtypeStruct
+  outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
+          sds((s.E, s.F1) if b1 is not None else (0,), dt), sds((s.E, s.d) if b2 is not None else (0,), dt),
+          sds((s.M,) if scales is not None else (0,), dt)]
+  attrs = _act_attrs(act)
+
+  def cpu(*a):
+    return tuple(jax.ffi.ffi_call("jaxmlp_mlp_bwd", outs, vmap_method="sequential")(*a, **attrs))
+
+  def cuda(*a):
+    ws = _cuda.mlp_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+    target = _cuda_target("mlp_bwd", dt, s.d, s.f, s.F1)
+    return tuple(jax.ffi.ffi_call(target, outs + [_workspace(ws)], vmap_method="sequential")(*a, **attrs)[:6])
+
+  dx, dw1, dw2, db1, db2, ds = jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+  return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
+          ds if scales is not None else None)
+
+
+def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
+  """One grouped product (see GemmOp in ffi/common.h): "nn" lhs @ rhs[g], "nt" lhs @ rhs[g].T,
+  "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]."""
+  args = (lhs, rhs, group_sizes.astype(jnp.int32))
+  out = jax.ShapeDtypeStruct(out_shape, out_dtype)
+  attrs = dict(op=np.int32(GEMM_OPS[op]))
+  M, E = lhs.shape[0], group_sizes.shape[0]
+  K, N = (lhs.shape[1], rhs.shape[-1]) if op != "nt" else (rhs.shape[1], lhs.shape[1])
+
+  def cpu(*a):
+    return jax.ffi.ffi_call("jaxmlp_gemm", out, vmap_method="sequential")(*a, **attrs)
+
+  def cuda(*a):
+    ws = _cuda.gemm_workspace_bytes(M, K, N, E) if _cuda else 0
+    target = _cuda_target("gemm", lhs.dtype, K, N)
+    return jax.ffi.ffi_call(target, [out, _workspace(ws)], vmap_method="sequential")(*a, **attrs)[0]
+
+  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)

@@ -1,0 +1,123 @@
+"""The public ops: jaxmlp.grouped_mlp and jaxmlp.ragged_dot, each a custom_vjp around FFI calls."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks, _ffi
+from .activations import Activation, resolve
+
+
+def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
+                scales=None, check_group_sizes: bool = False):
+  """Mixture-of-Experts expert MLP over rows sorted by expert: `act(x @ w1[g] + b1[g]) * scales @ w2[g] + b2[g]`.
+
+  Args:
+    x: [M, d] rows sorted by group; group g owns rows [offset_g, offset_g + group_sizes[g]).
+    w1: [E, d, 2f] for gated activations (first f columns gate, last f linear part), else [E, d, f].
+    w2: [E, f, d].
+    group_sizes: [E] integer, on the device. Negative sizes count as 0 and the running total is capped
+      at M; rows past the total are padding: output 0, gradient 0.
+    activation: a name (swiglu, geglu, reglu, gelu, relu, silu, squared_relu, clamped_swiglu) or a
+      jaxmlp.Activation with parameters.
+    b1: optional [E, 2f] or [E, f] FC1 bias. b2: optional [E, d] FC2 bias.
+    scales: optional [M] per-row factor applied to the activation output (router weights); differentiable.
+    check_group_sizes: raise at run time if group_sizes holds negative sizes or sums past M (costs a
+      device-to-host copy; for debugging).
+
+  Returns:
+    [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
+  """
+  act = resolve(activation)
+  shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  if check_group_sizes:
+    _check_group_sizes_at_run_time(group_sizes, shape.M)
+  return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _mlp(x, w1, w2, group_sizes, b1, b2, scales, act):
+  return _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act)[0]
+
+
+def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act):
+  shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  y, h = _ffi.mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
+  # Residuals: the inputs and the FC1 output; the activation output is recomputed in the backward.
+  return y, (x, w1, w2, group_sizes, b1, b2, scales, h)
+
+
+def _mlp_bwd(act, res, dy):
+  x, w1, w2, group_sizes, b1, b2, scales, h = res
+  shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  dx, dw1, dw2, db1, db2, dscales = _ffi.mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
+  return dx, dw1, dw2, _integer_cotangent(group_sizes), db1, db2, dscales
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
+               check_group_sizes: bool = False):
+  """Drop-in for jax.lax.ragged_dot: lhs [m, k], rhs [g, k, n], group_sizes [g] -> [m, n].
+
+  Rows past sum(group_sizes) are 0. `precision` is accepted for compatibility: float32 inputs are
+  multiplied in float32 and 16-bit inputs accumulate in float32 whatever it says. group_offset is
+  not supported (NotImplementedError).
+  """
+  if group_offset is not None:
+    raise NotImplementedError("jaxmlp.ragged_dot: group_offset is not supported; use jax.lax.ragged_dot")
+  del precision
+  if len(np.shape(lhs)) != 2:
+    raise ValueError(f"lhs: got shape {np.shape(lhs)}, expected [m, k]")
+  m, k = np.shape(lhs)
+  if len(np.shape(rhs)) != 3 or np.shape(rhs)[1] != k:
+    raise ValueError(f"rhs: got shape {np.shape(rhs)}, expected [g, {k}, n] (k from lhs)")
+  _checks.check_group_sizes(group_sizes, np.shape(rhs)[0])
+  dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
+  if dtype not in _checks.FLOAT_DTYPES:
+    raise TypeError(f"lhs, rhs: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
+  out_dtype = jnp.dtype(preferred_element_type or dtype)
+  if out_dtype not in _checks.FLOAT_DTYPES:
+    raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected a float dtype")
+  if check_group_sizes:
+    _check_group_sizes_at_run_time(group_sizes, m)
+  return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_dot(lhs, rhs, group_sizes, out_dtype):
+  m, n = lhs.shape[0], rhs.shape[2]
+  return _ffi.grouped_gemm("nn", lhs, rhs, group_sizes, (m, n), out_dtype)
+
+
+def _ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype):
+  return _ragged_dot(lhs, rhs, group_sizes, out_dtype), (lhs, rhs, group_sizes)
+
+
+def _ragged_dot_bwd(out_dtype, res, dout):
+  lhs, rhs, group_sizes = res
+  dout = dout.astype(lhs.dtype)
+  dlhs = _ffi.grouped_gemm("nt", dout, rhs, group_sizes, lhs.shape, lhs.dtype)
+  drhs = _ffi.grouped_gemm("tn", lhs, dout, group_sizes, rhs.shape, rhs.dtype)
+  return dlhs, drhs, _integer_cotangent(group_sizes)
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def _integer_cotangent(a):
+  return np.zeros(np.shape(a), dtype=jax.dtypes.float0)
+
+
+def _check_group_sizes_at_run_time(group_sizes, m: int) -> None:
+  def check(sizes):
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if (sizes < 0).any() or sizes.sum() > m:
+      raise ValueError(f"group_sizes {sizes.tolist()} has negative entries or sums to {sizes.sum()} > M = {m} "
+                       "(check_group_sizes=True)")
+
+  jax.debug.callback(check, group_sizes)

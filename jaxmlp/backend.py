@@ -1,0 +1,28 @@
+"""jaxmlp.backend_info(): which backend and GEMM path each platform uses, and why."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _ffi
+
+
+def backend_info() -> dict:
+  """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes.
+
+  Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
+  "why": "cuBLASLt grouped GEMM ...", "cublaslt_version": 131000, "compute_capability": "9.0", ...}}
+  """
+  info = {"jax": jax.__version__,
+          "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "loops"}}
+  cuda = {"built": _ffi._cuda is not None, "devices": [str(d) for d in _ffi.cuda_devices()]}
+  if _ffi._cuda is None:
+    cuda["why"] = f"CUDA handlers not built: {_ffi.CUDA_BUILD_ERROR}"
+  elif cuda["devices"]:
+    cuda.update(_ffi.cuda_status())
+    path, why = _ffi.gemm_path(jnp.bfloat16, 8)
+    cuda.update(gemm_path=path, why=why, float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
+  else:
+    cuda["why"] = "no CUDA device visible to JAX"
+  info["cuda"] = cuda
+  return info

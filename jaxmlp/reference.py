@@ -1,0 +1,47 @@
+"""Pure-JAX reference: defines what jaxmlp.grouped_mlp and jaxmlp.ragged_dot compute.
+
+Written independently of the FFI path, on top of jax.lax.ragged_dot, and differentiated by JAX autodiff.
+It is also "the ragged_dot path" that benchmarks and the Flax example compare against. Intermediates
+are rounded to the input dtype where the fast path stores them (the FC1 output and the activation
+output), with float32 accumulation.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks
+from .activations import Activation, resolve
+
+
+def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
+                scales=None):
+  """Reference for jaxmlp.grouped_mlp (same arguments and semantics)."""
+  act = resolve(activation)
+  s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  sizes = _checks.clamp_group_sizes(group_sizes, s.M)
+  rows = _checks.row_groups(sizes, s.M)  # E for padding rows
+  valid = (rows < s.E)[:, None]
+  expert = jnp.minimum(rows, s.E - 1)
+
+  h = jax.lax.ragged_dot(x, w1, sizes, preferred_element_type=jnp.float32)
+  if b1 is not None:
+    h = h + b1[expert].astype(jnp.float32)
+  h = h.astype(x.dtype)
+  a = act(h.astype(jnp.float32))
+  if scales is not None:
+    a = a * scales.astype(jnp.float32)[:, None]
+  a = jnp.where(valid, a, 0).astype(x.dtype)
+  y = jax.lax.ragged_dot(a, w2, sizes, preferred_element_type=jnp.float32)
+  if b2 is not None:
+    y = y + jnp.where(valid, b2[expert].astype(jnp.float32), 0)
+  return jnp.where(valid, y, 0).astype(x.dtype)
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
+  """Reference for jaxmlp.ragged_dot: jax.lax.ragged_dot under jaxmlp's group_sizes policy."""
+  if group_offset is not None:
+    raise NotImplementedError("group_offset is not supported by jaxmlp.ragged_dot")
+  _checks.check_group_sizes(group_sizes)
+  sizes = _checks.clamp_group_sizes(group_sizes, lhs.shape[0])
+  return jax.lax.ragged_dot(lhs, rhs, sizes, precision=precision, preferred_element_type=preferred_element_type)
