@@ -27,9 +27,9 @@ from .activations import Activation
 try:
   from . import _cuda
   CUDA_BUILD_ERROR = None
-except ModuleNotFoundError:  # built without nvcc or the cuBLAS headers: CPU only
+except ImportError as e:  # built without nvcc or the cuBLAS headers (or a broken build): CPU only
   _cuda = None
-  CUDA_BUILD_ERROR = "jaxmlp was built without its CUDA handlers (no nvcc or cuBLAS headers at build time)"
+  CUDA_BUILD_ERROR = f"jaxmlp's CUDA handlers are not available ({e}); they are built when nvcc and the cuBLAS headers are found"
 
 for _name, _capsule in _cpu.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
@@ -153,9 +153,12 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   def cpu(*a):
     return jax.ffi.ffi_call("jaxmlp_gemm", out, vmap_method="sequential")(*a, **attrs)
 
-  def cuda(*a):
+  def cuda(lhs, rhs, sizes):
     ws = _cuda.gemm_workspace_bytes(M, K, N, E) if _cuda else 0
     target = _cuda_target("gemm", lhs.dtype, K, N)
-    return jax.ffi.ffi_call(target, [out, _workspace(ws)], vmap_method="sequential")(*a, **attrs)[0]
+    if target.endswith("fallback") and jnp.dtype(out_dtype) != lhs.dtype:
+      # cublasGemmGroupedBatchedEx has no 16-bit-in, float32-out mode: multiply the (exactly) upcast inputs.
+      lhs, rhs = lhs.astype(out_dtype), rhs.astype(out_dtype)
+    return jax.ffi.ffi_call(target, [out, _workspace(ws)], vmap_method="sequential")(lhs, rhs, sizes, **attrs)[0]
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)

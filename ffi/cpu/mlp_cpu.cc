@@ -85,6 +85,11 @@ void Store(const std::vector<float>& v, AnyBuffer out) {
   }
 }
 
+void Poison(std::initializer_list<AnyBuffer*> outs) {
+  if (PoisonOutputs())
+    for (AnyBuffer* b : outs) std::memset(b->untyped_data(), 0xFF, b->size_bytes());
+}
+
 std::vector<int64_t> Offsets(const AnyBuffer& group_sizes, int64_t M) {
   int64_t E = group_sizes.element_count();
   std::vector<int64_t> off(E + 1);
@@ -161,6 +166,7 @@ Error MlpForward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
   JAXMLP_RETURN_IF_ERROR(CheckShape("y", *y, {m.M, m.d}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("h", *h_out, {m.M, m.F1}));
+  Poison({&*y, &*h_out});
   const DataType t = x.element_type();
   const ActParams p{static_cast<Act>(act), alpha, limit};
   auto off = Offsets(group_sizes, m.M);
@@ -199,6 +205,7 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
   JAXMLP_RETURN_IF_ERROR(CheckShape("dx", *dx, {m.M, m.d}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", *dw1, {m.E, m.d, m.F1}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", *dw2, {m.E, m.f, m.d}));
+  Poison({&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales});
   const DataType t = x.element_type();
   const ActParams p{static_cast<Act>(act), alpha, limit};
   auto off = Offsets(group_sizes, m.M);
@@ -252,6 +259,7 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
 Error Gemm(AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op, Result<AnyBuffer> out) {
   GemmDims g;
   JAXMLP_RETURN_IF_ERROR(CheckGemm(static_cast<GemmOp>(op), lhs, rhs, group_sizes, *out, &g));
+  Poison({&*out});
   auto off = Offsets(group_sizes, g.M);
   std::vector<float> L = ToFloat(lhs), R = ToFloat(rhs), O(out->element_count());
   GroupedGemm(static_cast<GemmOp>(op), L.data(), R.data(), off, g.M, g.K, g.N, O.data());

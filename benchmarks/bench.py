@@ -1,0 +1,278 @@
+"""How much faster is jaxmlp than what you would use otherwise? One command, on your GPU:
+
+  python benchmarks/bench.py
+  python benchmarks/bench.py --shapes qwen3,dsv3 --routing skewed --impls jaxmlp,ragged_dot,torch
+  python benchmarks/bench.py --write-results    # also update benchmarks/RESULTS.md and RESULTS.png
+
+Measures the SwiGLU expert MLP (forward, and fwd+bwd through jax.grad) with jaxmlp.grouped_mlp,
+jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm and a dense GEMM of
+equal FLOPs; the host overhead of a stack of small layers with XLA command buffers off and on; and
+the peak memory of fwd+bwd. Without a GPU it runs tiny shapes on the CPU backend and says so.
+Writes bench.json, bench.md and bench.png to --out and prints the Markdown at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import cases
+import report
+
+HERE = Path(__file__).resolve().parent
+IMPLS = ("jaxmlp", "ragged_dot", "tokamax", "torch", "dense")
+
+# Command buffers (CUDA graphs) are chosen by an XLA flag that is read once, when JAX initialises its
+# backend, hence one subprocess per setting. "default" leaves XLA_FLAGS as the user has it.
+COMMAND_BUFFER_FLAGS = {
+    "off": "--xla_gpu_enable_command_buffer=",
+    "default": None,
+    "on": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
+}
+# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, where jaxmlp's
+# handlers are plain loops.
+OVERHEAD_LAYER = {"gpu": dict(E=8, d=256, f=512, M=256, dtype="bfloat16"),
+                  "cpu": dict(E=4, d=64, f=128, M=64, dtype="float32")}
+
+PROBE = """
+import json, jax
+d = jax.devices()[0]
+print(json.dumps({"platform": d.platform, "device": d.device_kind}))
+"""
+
+
+def parse_args():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", help=f"comma-separated, from {', '.join(cases.ALL_SHAPES)} "
+                 f"(default: {', '.join(cases.GPU_SHAPES)} on a GPU, {', '.join(cases.CPU_SHAPES)} on the CPU)")
+  p.add_argument("--routing", default=",".join(cases.ROUTINGS), help="balanced, skewed or both")
+  p.add_argument("--impls", help=f"comma-separated, from {', '.join(IMPLS)} (default: all that are installed; "
+                 "without a GPU all but torch)")
+  p.add_argument("--repeats", type=int, help="timed samples per measurement (default 10 on GPU, 5 on CPU)")
+  p.add_argument("--max-call-s", type=float, default=2.0,
+                 help="a call slower than this is timed once and marked too slow (default 2)")
+  p.add_argument("--budget-s", type=float, help="time budget per measurement (default 10 s on GPU, 2 s on CPU)")
+  p.add_argument("--sets", type=int, default=2, help="input sets rotated between calls, so weights are "
+                 "not served from L2 (default 2)")
+  p.add_argument("--layers", type=int, default=16, help="layers in the host-overhead stack (default 16)")
+  p.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
+                 help="measure host overhead with command buffers off and on (default: yes)")
+  p.add_argument("--out", type=Path, default=HERE / "results", help="where bench.json/.md/.png go")
+  p.add_argument("--write-results", action="store_true",
+                 help="also write benchmarks/RESULTS.md and benchmarks/RESULTS.png")
+  a = p.parse_args()
+  a.routing = _choices("--routing", a.routing, cases.ROUTINGS)
+  a.impls = _choices("--impls", a.impls, IMPLS) if a.impls else None
+  return a
+
+
+def _choices(flag: str, value: str, allowed) -> list[str]:
+  chosen = [v.strip() for v in value.split(",") if v.strip()]
+  bad = [v for v in chosen if v not in allowed]
+  if bad or not chosen:
+    sys.exit(f"{flag}: {', '.join(bad) or 'nothing chosen'}; expected some of {', '.join(allowed)}")
+  return chosen
+
+
+def log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def run_json(cmd: list[str], env: dict, timeout: float = 1800) -> dict:
+  """Runs a helper script and returns the JSON object it prints last on stdout."""
+  proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+                        env={**os.environ, **env})
+  if proc.returncode != 0:
+    tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
+    raise RuntimeError(f"exit status {proc.returncode}: {tail}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class Progress:
+  """One line per measurement on stderr: [n/total] case impl mode time rate (or the error)."""
+
+  def __init__(self, total: int, unit: str, scale: float):
+    self.done, self.total, self.unit, self.scale = 0, total, unit, scale
+
+  def __call__(self, label: str, impl: str, mode: str, t: dict, flops: float) -> None:
+    self.done += 1
+    line = f"[{self.done:3d}/{self.total}] {label:<18} {impl:<10} {mode:<7}"
+    if "error" in t:
+      log(f"{line} error: {t['error'][:200]}")
+      return
+    note = "  (1 call, too slow)" if t.get("status") == "too slow" else ""
+    log(f"{line} {t['s'] * 1e3:10.3f} ms {report.num(flops / t['s'] / self.scale):>9} {self.unit}{note}")
+
+
+def main():
+  args = parse_args()
+  wall_start = datetime.datetime.now()
+  child_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # helpers must leave the GPU memory to others
+  probe = run_json([sys.executable, "-c", PROBE], child_env)
+  mode = "gpu" if probe["platform"] == "gpu" else "cpu"
+  if mode == "cpu":
+    os.environ["JAX_PLATFORMS"] = child_env["JAX_PLATFORMS"] = "cpu"
+    log("No GPU visible to JAX: running tiny shapes on the CPU backend. These are CPU numbers, useful only "
+        "to check that the benchmark works.")
+  device = probe["device"] if mode == "gpu" else _cpu_name()
+  shape_table = cases.GPU_SHAPES if mode == "gpu" else cases.CPU_SHAPES
+  shape_names = args.shapes.split(",") if args.shapes else list(shape_table)
+  unknown = [s for s in shape_names if s not in cases.ALL_SHAPES]
+  if unknown:
+    sys.exit(f"--shapes: unknown {', '.join(unknown)}; expected some of {', '.join(cases.ALL_SHAPES)}")
+  timing = dict(repeats=args.repeats or (10 if mode == "gpu" else 5), max_call_s=args.max_call_s,
+                budget_s=args.budget_s or (10.0 if mode == "gpu" else 2.0), sets=args.sets)
+  dtype = "bfloat16" if mode == "gpu" else "float32"
+
+  case_list = make_cases(shape_names, args.routing)
+  impls = args.impls or list(IMPLS)
+  skipped = {i: why for i in impls if (why := skip_reason(i, mode, named=args.impls is not None))}
+  runnable = [i for i in impls if i not in skipped]
+  for case in case_list:
+    case["impls"].update({i: {"status": "skipped", "reason": why} for i, why in skipped.items()})
+  progress = Progress(2 * len(case_list) * len(runnable), *report.flop_unit(mode))
+
+  # Subprocesses first: once JAX starts in this process it holds most of the GPU memory.
+  torch_meta = run_torch(case_list, mode, dtype, timing, progress) if "torch" in runnable else {}
+  overhead = run_overhead(args.layers, mode, timing["repeats"], child_env) if args.overhead else None
+
+  # Only now may this process initialise JAX.
+  import jax
+  import jaxlib
+  import jaxmlp
+  import jax_impls
+
+  for case in case_list:
+    label = f"{case['shape']}/{case['routing']}"
+    case["impls"].update(jax_impls.run_case(
+        cases.ALL_SHAPES[case["shape"]], case["group_sizes"], [i for i in runnable if i != "torch"],
+        dtype, timing, lambda impl, m, t: progress(label, impl, m, t, case["flops"][m])))
+
+  info = jaxmlp.backend_info()
+  cuda = info.get("cuda", {})
+  results = {
+      "meta": {
+          "date": wall_start.astimezone().isoformat(timespec="seconds"),
+          "mode": mode, "platform": probe["platform"], "device": device, "dtype": dtype,
+          "command": " ".join([Path(sys.executable).name] + sys.argv),
+          "versions": {"python": platform.python_version(), "jax": jax.__version__,
+                       "jaxlib": jaxlib.__version__, "jaxmlp": jaxmlp.__version__,
+                       "tokamax": _version("tokamax"), "torch": _version("torch"), **torch_meta},
+          "cublas": {k: v for k, v in cuda.items() if "cublas" in k.lower()},
+          "gemm_path": f"{cuda['gemm_path']} ({cuda.get('why', '')})" if "gemm_path" in cuda else None,
+          "backend_info": info, "timing": timing,
+          "seconds": round((datetime.datetime.now() - wall_start).total_seconds(), 1),
+      },
+      "cases": case_list,
+      "overhead": overhead,
+  }
+  report.write_outputs(results, args.out, args.write_results)
+  failed = report.failed_checks(results)
+  if failed:
+    log("CORRECTNESS CHECK FAILED (timings of these are not meaningful):\n  " + "\n  ".join(failed))
+    sys.exit(1)
+
+
+def make_cases(shape_names: list[str], routings: list[str]) -> list[dict]:
+  """One record per shape and routing; measurements are added under "impls"."""
+  out = []
+  for name in shape_names:
+    shape = cases.ALL_SHAPES[name]
+    for routing in routings:
+      sizes = cases.group_sizes(routing, shape.E, shape.M)
+      out.append({"shape": name, "routing": routing, "E": shape.E, "d": shape.d, "f": shape.f, "M": shape.M,
+                  "group_sizes": sizes.tolist(), "flops": cases.flops(shape, sizes), "impls": {}})
+  return out
+
+
+def skip_reason(impl: str, mode: str, named: bool) -> str | None:
+  """Why `impl` is not measured here, or None. Decided without importing torch or JAX."""
+  if impl in ("torch", "tokamax") and importlib.util.find_spec(impl) is None:
+    return f"{impl} is not installed"
+  if impl == "torch" and mode == "cpu" and not named:
+    # The CPU run is a quick self-check of the JAX side. torch's CPU speed hangs on its OpenMP setup
+    # (on a 2-vCPU VM its default threads made each call ~100x slower), and it pays a process per case.
+    return "CPU mode: runs only when named in --impls"
+  return None
+
+
+def run_torch(case_list: list[dict], mode: str, dtype: str, timing: dict, progress) -> dict:
+  """torch._grouped_mm on every case, one subprocess each. Returns the torch versions for the metadata."""
+  meta = {}
+  for case in case_list:
+    cmd = [sys.executable, str(HERE / "torch_mlp.py"), "--device", "cuda" if mode == "gpu" else "cpu",
+           "--E", str(case["E"]), "--d", str(case["d"]),
+           "--f", str(case["f"]), "--group-sizes", ",".join(map(str, case["group_sizes"])),
+           "--sets", str(timing["sets"]), "--repeats", str(timing["repeats"]),
+           "--max-call-s", str(timing["max_call_s"]), "--budget-s", str(timing["budget_s"])]
+    label = f"{case['shape']}/{case['routing']}"
+    try:
+      r = run_json(cmd, {})
+    except Exception as e:  # e.g. a shape torch._grouped_mm rejects: record it and go on
+      case["impls"]["torch"] = {"status": "error", "error": str(e)}
+      for m in ("fwd", "fwd_bwd"):
+        progress(label, "torch", m, {"error": str(e)}, case["flops"][m])
+      continue
+    meta.update(r.pop("versions"))
+    if r["status"] == "skipped":  # a CPU-only torch next to a GPU JAX
+      case["impls"]["torch"] = r
+      log(f"torch: {r['reason']}")
+      continue
+    tol = cases.TOLERANCE[dtype]
+    r["check"] = {**r["check"], "max": r["check"]["y"], "tolerance": tol, "ok": r["check"]["y"] <= tol}
+    case["impls"]["torch"] = r
+    for m in ("fwd", "fwd_bwd"):
+      progress(label, "torch", m, r[m], case["flops"][m])
+  return meta
+
+
+def run_overhead(layers: int, mode: str, repeats: int, child_env: dict) -> dict:
+  """overhead.py once per command-buffer setting (GPU) or once (CPU)."""
+  layer = OVERHEAD_LAYER[mode]
+  variants = COMMAND_BUFFER_FLAGS if mode == "gpu" else {"n/a (CPU)": None}
+  out = {"config": {"layers": layers, **layer}, "variants": {}}
+  user_flags = os.environ.get("XLA_FLAGS", "")
+  for name, flag in variants.items():
+    xla_flags = f"{user_flags} {flag}".strip() if flag is not None else user_flags
+    cmd = [sys.executable, str(HERE / "overhead.py"), "--layers", str(layers), "--repeats", str(repeats)]
+    cmd += [arg for k, v in layer.items() for arg in (f"--{k}", str(v))]
+    try:
+      r = run_json(cmd, {**child_env, "XLA_FLAGS": xla_flags})
+    except Exception as e:
+      out["variants"][name] = {"flag": flag, "xla_flags": xla_flags, "error": str(e)}
+      log(f"overhead, command buffers {name}: error: {e}")
+      continue
+    out["variants"][name] = {"flag": flag, "xla_flags": xla_flags, **r}
+    log(f"overhead, command buffers {name:<9}: " + ", ".join(
+        f"{impl} fwd+bwd {report.num(r[impl]['fwd_bwd']['us_per_layer'])} µs/layer "
+        f"({r[impl]['fwd_bwd']['command_buffer_kernels']} kernels in command buffers)"
+        for impl in ("jaxmlp", "ragged_dot")))
+  return out
+
+
+def _version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _cpu_name() -> str:
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "CPU"
+
+
+if __name__ == "__main__":
+  main()

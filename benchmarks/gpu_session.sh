@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU lease in one call: build, GPU tests, memcheck, benchmark; a short summary last.
+#   bash benchmarks/gpu_session.sh test        build + GPU tests + compute-sanitizer memcheck
+#   bash benchmarks/gpu_session.sh bench ARGS  build + benchmarks/bench.py ARGS
+# Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/jaxmlp-session}; mkdir -p "$OUT"
+what=${1:-test}; shift || true
+
+# Hopper only on the GPU machine: a quarter of the build time.
+CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real -DJAXMLP_CUDA=ON" \
+  python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+python3 -P - <<'PY' | tee "$OUT/backend_info.json"
+import json, jaxmlp
+print(json.dumps(jaxmlp.backend_info(), indent=1, default=str))
+PY
+
+if [ "$what" = test ]; then
+  python3 -P -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # memcheck: both paths, adversarial and skewed group sizes, forward and backward.
+  for path in fallback grouped; do
+    JAXMLP_GEMM_PATH=$path XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
+      compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
+import jax, jax.numpy as jnp, numpy as np, jaxmlp
+rng = np.random.default_rng(1)
+for sizes in ([100, -7, 2**31 - 1, 0], [0, 0, 0, 0], [50, 0, 20, 1]):
+  M, d, f = 256, 64, 96
+  x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((4, d, 2 * f)), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((4, f, d)), jnp.bfloat16)
+  b1, b2 = jnp.ones((4, 2 * f), jnp.bfloat16), jnp.ones((4, d), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  g = jax.grad(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=x[:, 0])
+               .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
+  r = jax.grad(lambda a, b: jaxmlp.ragged_dot(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
+  jax.block_until_ready((g, r))
+print("memcheck run done")
+PY
+    echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"
+    grep "ERROR SUMMARY" "$OUT/memcheck-$path.log"
+  done
+  grep -E "passed|failed" "$OUT/pytest.log" | tail -1 | tee -a "$OUT/summary.txt"
+else
+  python3 benchmarks/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi

@@ -1,0 +1,205 @@
+"""The JAX implementations compared, each built as the same SwiGLU expert MLP, and their measurements:
+correctness against the reference, compiled memory, forward and fwd+bwd functions.
+
+  jaxmlp      jaxmlp.grouped_mlp (the FFI custom calls)
+  ragged_dot  jaxmlp.reference.grouped_mlp, i.e. jax.lax.ragged_dot: what a JAX user writes today
+  tokamax     the same MLP over tokamax.ragged_dot (when tokamax is installed)
+  dense       the same MLP as one dense expert over all M rows (jnp.dot): equal FLOPs, no routing;
+              the ceiling a grouped kernel can approach
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxmlp
+from cases import TOLERANCE
+from timing import measure
+
+JAX_IMPLS = ("jaxmlp", "ragged_dot", "tokamax", "dense")
+
+
+def swiglu_mlp(x, w1, w2, matmul):
+  """The MLP of jaxmlp.reference over any `matmul(rows, weights)`: FC1, silu(gate) * up in float32
+  rounded to the input dtype, FC2."""
+  f = w2.shape[-2]
+  h = matmul(x, w1)
+  a = jax.nn.silu(h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)
+  return matmul(a.astype(x.dtype), w2)
+
+
+def forward(impl: str):
+  """f(x, w1, w2, group_sizes) -> y. Group sizes are an argument, not a constant, as in training:
+  a compiler must not specialise on one routing."""
+  if impl == "jaxmlp":
+    return jaxmlp.grouped_mlp
+  if impl == "ragged_dot":
+    return jaxmlp.reference.grouped_mlp
+  if impl == "tokamax":
+    import tokamax
+    return lambda x, w1, w2, gs: swiglu_mlp(x, w1, w2, lambda a, w: tokamax.ragged_dot(a, w, gs))
+  if impl == "dense":
+    return lambda x, w1, w2, gs: swiglu_mlp(x, w1, w2, jnp.dot)  # w1 [d, 2f], w2 [f, d]
+  raise ValueError(f"unknown JAX implementation {impl!r}")
+
+
+def forward_backward(fwd):
+  """Gradients of a scalar loss w.r.t. x, w1, w2. The loss is <y, dy> with a random dy, so the
+  backward starts from a real cotangent (a plain sum would hand XLA a constant it could fold)."""
+  def loss(x, w1, w2, dy, gs):
+    return jnp.sum(fwd(x, w1, w2, gs).astype(jnp.float32) * dy.astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def per_expert(sizes):
+  """jaxmlp.reference's math with the group sizes known on the host: one jnp.dot per expert over its
+  rows. Needs no ragged_dot, so it still runs where XLA's ragged_dot runs out of memory."""
+  ends = np.cumsum(sizes)
+  starts = ends - np.asarray(sizes)
+
+  def fwd(x, w1, w2, gs):
+    del gs
+    return jnp.concatenate([swiglu_mlp(x[s:e], w1[g], w2[g], jnp.dot)
+                            for g, (s, e) in enumerate(zip(starts, ends))])
+  return fwd
+
+
+def compile_pair(fwd, inputs, gs):
+  """(forward, fwd+bwd) of the MLP `fwd`, compiled for these input shapes; `inputs` is (x, w1, w2, dy)."""
+  x, w1, w2, dy = inputs
+  return (jax.jit(fwd).lower(x, w1, w2, gs).compile(),
+          jax.jit(forward_backward(fwd)).lower(x, w1, w2, dy, gs).compile())
+
+
+def make_inputs(E: int, d: int, f: int, M: int, dtype, seed: int):
+  """(x, w1, w2, dy) on the default device, scaled so activations stay O(1) in 16-bit types."""
+  return _random_inputs(jax.random.key(seed), E, d, f, M, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))  # one compile per shape, not per seed
+def _random_inputs(key, E, d, f, M, dtype):
+  kx, k1, k2, kdy = jax.random.split(key, 4)
+  x = jax.random.normal(kx, (M, d), dtype)
+  w1 = (jax.random.normal(k1, (E, d, 2 * f), jnp.float32) / np.sqrt(d)).astype(dtype)
+  w2 = (jax.random.normal(k2, (E, f, d), jnp.float32) / np.sqrt(f)).astype(dtype)
+  dy = jax.random.normal(kdy, (M, d), dtype)
+  return x, w1, w2, dy
+
+
+def dense_inputs(inputs):
+  """The dense ceiling's operands: expert 0's weights as one [d, 2f] and one [f, d] matrix."""
+  x, w1, w2, dy = inputs
+  return x, jnp.array(w1[0]), jnp.array(w2[0]), dy
+
+
+def rel_err(got, want) -> float:
+  """Frobenius-norm relative error, in float32."""
+  got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+  return float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+
+
+def peak_bytes(compiled) -> int | None:
+  """Device memory XLA plans for one call: arguments + outputs + temporaries (minus outputs that
+  alias arguments). This is what the allocator is asked for, independent of other live arrays."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+             - stats.alias_size_in_bytes)
+
+
+# Executables per (implementation, dtype, shape): group sizes are an argument, so the routings of one
+# shape share them, which halves the compile time of a full run.
+_COMPILED: dict = {}
+
+
+def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
+  """Checks, then times, every implementation in `impls` on one shape and routing.
+
+  Returns {impl: {"fwd": timing, "fwd_bwd": timing, "peak_bytes": int, "check": {...}, "status": "ok"}},
+  or {"status": "error", "error": ...} for one that failed. `progress(impl, mode, timing_or_error)` is
+  called once per implementation and mode.
+  """
+  gs = jnp.asarray(sizes)
+  sets = [make_inputs(shape.E, shape.d, shape.f, shape.M, dtype, seed=i) for i in range(timing["sets"])]
+  results, compiled, inputs = {}, {}, {}
+  for impl in impls:
+    inputs[impl] = [dense_inputs(s) for s in sets] if impl == "dense" else sets
+    key = (impl, dtype, shape)
+    try:
+      if key not in _COMPILED:
+        _COMPILED[key] = compile_pair(forward(impl), inputs[impl][0], gs)
+      compiled[impl] = _COMPILED[key]
+    except Exception as e:  # an implementation that cannot handle this shape must not stop the run
+      results[impl] = _error(e, progress, impl)
+
+  kw = dict(repeats=timing["repeats"], max_call_s=timing["max_call_s"], budget_s=timing["budget_s"])
+  checks = _checks(compiled, sets[0], gs, sizes, jnp.dtype(dtype).name)
+  for impl in compiled:
+    check = checks[impl]
+    if "error" in check:
+      results[impl] = _error(check["error"], progress, impl)
+      continue
+    results[impl] = {"check": check}
+    sets_i = inputs[impl]
+    modes = ("fwd", "fwd_bwd")
+    for k, (mode, fn, n_args) in enumerate(zip(modes, compiled[impl], (3, 4))):
+      try:
+        t = measure(lambda i: fn(*sets_i[i % len(sets_i)][:n_args], gs), jax.block_until_ready, **kw)
+      except Exception as e:  # e.g. out of memory: keep what was measured, report the rest as failed
+        results[impl].update(_error(e, progress, impl, modes[k:]))
+        break
+      results[impl][mode] = t
+      progress(impl, mode, t)
+    else:
+      results[impl].update(peak_bytes=peak_bytes(compiled[impl][1]), status="ok")
+  return results
+
+
+def _checks(compiled: dict, inputs, gs, sizes, dtype_name: str) -> dict:
+  """Forward output and gradients of each implementation against the reference, on the same inputs,
+  before anything is timed."""
+  checked = [i for i in compiled if i not in ("ragged_dot", "dense")]
+  out = {i: {"note": note} for i, note in (("ragged_dot", "reference"), ("dense", "n/a (one expert)"))
+         if i in compiled}
+  if not checked:
+    return out
+  try:
+    against, want = _reference_outputs(compiled, inputs, gs, sizes)
+  except Exception as e:  # still time the others, but say loudly that nothing vouches for them
+    return {**out, **{i: {"note": f"NOT CHECKED: reference failed ({type(e).__name__})"} for i in checked}}
+  x, w1, w2, dy = inputs
+  for impl in checked:
+    fwd, fwd_bwd = compiled[impl]
+    try:
+      got = (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
+      errs = {name: rel_err(g, w) for name, g, w in zip(("y", "dx", "dw1", "dw2"), got, want)}
+      out[impl] = {**errs, "max": max(errs.values()), "tolerance": TOLERANCE[dtype_name],
+                   "ok": max(errs.values()) <= TOLERANCE[dtype_name], "against": against}
+    except Exception as e:
+      out[impl] = {"error": f"{type(e).__name__}: {e}"}
+  return out
+
+
+def _reference_outputs(compiled: dict, inputs, gs, sizes):
+  """(name, (y, dx, dw1, dw2)) from jaxmlp.reference, or from the per-expert loop where XLA cannot
+  run the reference (its ragged_dot may materialise [E, M, k] operands and run out of memory)."""
+  x, w1, w2, dy = inputs
+  try:
+    fwd, fwd_bwd = compiled.get("ragged_dot") or compile_pair(forward("ragged_dot"), inputs, gs)
+    return "jaxmlp.reference", (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
+  except Exception as e:
+    fwd, fwd_bwd = compile_pair(per_expert(sizes), inputs, gs)
+    return (f"per-expert jnp.dot loop (jaxmlp.reference failed: {type(e).__name__})",
+            (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs)))
+
+
+def _error(e, progress, impl: str, modes=("fwd", "fwd_bwd")) -> dict:
+  """The error entry for `impl`, reported to `progress` for each mode it leaves unmeasured."""
+  msg = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+  for mode in modes:
+    progress(impl, mode, {"error": msg})
+  return {"status": "error", "error": msg}

@@ -1,0 +1,47 @@
+"""Device-synchronised wall-clock timing shared by the JAX driver and the torch subprocess.
+
+Framework-free: the caller passes `call(i)` (launch one call on input set i, return its output) and
+`sync(out)` (wait until that output, and so every call before it on the stream, is done).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def measure(call, sync, *, repeats: int, max_call_s: float, budget_s: float, sample_s: float = 0.02) -> dict:
+  """Median seconds per call.
+
+  One untimed call first (compilation, autotuning, library initialisation), then one timed call that
+  both warms up and sizes the samples. Each sample launches k calls back to back, rotating input sets,
+  and waits once: k is chosen so a sample lasts about `sample_s`, so short calls are measured at the
+  rate a training loop would see rather than at Python's launch latency. Sampling stops after
+  `repeats` samples or once `budget_s` is spent (at least 3 samples). A call slower than `max_call_s`
+  is reported from that single call and marked "too slow", so one pathological implementation cannot
+  stall the whole run.
+  """
+  start = time.perf_counter()
+  sync(call(0))
+  first_call_s = time.perf_counter() - start
+
+  one = _sample(call, sync, 1, 1)
+  result = {"first_call_s": first_call_s}
+  if one > max_call_s:
+    return {**result, "s": one, "min_s": one, "samples": 1, "calls_per_sample": 1, "status": "too slow"}
+
+  k = max(1, min(200, round(sample_s / one)))
+  samples: list[float] = []
+  budget_start = time.perf_counter()
+  while len(samples) < repeats and (len(samples) < 3 or time.perf_counter() - budget_start < budget_s):
+    samples.append(_sample(call, sync, k, first=len(samples) * k))
+  return {**result, "s": statistics.median(samples), "min_s": min(samples), "samples": len(samples),
+          "calls_per_sample": k, "status": "ok"}
+
+
+def _sample(call, sync, k: int, first: int) -> float:
+  start = time.perf_counter()
+  out = None
+  for i in range(first, first + k):
+    out = call(i)  # earlier outputs are released as we go; the stream runs the calls in order
+  sync(out)
+  return (time.perf_counter() - start) / k

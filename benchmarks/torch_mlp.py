@@ -1,0 +1,108 @@
+"""The PyTorch comparison: a SwiGLU expert MLP over torch._grouped_mm, forward and fwd+bwd (autograd).
+
+Run by bench.py in its own process, because JAX preallocates most of the GPU memory in the process
+that initialises it. Prints one JSON object on stdout; errors go to stderr. bf16 on the GPU; with
+--device cpu (bench.py's CPU mode) float32, and no memory figure.
+
+  python benchmarks/torch_mlp.py --E 8 --d 1024 --f 2048 --group-sizes 512,512,512,512,512,512,512,512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from timing import measure
+
+
+def mlp(x, w1, w2, offs):
+  """x [M, d], w1 [E, d, 2f], w2 [E, f, d], offs = cumsum(group sizes) as int32: what a PyTorch MoE
+  layer writes today (eager, torch's own activation kernels)."""
+  f = w2.shape[1]
+  h = torch._grouped_mm(x, w1, offs=offs)
+  return torch._grouped_mm(F.silu(h[:, :f]) * h[:, f:], w2, offs=offs)
+
+
+def reference(x, w1, w2, sizes):
+  """Per-expert float32 loop: a slow but obviously correct check of `mlp`."""
+  f = w2.shape[1]
+  out, start = [], 0
+  for g, n in enumerate(sizes):
+    h = x[start:start + n].float() @ w1[g].float()
+    out.append((F.silu(h[:, :f]) * h[:, f:]) @ w2[g].float())
+    start += n
+  return torch.cat(out)
+
+
+def make_inputs(E, d, f, M, device, dtype, seed):
+  gen = torch.Generator(device=device).manual_seed(seed)
+  def randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+  x = randn(M, d).requires_grad_()
+  w1 = randn(E, d, 2 * f, scale=d ** -0.5).requires_grad_()
+  w2 = randn(E, f, d, scale=f ** -0.5).requires_grad_()
+  return x, w1, w2, randn(M, d)
+
+
+def forward_backward(x, w1, w2, dy, offs):
+  """Gradients of <y, dy> w.r.t. x, w1, w2 (the same loss as the JAX side)."""
+  y = mlp(x, w1, w2, offs)
+  loss = (y.float() * dy.float()).sum()
+  return torch.autograd.grad(loss, (x, w1, w2))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--E", type=int, required=True)
+  p.add_argument("--d", type=int, required=True)
+  p.add_argument("--f", type=int, required=True)
+  p.add_argument("--group-sizes", required=True, help="comma-separated, summing to M")
+  p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+  p.add_argument("--sets", type=int, default=2, help="input sets to rotate (keeps weights out of L2)")
+  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--max-call-s", type=float, default=2.0)
+  p.add_argument("--budget-s", type=float, default=10.0)
+  a = p.parse_args()
+
+  sizes = [int(s) for s in a.group_sizes.split(",")]
+  if len(sizes) != a.E:
+    sys.exit(f"--group-sizes has {len(sizes)} entries, expected E = {a.E}")
+  result = {"versions": {"torch": torch.__version__, "torch_cuda": torch.version.cuda}}
+  cuda = a.device == "cuda"
+  if cuda and not torch.cuda.is_available():
+    print(json.dumps({**result, "status": "skipped", "reason": "torch sees no CUDA device"}))
+    return
+  result["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+  dtype = torch.bfloat16 if cuda else torch.float32
+  M = sum(sizes)
+  offs = torch.tensor(sizes, device=a.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+  inputs = make_inputs(a.E, a.d, a.f, M, a.device, dtype, seed=0)
+  with torch.no_grad():
+    y, want = mlp(*inputs[:3], offs).float(), reference(*inputs[:3], sizes)
+    result["check"] = {"y": float((y - want).norm() / want.norm().clamp_min(1e-30))}
+  del y, want
+  if cuda:
+    # Memory first, with a single input set alive: the peak counts inputs, gradients and
+    # temporaries, like the JAX side's compiled memory analysis.
+    sync()
+    torch.cuda.reset_peak_memory_stats()
+    forward_backward(*inputs, offs)
+    sync()
+    result["peak_bytes"] = torch.cuda.max_memory_allocated()
+
+  sets = [inputs] + [make_inputs(a.E, a.d, a.f, M, a.device, dtype, seed=i) for i in range(1, a.sets)]
+  timing = dict(repeats=a.repeats, max_call_s=a.max_call_s, budget_s=a.budget_s)
+  with torch.no_grad():  # inference forward, like the JAX forward (no residuals kept)
+    result["fwd"] = measure(lambda i: mlp(*sets[i % len(sets)][:3], offs), lambda _: sync(), **timing)
+  result["fwd_bwd"] = measure(lambda i: forward_backward(*sets[i % len(sets)], offs), lambda _: sync(), **timing)
+  result["status"] = "ok"
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

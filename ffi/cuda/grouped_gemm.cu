@@ -1,0 +1,389 @@
+#include "grouped_gemm.h"
+
+#include <cub/block/block_scan.cuh>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+namespace jaxmlp {
+namespace {
+
+constexpr int kSetupThreads = 256;
+
+cudaDataType CudaType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16:
+      return CUDA_R_16BF;
+    case ffi::DataType::F16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+ffi::Error CudaError(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + cudaGetErrorString(e));
+}
+
+#define JAXMLP_CUBLAS(expr, what)                                                                   \
+  do {                                                                                              \
+    cublasStatus_t st_ = (expr);                                                                    \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                               \
+      return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + CublasStatusString(st_)); \
+  } while (0)
+
+// Kernel parameters: the products of one call, passed by value.
+struct SetupParams {
+  const int32_t* sizes;
+  int32_t E;
+  int64_t M;
+  bool compact;  // fallback: only non-empty groups, packed in group order
+  int32_t num_gemms;
+  GemmSpec gemms[kMaxGemms];
+  int32_t in_bytes[kMaxGemms], out_bytes[kMaxGemms];
+  GroupArrays out;
+};
+
+// One block: a running scan over group_sizes (in chunks of kSetupThreads), then per group and product
+// the cuBLAS (column-major) A, B and D pointers. Row-major out = lhs @ rhs is column-major
+// out^T = rhs^T @ lhs^T, so cuBLAS A is our rhs and B our lhs (see RunGrouped for the dims).
+__global__ void SetupKernel(SetupParams p) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t carry_rows, carry_groups;
+  if (threadIdx.x == 0) carry_rows = carry_groups = 0;
+  __syncthreads();
+  for (int32_t base = 0; base < p.E; base += kSetupThreads) {
+    const int32_t g = base + threadIdx.x;
+    // Each size is capped at M before the sum, so the int64 running total cannot overflow.
+    int64_t size = g < p.E ? min(int64_t(max(p.sizes[g], 0)), p.M) : 0;
+    int64_t end, total;
+    Scan(scan_storage).InclusiveSum(size, end, total);
+    __syncthreads();
+    const int64_t start = min(carry_rows + end - size, p.M);
+    end = min(carry_rows + end, p.M);
+    const int64_t count = end - start;
+    int64_t nonempty = count > 0, rank, groups;
+    Scan(scan_storage).ExclusiveSum(nonempty, rank, groups);
+    if (g < p.E) {
+      p.out.counts[g] = int32_t(count);
+      p.out.offsets[g] = start;
+      if (g == p.E - 1) p.out.offsets[p.E] = end;
+      const int64_t slot = p.compact ? carry_groups + rank : g;
+      if (!p.compact || count > 0) {
+        for (int i = 0; i < p.num_gemms; ++i) {
+          const GemmSpec& s = p.gemms[i];
+          const int64_t K = s.K, N = s.N, ib = p.in_bytes[i], ob = p.out_bytes[i];
+          const char* lhs = static_cast<const char*>(s.lhs);
+          const char* rhs = static_cast<const char*>(s.rhs);
+          char* out = static_cast<char*>(s.out);
+          const void *a, *b;
+          void* d;
+          switch (s.op) {
+            case GemmOp::kNN:  // out[rows] = lhs[rows] @ rhs[g]
+              a = rhs + g * K * N * ib, b = lhs + start * K * ib, d = out + start * N * ob;
+              break;
+            case GemmOp::kNT:  // out[rows] = lhs[rows] @ rhs[g]^T
+              a = rhs + g * K * N * ib, b = lhs + start * N * ib, d = out + start * K * ob;
+              break;
+            default:  // kTN: out[g] = lhs[rows]^T @ rhs[rows]
+              a = rhs + start * N * ib, b = lhs + start * K * ib, d = out + g * K * N * ob;
+          }
+          p.out.dims[(i * 2 + 0) * p.E + slot] = s.K;
+          p.out.dims[(i * 2 + 1) * p.E + slot] = s.N;
+          p.out.ptrs[(i * 3 + 0) * p.E + slot] = const_cast<void*>(a);
+          p.out.ptrs[(i * 3 + 1) * p.E + slot] = const_cast<void*>(b);
+          p.out.ptrs[(i * 3 + 2) * p.E + slot] = d;
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      carry_rows += total;
+      carry_groups += groups;
+    }
+    __syncthreads();
+  }
+}
+
+// Zeros out[g] (K * N elements of `bytes` each) for groups with no rows. Grid (blocks, E).
+__global__ void ZeroEmptyGroupsKernel(const int32_t* counts, char* out, int64_t group_bytes) {
+  if (counts[blockIdx.y] != 0) return;
+  char* dst = out + blockIdx.y * group_bytes;
+  const int64_t start = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  if (group_bytes % 16 == 0) {  // XLA buffers are at least 16-byte aligned
+    for (int64_t i = start; i < group_bytes / 16; i += step) reinterpret_cast<int4*>(dst)[i] = int4{0, 0, 0, 0};
+  } else {
+    for (int64_t i = start; i < group_bytes; i += step) dst[i] = 0;
+  }
+}
+
+int ElementBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+
+// ---- cuBLASLt state shared by all calls: a handle per device, descriptors and algorithms per problem --
+struct LtKey {
+  int device;
+  GemmOp op;
+  ffi::DataType in, out;
+  int32_t K, N, E;
+  int64_t avg_rows;
+  bool accumulate;
+  bool operator<(const LtKey& o) const {
+    return std::tie(device, op, in, out, K, N, E, avg_rows, accumulate) <
+           std::tie(o.device, o.op, o.in, o.out, o.K, o.N, o.E, o.avg_rows, o.accumulate);
+  }
+};
+
+struct LtPlan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatmulAlgo_t algo;
+};
+
+std::mutex lt_mutex;
+std::map<int, cublasLtHandle_t> lt_handles;
+std::map<LtKey, LtPlan> lt_plans;
+std::map<int, cublasHandle_t> blas_handles;
+
+// The grouped-dims hints are documented as uint32_t; some releases took int64_t, so try both.
+cublasStatus_t SetAverageHint(const CublasApi& api, cublasLtMatmulPreference_t pref,
+                              cublasLtMatmulPreferenceAttributes_t attr, int64_t value) {
+  uint32_t v32 = uint32_t(std::max<int64_t>(value, 1));
+  cublasStatus_t st = api.LtMatmulPreferenceSetAttribute(pref, attr, &v32, sizeof(v32));
+  if (st == CUBLAS_STATUS_SUCCESS) return st;
+  int64_t v64 = std::max<int64_t>(value, 1);
+  return api.LtMatmulPreferenceSetAttribute(pref, attr, &v64, sizeof(v64));
+}
+
+struct Layouts {
+  const CublasApi& api;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  ~Layouts() {
+    for (auto l : {a, b, d})
+      if (l) api.LtMatrixLayoutDestroy(l);
+  }
+};
+
+}  // namespace
+
+bool GroupedPathAvailable(std::string* reason) {
+  const CublasApi& api = LoadCublas();
+  int device = 0, major = 0, minor = 0;
+  if (!api.error.empty()) return *reason = api.error, false;
+  if (!api.LtGroupedMatrixLayoutCreate)
+    return *reason = "cuBLASLt " + std::to_string(api.lt_version) + " has no grouped GEMM API", false;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  // Grouped GEMM kernels exist for Hopper from cuBLAS 13.4 and for Blackwell from 13.3.
+  size_t need = major >= 10 ? 130300 : 130400;
+  if (major < 9)
+    return *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                     ": the cuBLASLt grouped GEMM needs Hopper (9.0) or newer", false;
+  if (api.lt_version < need)
+    return *reason = "cuBLASLt " + std::to_string(api.lt_version) + " < " + std::to_string(need) +
+                     " has no grouped GEMM kernels for compute capability " + std::to_string(major) + "." +
+                     std::to_string(minor), false;
+  return *reason = "cuBLASLt " + std::to_string(api.lt_version) + " grouped GEMM", true;
+}
+
+GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M,
+                           Carver& ws)
+    : path_(path), stream_(stream), group_sizes_(group_sizes), E_(E), M_(M) {
+  arrays_.counts = ws.Take<int32_t>(E);
+  arrays_.offsets = ws.Take<int64_t>(E + 1);
+  arrays_.dims = ws.Take<int32_t>(kMaxGemms * 2 * E);
+  arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
+  cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
+}
+
+size_t GroupedGemmsWorkspaceBytes(int64_t E) {
+  Carver c(nullptr);
+  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, E, 0, c);
+  return c.used();
+}
+
+ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
+  if (specs.size() > size_t(kMaxGemms)) return ffi::Error::Internal("jaxmlp: too many grouped GEMMs in one call");
+  if (E_ <= 0 || E_ > (int64_t(1) << 30)) return ffi::Error::InvalidArgument("jaxmlp: need 1 <= E < 2^30 groups");
+  SetupParams p{};
+  p.sizes = group_sizes_;
+  p.E = int32_t(E_);
+  p.M = M_;
+  p.compact = path_ == GemmPath::kFallback;
+  p.num_gemms = int32_t(specs.size());
+  p.out = arrays_;
+  num_specs_ = 0;
+  for (const GemmSpec& s : specs) {
+    p.in_bytes[num_specs_] = ElementBytes(s.in_type);
+    p.out_bytes[num_specs_] = ElementBytes(s.out_type);
+    p.gemms[num_specs_] = specs_[num_specs_] = s;
+    ++num_specs_;
+  }
+  SetupKernel<<<1, kSetupThreads, 0, stream_>>>(p);
+  if (cudaPeekAtLastError() != cudaSuccess) return CudaError("setup kernel launch");
+  if (path_ == GemmPath::kFallback) {
+    // cublasGemmGroupedBatchedEx takes dims from host arrays: the one sync of this path.
+    std::vector<int32_t> sizes(E_);
+    host_offsets_.resize(E_ + 1);
+    if (cudaMemcpyAsync(sizes.data(), group_sizes_, E_ * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(stream_) != cudaSuccess)
+      return CudaError("copying group_sizes to the host");
+    GroupOffsets(sizes.data(), E_, M_, host_offsets_.data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemms::Run(int i) {
+  if (i < 0 || i >= num_specs_) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
+  return path_ == GemmPath::kGrouped ? RunGrouped(specs_[i], i) : RunFallback(specs_[i], i);
+}
+
+ffi::Error GroupedGemms::ZeroEmptyGroups(int i) {
+  const GemmSpec& s = specs_[i];
+  const int64_t group_bytes = int64_t(s.K) * s.N * ElementBytes(s.out_type);
+  if (group_bytes == 0) return ffi::Error::Success();
+  dim3 grid(unsigned(std::min<int64_t>((group_bytes / 16 + 255) / 256 + 1, 1024)), unsigned(E_));
+  ZeroEmptyGroupsKernel<<<grid, 256, 0, stream_>>>(arrays_.counts, static_cast<char*>(s.out), group_bytes);
+  if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing empty groups");
+  return ffi::Error::Success();
+}
+
+// Column-major cuBLAS view of each op (c = rows of the group, the varying dim):
+//   kNN: D(N x c)  = A(N x K)            * B(K x c)     A = rhs[g], B = lhs rows, D = out rows
+//   kNT: D(K x c)  = A(N x K)^T          * B(N x c)     A = rhs[g], B = lhs rows, D = out rows
+//   kTN: D(N x K)  = A(N x c)            * B(K x c)^T   A = rhs rows, B = lhs rows, D = out[g]
+ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
+  const CublasApi& api = LoadCublas();
+  if (!api.LtGroupedMatrixLayoutCreate) return ffi::Error::Internal("jaxmlp: cuBLASLt grouped GEMM unavailable");
+  int device = 0;
+  cudaGetDevice(&device);
+  const int32_t* counts = arrays_.counts;
+  const int32_t* K = arrays_.dims + (i * 2 + 0) * E_;
+  const int32_t* N = arrays_.dims + (i * 2 + 1) * E_;
+  void** ptrs = arrays_.ptrs + i * 3 * E_;
+  const cudaDataType in = CudaType(s.in_type), out = CudaType(s.out_type);
+
+  Layouts l{api};
+  const int E = int(E_);
+  switch (s.op) {
+    case GemmOp::kNN:
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.a, in, E, N, K, N), "grouped layout A");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.b, in, E, K, counts, K), "grouped layout B");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.d, out, E, N, counts, N), "grouped layout D");
+      break;
+    case GemmOp::kNT:
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.a, in, E, N, K, N), "grouped layout A");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.b, in, E, N, counts, N), "grouped layout B");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.d, out, E, K, counts, K), "grouped layout D");
+      break;
+    case GemmOp::kTN:
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.a, in, E, N, counts, N), "grouped layout A");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.b, in, E, K, counts, K), "grouped layout B");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.d, out, E, N, K, N), "grouped layout D");
+      break;
+  }
+
+  const int64_t avg_rows = std::max<int64_t>(M_ / E_, 1);
+  const LtKey key{device, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f};
+  cublasLtHandle_t handle;
+  LtPlan plan;
+  {
+    std::lock_guard<std::mutex> lock(lt_mutex);
+    auto h = lt_handles.find(device);
+    if (h == lt_handles.end()) {
+      cublasLtHandle_t created;
+      JAXMLP_CUBLAS(api.LtCreate(&created), "cublasLtCreate");
+      h = lt_handles.emplace(device, created).first;
+    }
+    handle = h->second;
+    auto it = lt_plans.find(key);
+    if (it == lt_plans.end()) {
+      // First call with this problem signature: build the descriptor and ask the heuristic once.
+      cublasLtMatmulDesc_t desc;
+      JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+      cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;
+      cublasOperation_t tb = s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N;
+      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
+      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
+      cublasLtMatmulPreference_t pref;
+      JAXMLP_CUBLAS(api.LtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+      size_t ws_bytes = kLtWorkspaceBytes;
+      api.LtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
+      const int64_t rows_d = s.op == GemmOp::kNT ? s.K : s.N;
+      const int64_t cols_d = s.op == GemmOp::kTN ? s.K : avg_rows;
+      const int64_t reduction = s.op == GemmOp::kTN ? avg_rows : (s.op == GemmOp::kNN ? s.K : s.N);
+      SetAverageHint(api, pref, kPrefGroupedAvgRowsD, rows_d);
+      SetAverageHint(api, pref, kPrefGroupedAvgColsD, cols_d);
+      SetAverageHint(api, pref, kPrefGroupedAvgReductionDim, reduction);
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      cublasStatus_t st = api.LtMatmulAlgoGetHeuristic(handle, desc, l.a, l.b, l.d, l.d, pref, 1, &result, &found);
+      api.LtMatmulPreferenceDestroy(pref);
+      if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+        return ffi::Error::Internal("jaxmlp: cuBLASLt found no grouped GEMM algorithm for op " +
+                                    std::to_string(int(s.op)) + ", K=" + std::to_string(s.K) + ", N=" +
+                                    std::to_string(s.N) + " (" + CublasStatusString(st) +
+                                    "); set JAXMLP_GEMM_PATH=fallback");
+      it = lt_plans.emplace(key, LtPlan{desc, result.algo}).first;
+    }
+    plan = it->second;
+  }
+  // One host scalar alpha and beta for all groups (Hopper takes no per-group scalars).
+  const float alpha = 1.0f, beta = s.beta;
+  JAXMLP_CUBLAS(api.LtMatmul(handle, plan.desc, &alpha, ptrs + 0 * E_, l.a, ptrs + 1 * E_, l.b, &beta, ptrs + 2 * E_,
+                             l.d, ptrs + 2 * E_, l.d, &plan.algo, cublas_ws_, kLtWorkspaceBytes, stream_),
+                "cublasLtMatmul (grouped)");
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemms::RunFallback(const GemmSpec& s, int i) {
+  const CublasApi& api = LoadCublas();
+  if (!api.error.empty()) return ffi::Error::Internal("jaxmlp: " + api.error);
+  // Host dims of the non-empty groups, in the order the setup kernel packed their pointers.
+  std::vector<int> m, n, k, lda, ldb, ldc;
+  for (int64_t g = 0; g < E_; ++g) {
+    const int c = int(host_offsets_[g + 1] - host_offsets_[g]);
+    if (c == 0) continue;
+    switch (s.op) {
+      case GemmOp::kNN:
+        m.push_back(s.N), n.push_back(c), k.push_back(s.K), lda.push_back(s.N), ldb.push_back(s.K), ldc.push_back(s.N);
+        break;
+      case GemmOp::kNT:
+        m.push_back(s.K), n.push_back(c), k.push_back(s.N), lda.push_back(s.N), ldb.push_back(s.N), ldc.push_back(s.K);
+        break;
+      case GemmOp::kTN:
+        m.push_back(s.N), n.push_back(s.K), k.push_back(c), lda.push_back(s.N), ldb.push_back(s.K), ldc.push_back(s.N);
+        break;
+    }
+  }
+  const int groups = int(m.size());
+  if (groups == 0) return ffi::Error::Success();
+  std::vector<cublasOperation_t> ta(groups, s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<cublasOperation_t> tb(groups, s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<float> alpha(groups, 1.0f), beta(groups, s.beta);
+  std::vector<int> ones(groups, 1);
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(lt_mutex);  // the handle's stream and workspace are per call
+  auto h = blas_handles.find(device);
+  if (h == blas_handles.end()) {
+    cublasHandle_t created;
+    JAXMLP_CUBLAS(api.Create(&created), "cublasCreate");
+    h = blas_handles.emplace(device, created).first;
+  }
+  JAXMLP_CUBLAS(api.SetStream(h->second, stream_), "cublasSetStream");
+  JAXMLP_CUBLAS(api.SetWorkspace(h->second, cublas_ws_, kLtWorkspaceBytes), "cublasSetWorkspace");
+  void** ptrs = arrays_.ptrs + i * 3 * E_;
+  JAXMLP_CUBLAS(api.GemmGroupedBatchedEx(h->second, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(),
+                                         ptrs + 0 * E_, CudaType(s.in_type), lda.data(), ptrs + 1 * E_,
+                                         CudaType(s.in_type), ldb.data(), beta.data(), ptrs + 2 * E_,
+                                         CudaType(s.out_type), ldc.data(), groups, ones.data(), CUBLAS_COMPUTE_32F),
+                "cublasGemmGroupedBatchedEx");
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxmlp

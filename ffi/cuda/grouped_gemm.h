@@ -1,0 +1,106 @@
+// Grouped GEMMs over expert-sorted rows, with the group sizes on the device.
+//
+// One call's products (up to kMaxGemms, all over the same group_sizes) share one setup kernel that reads
+// group_sizes, applies the policy of GroupOffsets (common.h) and writes the per-group dims and pointer
+// arrays that cuBLAS reads. Two paths:
+//   kGrouped  cuBLASLt grouped GEMM (CUBLASLT_BATCH_MODE_GROUPED): dims and pointers stay on the device,
+//             so the call never syncs and can be captured in a CUDA graph.
+//   kFallback cublasGemmGroupedBatchedEx: dims come from host arrays, so the group sizes are copied to
+//             the host (one sync per call). For cuBLAS < 13.4, float32, and unaligned shapes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "../common.h"
+#include "cublas_api.h"
+
+namespace jaxmlp {
+
+constexpr int kMaxGemms = 4;
+
+enum class GemmPath { kGrouped, kFallback };
+
+// Carves aligned sub-buffers out of the workspace XLA passes as a result buffer. With a null base it only
+// counts, so the same code computes the size Python must request (module.cc) and the layout in a call.
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename T>
+  T* Take(size_t count) {
+    size_t offset = (used_ + 255) / 256 * 256;
+    used_ = offset + count * sizeof(T);
+    return base_ ? reinterpret_cast<T*>(base_ + offset) : nullptr;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+// cuBLASLt workspace; 32 MiB is what cuBLAS recommends on Hopper.
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+
+// One grouped product (GemmOp in common.h), row-major operands.
+struct GemmSpec {
+  GemmOp op;
+  int32_t K, N;
+  const void* lhs;
+  const void* rhs;
+  void* out;
+  ffi::DataType in_type, out_type;
+  float beta;  // 0: out = product, 1: out += product (onto a prefilled bias)
+};
+
+// Device arrays written by the setup kernel.
+struct GroupArrays {
+  int32_t* counts;   // [E] rows of each group after the policy
+  int64_t* offsets;  // [E + 1] first row of each group; offsets[E] = rows in use
+  int32_t* dims;     // [kMaxGemms][2][E]: K and N repeated per group (cuBLASLt reads dims from arrays)
+  void** ptrs;       // [kMaxGemms][3][E]: cuBLAS A, B and D pointers per group
+};
+
+// The grouped products of one FFI call, on one stream.
+class GroupedGemms {
+ public:
+  // Takes its arrays and the cuBLAS workspace from `ws`.
+  GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M, Carver& ws);
+
+  // Writes the dims and pointer arrays of all products (one kernel launch); on the fallback path also
+  // copies group_sizes to the host and waits for it.
+  ffi::Error Prepare(std::initializer_list<GemmSpec> specs);
+  // Enqueues product i of Prepare's list.
+  ffi::Error Run(int i);
+  // Writes zeros to out[g] of a kTN product for every group with no rows (cuBLAS may leave them unwritten).
+  ffi::Error ZeroEmptyGroups(int i);
+
+  const int64_t* offsets() const { return arrays_.offsets; }  // device pointer
+  int64_t E() const { return E_; }
+
+ private:
+  ffi::Error RunGrouped(const GemmSpec& s, int i);
+  ffi::Error RunFallback(const GemmSpec& s, int i);
+
+  GemmPath path_;
+  cudaStream_t stream_;
+  const int32_t* group_sizes_;
+  int64_t E_, M_;
+  GroupArrays arrays_;
+  void* cublas_ws_;
+  GemmSpec specs_[kMaxGemms];
+  int num_specs_ = 0;
+  std::vector<int64_t> host_offsets_;  // fallback path only
+};
+
+// Bytes GroupedGemms takes from a Carver.
+size_t GroupedGemmsWorkspaceBytes(int64_t E);
+
+// Whether the cuBLASLt grouped GEMM can run on the current device, and if not, why.
+bool GroupedPathAvailable(std::string* reason);
+
+}  // namespace jaxmlp

@@ -1,0 +1,236 @@
+// CUDA handlers: the grouped MLP forward and backward, one custom call each, and the grouped GEMM behind
+// jaxmlp.ragged_dot. Each is registered twice: on the cuBLASLt grouped path (no host sync, so declared
+// command-buffer compatible) and on the cublasGemmGroupedBatchedEx fallback (one sync per call).
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "../common.h"
+#include "grouped_gemm.h"
+#include "mlp_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+// Host-side executions of the handlers. A handler captured in an XLA command buffer runs its host code
+// once and is then replayed by the GPU alone, which this counter makes observable (tests/test_cuda.py).
+std::atomic<int64_t> handler_host_calls{0};
+
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::Error;
+using ffi::Result;
+
+// Workspace of each call: the GroupedGemms arrays and cuBLAS workspace, then the intermediates that
+// never leave the call. Used both to size the request (module.cc) and to carve the buffer.
+struct ForwardScratch {
+  void* a;  // [M, f] activation output, FC2 input
+};
+ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
+  return {c.Take<char>(m.M * m.f * esize)};
+}
+
+struct BackwardScratch {
+  void *da, *a_s, *dh;  // [M, f], [M, f], [M, F1]
+  float* bias_acc;      // [E, max(F1, d)]
+};
+BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
+  BackwardScratch s;
+  s.da = c.Take<char>(m.M * m.f * esize);
+  s.a_s = c.Take<char>(m.M * m.f * esize);
+  s.dh = c.Take<char>(m.M * m.F1 * esize);
+  s.bias_acc = (m.has_b1 || m.has_b2) ? c.Take<float>(m.E * std::max(m.F1, m.d)) : nullptr;
+  return s;
+}
+
+Error CheckWorkspace(const Carver& c, const AnyBuffer& ws) {
+  if (c.used() <= ws.size_bytes()) return Error::Success();
+  return Error::InvalidArgument("jaxmlp: workspace of " + std::to_string(ws.size_bytes()) + " bytes, need " +
+                                std::to_string(c.used()));
+}
+
+Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
+  if (!PoisonOutputs()) return Error::Success();
+  for (AnyBuffer* b : outs)
+    if (cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream) != cudaSuccess)
+      return Error::Internal("jaxmlp: poisoning outputs failed");
+  return Error::Success();
+}
+
+void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
+
+int ElementSize(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+
+template <GemmPath kPath>
+Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                 AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
+                 Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("y", *y, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("h", *h, {m.M, m.F1}));
+  const ffi::DataType t = x.element_type();
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
+  ForwardScratch s = CarveForward(ws, m, ElementSize(t));
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*workspace}));
+
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      {GemmOp::kNN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), w1.untyped_data(), h->untyped_data(), t, t, 0.0f},
+      {GemmOp::kNN, int32_t(m.f), int32_t(m.d), s.a, w2.untyped_data(), y->untyped_data(), t, t,
+       m.has_b2 ? 1.0f : 0.0f},
+  }));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
+  JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
+                                           m.f, m.d, h->untyped_data(), Data(b1), Data(scales), s.a,
+                                           y->untyped_data(), Data(b2)));
+  return gemms.Run(1);  // y (+)= a @ w2
+}
+
+template <GemmPath kPath>
+Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                  AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, int32_t act, float alpha,
+                  float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
+                  Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales,
+                  Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("h", h, {m.M, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dy", dy, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dx", *dx, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", *dw1, {m.E, m.d, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", *dw2, {m.E, m.f, m.d}));
+  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("db1", *db1, {m.E, m.F1}));
+  if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("db2", *db2, {m.E, m.d}));
+  if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", *dscales, {m.M}));
+  if (dy.element_type() != x.element_type() || h.element_type() != x.element_type())
+    return Error::InvalidArgument("jaxmlp: h and dy must have x's dtype");
+  const ffi::DataType t = x.element_type();
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
+  BackwardScratch s = CarveBackward(ws, m, ElementSize(t));
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
+
+  const int32_t d = int32_t(m.d), f = int32_t(m.f), F1 = int32_t(m.F1);
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      {GemmOp::kNT, f, d, dy.untyped_data(), w2.untyped_data(), s.da, t, t, 0.0f},                 // da = dy @ w2^T
+      {GemmOp::kTN, f, d, s.a_s, dy.untyped_data(), dw2->untyped_data(), t, t, 0.0f},              // dw2 = a^T dy
+      {GemmOp::kNT, d, F1, s.dh, w1.untyped_data(), dx->untyped_data(), t, t, 0.0f},               // dx = dh @ w1^T
+      {GemmOp::kTN, d, F1, x.untyped_data(), s.dh, dw1->untyped_data(), t, t, 0.0f},               // dw1 = x^T dh
+  }));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
+  JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
+                                            m.f, m.d, h.untyped_data(), s.da, Data(scales), s.a_s, s.dh,
+                                            m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data()));
+  for (int i = 1; i < 4; ++i) JAXMLP_RETURN_IF_ERROR(gemms.Run(i));
+  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups(1));
+  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups(3));
+  if (m.has_b1)
+    JAXMLP_RETURN_IF_ERROR(
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, s.dh, s.bias_acc, db1->untyped_data()));
+  if (m.has_b2)
+    JAXMLP_RETURN_IF_ERROR(
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), s.bias_acc, db2->untyped_data()));
+  return Error::Success();
+}
+
+template <GemmPath kPath>
+Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op,
+           Result<AnyBuffer> out, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  GemmDims g;
+  const GemmOp gop = static_cast<GemmOp>(op);
+  JAXMLP_RETURN_IF_ERROR(CheckGemm(gop, lhs, rhs, group_sizes, *out, &g));
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), g.E, g.M, ws);
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*out, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({{gop, int32_t(g.K), int32_t(g.N), lhs.untyped_data(), rhs.untyped_data(),
+                                         out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f}}));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
+  if (gop == GemmOp::kTN) return gemms.ZeroEmptyGroups(0);
+  const int64_t row_bytes = (gop == GemmOp::kNN ? g.N : g.K) * ElementSize(out->element_type());
+  return ZeroPaddingRows(stream, gemms.offsets(), g.E, g.M, row_bytes, out->untyped_data());
+}
+
+auto BindForward() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<AnyBuffer>()  // x
+      .Arg<AnyBuffer>()  // w1
+      .Arg<AnyBuffer>()  // w2
+      .Arg<AnyBuffer>()  // group_sizes
+      .Arg<AnyBuffer>()  // b1 (0 elements: absent)
+      .Arg<AnyBuffer>()  // b2
+      .Arg<AnyBuffer>()  // scales
+      .Attr<int32_t>("activation")
+      .Attr<float>("alpha")
+      .Attr<float>("limit")
+      .Ret<AnyBuffer>()   // y
+      .Ret<AnyBuffer>()   // h
+      .Ret<AnyBuffer>();  // workspace
+}
+
+auto BindBackward() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<AnyBuffer>()  // x
+      .Arg<AnyBuffer>()  // w1
+      .Arg<AnyBuffer>()  // w2
+      .Arg<AnyBuffer>()  // group_sizes
+      .Arg<AnyBuffer>()  // b1
+      .Arg<AnyBuffer>()  // b2
+      .Arg<AnyBuffer>()  // scales
+      .Arg<AnyBuffer>()  // h
+      .Arg<AnyBuffer>()  // dy
+      .Attr<int32_t>("activation")
+      .Attr<float>("alpha")
+      .Attr<float>("limit")
+      .Ret<AnyBuffer>()   // dx
+      .Ret<AnyBuffer>()   // dw1
+      .Ret<AnyBuffer>()   // dw2
+      .Ret<AnyBuffer>()   // db1
+      .Ret<AnyBuffer>()   // db2
+      .Ret<AnyBuffer>()   // dscales
+      .Ret<AnyBuffer>();  // workspace
+}
+
+auto BindGemm() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<AnyBuffer>()  // lhs
+      .Arg<AnyBuffer>()  // rhs
+      .Arg<AnyBuffer>()  // group_sizes
+      .Attr<int32_t>("op")
+      .Ret<AnyBuffer>()   // out
+      .Ret<AnyBuffer>();  // workspace
+}
+
+constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
+
+}  // namespace
+
+size_t MlpWorkspaceBytes(bool forward, const MlpDims& m, int esize) {
+  Carver c(nullptr);
+  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, m.E, m.M, c);
+  if (forward) CarveForward(c, m, esize);
+  else CarveBackward(c, m, esize);
+  return c.used();
+}
+
+}  // namespace jaxmlp
+
+using jaxmlp::GemmPath;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardGrouped, jaxmlp::MlpForward<GemmPath::kGrouped>, jaxmlp::BindForward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardFallback, jaxmlp::MlpForward<GemmPath::kFallback>, jaxmlp::BindForward());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardGrouped, jaxmlp::MlpBackward<GemmPath::kGrouped>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFallback, jaxmlp::MlpBackward<GemmPath::kFallback>, jaxmlp::BindBackward());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmGrouped, jaxmlp::Gemm<GemmPath::kGrouped>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFallback, jaxmlp::Gemm<GemmPath::kFallback>, jaxmlp::BindGemm());

@@ -1,0 +1,266 @@
+#include "mlp_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "../activations.h"
+
+namespace jaxmlp {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename T>
+struct Conv;
+template <>
+struct Conv<float> {
+  static __device__ __forceinline__ float To(float v) { return v; }
+  static __device__ __forceinline__ float From(float v) { return v; }
+};
+template <>
+struct Conv<__nv_bfloat16> {
+  static __device__ __forceinline__ float To(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 From(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Conv<__half> {
+  static __device__ __forceinline__ float To(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half From(float v) { return __float2half_rn(v); }
+};
+
+// V elements moved as one access (16 bytes when V * sizeof(T) == 16).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> Load(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+template <typename T, int V>
+__device__ __forceinline__ void Store(T* p, const Vec<T, V>& v) {
+  *reinterpret_cast<Vec<T, V>*>(p) = v;
+}
+
+template <typename T, int V>
+__device__ void ZeroRow(T* row, int64_t n) {
+  Vec<T, V> z;
+  for (int k = 0; k < V; ++k) z.v[k] = Conv<T>::From(0.0f);
+  for (int64_t j = threadIdx.x * V; j < n; j += blockDim.x * V) Store<T, V>(row + j, z);
+}
+
+// Group of a valid row: the first g with offsets[g + 1] > row (empty groups are skipped).
+__device__ __forceinline__ int64_t GroupOf(const int64_t* offsets, int64_t E, int64_t row) {
+  int64_t lo = 0, hi = E - 1;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) / 2;
+    if (offsets[mid + 1] > row) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+// One block per row: the row's work is a few KB, and a block-wide loop keeps the group lookup and the
+// row scale to one per row.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const int64_t* offsets, int64_t E,
+                                                             int64_t f, int64_t d, T* h, const T* b1,
+                                                             const T* scales, T* a, T* y, const T* b2) {
+  const int64_t row = blockIdx.x;
+  const bool gated = IsGated(p.act);
+  const int64_t F1 = gated ? 2 * f : f;
+  if (row >= offsets[E]) {  // padding
+    ZeroRow<T, V>(a + row * f, f);
+    ZeroRow<T, V>(y + row * d, d);
+    return;
+  }
+  const int64_t g = (b1 || b2) ? GroupOf(offsets, E, row) : 0;
+  const float s = scales ? Conv<T>::To(scales[row]) : 1.0f;
+  T* hr = h + row * F1;
+  for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
+    Vec<T, V> gate = Load<T, V>(hr + j), up;
+    if (gated) up = Load<T, V>(hr + f + j);
+    if (b1) {  // the saved pre-activation includes b1
+      Vec<T, V> bg = Load<T, V>(b1 + g * F1 + j);
+      for (int k = 0; k < V; ++k) gate.v[k] = Conv<T>::From(Conv<T>::To(gate.v[k]) + Conv<T>::To(bg.v[k]));
+      Store<T, V>(hr + j, gate);
+      if (gated) {
+        Vec<T, V> bu = Load<T, V>(b1 + g * F1 + f + j);
+        for (int k = 0; k < V; ++k) up.v[k] = Conv<T>::From(Conv<T>::To(up.v[k]) + Conv<T>::To(bu.v[k]));
+        Store<T, V>(hr + f + j, up);
+      }
+    }
+    Vec<T, V> out;
+    for (int k = 0; k < V; ++k) {
+      float u = gated ? Conv<T>::To(up.v[k]) : 0.0f;
+      out.v[k] = Conv<T>::From(ActivationGrad(p, Conv<T>::To(gate.v[k]), u).val * s);
+    }
+    Store<T, V>(a + row * f + j, out);
+  }
+  if (b2)  // FC2 accumulates onto this (beta = 1): the bias costs no extra pass over y
+    for (int64_t j = threadIdx.x * V; j < d; j += blockDim.x * V) Store<T, V>(y + row * d + j, Load<T, V>(b2 + g * d + j));
+}
+
+__device__ float BlockSum(float v) {
+  __shared__ float partial[kThreads / 32];
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) v += partial[w];
+  return v;
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const int64_t* offsets, int64_t E,
+                                                              int64_t f, int64_t d, const T* h, const T* da,
+                                                              const T* scales, T* a_s, T* dh, T* dscales,
+                                                              T* dx) {
+  const int64_t row = blockIdx.x;
+  const bool gated = IsGated(p.act);
+  const int64_t F1 = gated ? 2 * f : f;
+  if (row >= offsets[E]) {  // padding
+    ZeroRow<T, V>(dh + row * F1, F1);
+    ZeroRow<T, V>(dx + row * d, d);
+    if (dscales && threadIdx.x == 0) dscales[row] = Conv<T>::From(0.0f);
+    return;
+  }
+  const float s = scales ? Conv<T>::To(scales[row]) : 1.0f;
+  const T* hr = h + row * F1;
+  float ds = 0.0f;
+  for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
+    Vec<T, V> gate = Load<T, V>(hr + j), up, dav = Load<T, V>(da + row * f + j);
+    if (gated) up = Load<T, V>(hr + f + j);
+    Vec<T, V> as, dg, du;
+    for (int k = 0; k < V; ++k) {
+      ActGrad r = ActivationGrad(p, Conv<T>::To(gate.v[k]), gated ? Conv<T>::To(up.v[k]) : 0.0f);
+      float dak = Conv<T>::To(dav.v[k]);
+      ds += dak * r.val;
+      as.v[k] = Conv<T>::From(r.val * s);
+      dg.v[k] = Conv<T>::From(dak * s * r.dgate);
+      du.v[k] = Conv<T>::From(dak * s * r.dup);
+    }
+    Store<T, V>(a_s + row * f + j, as);
+    Store<T, V>(dh + row * F1 + j, dg);
+    if (gated) Store<T, V>(dh + row * F1 + f + j, du);
+  }
+  if (dscales) {
+    ds = BlockSum(ds);
+    if (threadIdx.x == 0) dscales[row] = Conv<T>::From(ds);
+  }
+}
+
+// Per-group column sums: each block takes a slice of rows, so a skewed group spreads over many blocks;
+// partial sums meet in float through atomics.
+template <typename T>
+__global__ void ColumnSumKernel(const int64_t* offsets, int64_t E, int64_t n, int64_t rows_per_block, const T* v,
+                                float* acc) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
+  const int64_t r1 = min(r0 + rows_per_block, offsets[E]);
+  if (j >= n || r0 >= r1) return;
+  int64_t g = GroupOf(offsets, E, r0), end = offsets[g + 1];
+  float sum = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    while (r >= end) {
+      atomicAdd(&acc[g * n + j], sum);
+      sum = 0.0f;
+      end = offsets[++g + 1];
+    }
+    sum += Conv<T>::To(v[r * n + j]);
+  }
+  atomicAdd(&acc[g * n + j], sum);
+}
+
+template <typename T>
+__global__ void ConvertKernel(const float* in, T* out, int64_t count) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = Conv<T>::From(in[i]);
+}
+
+__global__ void ZeroRowsKernel(const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes, char* out) {
+  for (int64_t r = offsets[E] + blockIdx.x; r < M; r += gridDim.x)
+    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) out[r * row_bytes + i] = 0;
+}
+
+ffi::Error LaunchError(const char* what) {
+  cudaError_t e = cudaPeekAtLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxmlp: launching ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Calls fn(T{}) with the CUDA element type of t.
+template <typename Fn>
+void ByType(ffi::DataType t, Fn fn) {
+  if (t == ffi::DataType::BF16) fn(__nv_bfloat16{});
+  else if (t == ffi::DataType::F16) fn(__half{});
+  else fn(float{});
+}
+
+// 16-byte accesses when every row length allows them, scalar ones otherwise.
+template <typename T>
+bool Vectorizable(std::initializer_list<int64_t> row_lengths) {
+  constexpr int V = 16 / sizeof(T);
+  return std::all_of(row_lengths.begin(), row_lengths.end(), [](int64_t n) { return n % V == 0; });
+}
+
+}  // namespace
+
+ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1,
+                             const void* scales, void* a, void* y, const void* b2) {
+  if (M == 0) return ffi::Error::Success();
+  ByType(t, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = 16 / sizeof(T);
+    auto args = std::make_tuple(p, offsets, E, f, d, static_cast<T*>(h), static_cast<const T*>(b1),
+                                static_cast<const T*>(scales), static_cast<T*>(a), static_cast<T*>(y),
+                                static_cast<const T*>(b2));
+    auto kernel = Vectorizable<T>({f, d}) ? ActForwardKernel<T, V> : ActForwardKernel<T, 1>;
+    std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+  });
+  return LaunchError("the activation forward kernel");
+}
+
+ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                              int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
+                              const void* scales, void* a_s, void* dh, void* dscales, void* dx) {
+  if (M == 0) return ffi::Error::Success();
+  ByType(t, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = 16 / sizeof(T);
+    auto args = std::make_tuple(p, offsets, E, f, d, static_cast<const T*>(h), static_cast<const T*>(da),
+                                static_cast<const T*>(scales), static_cast<T*>(a_s), static_cast<T*>(dh),
+                                static_cast<T*>(dscales), static_cast<T*>(dx));
+    auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V> : ActBackwardKernel<T, 1>;
+    std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+  });
+  return LaunchError("the activation backward kernel");
+}
+
+ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
+                           int64_t n, const void* v, float* acc, void* out) {
+  if (cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream) != cudaSuccess) return LaunchError("memset");
+  const int64_t rows_per_block = std::max<int64_t>(64, (M + 65534) / 65535);
+  dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::max<int64_t>((M + rows_per_block - 1) / rows_per_block, 1)));
+  ByType(t, [&](auto tag) {
+    using T = decltype(tag);
+    ColumnSumKernel<T><<<grid, kThreads, 0, stream>>>(offsets, E, n, rows_per_block, static_cast<const T*>(v), acc);
+    ConvertKernel<T><<<unsigned(std::min<int64_t>((E * n + 255) / 256, 4096)), 256, 0, stream>>>(
+        acc, static_cast<T*>(out), E * n);
+  });
+  return LaunchError("the bias gradient kernels");
+}
+
+ffi::Error ZeroPaddingRows(cudaStream_t stream, const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes,
+                           void* out) {
+  if (M == 0 || row_bytes == 0) return ffi::Error::Success();
+  ZeroRowsKernel<<<unsigned(std::min<int64_t>(M, 1024)), 256, 0, stream>>>(offsets, E, M, row_bytes,
+                                                                             static_cast<char*>(out));
+  return LaunchError("the padding-row kernel");
+}
+
+}  // namespace jaxmlp

@@ -1,0 +1,36 @@
+// The MLP's own CUDA kernels, around the grouped GEMMs: activation forward and backward (bias, gating
+// and row scales fused), per-group bias gradients, and zeroing of padding rows.
+//
+// All take `offsets` [E + 1] from the setup kernel (GroupedGemms::offsets()): rows at or past offsets[E]
+// are padding, and the group of a row is found by binary search in it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../common.h"
+
+namespace jaxmlp {
+
+// Per row r < M: h[r] += b1[g] (written back, when b1 is given), a[r] = act(h[r]) * scales[r];
+// y[r] = b2[g] for valid rows when b2 is given (FC2 then accumulates onto it); padding rows: a = y = 0.
+ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1,
+                             const void* scales, void* a, void* y, const void* b2);
+
+// Per valid row, from h (with b1 added) and da = dy @ w2^T:
+//   a_s = act(h) * s (the FC2 weight-gradient input), dh = da * s * act'(h), dscales = sum_j da * act(h).
+// Padding rows: dh = 0, dscales = 0 and dx = 0 (dx is written by the FC1 dgrad for valid rows only).
+ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                              int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
+                              const void* scales, void* a_s, void* dh, void* dscales, void* dx);
+
+// out[g, :] = sum of v[r, :] over the rows r of group g (v [M, n], out [E, n]); `acc` is float scratch of
+// E * n elements. Groups with no rows get 0.
+ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
+                           int64_t n, const void* v, float* acc, void* out);
+
+// Zeros rows [offsets[E], M) of out [M, row_bytes].
+ffi::Error ZeroPaddingRows(cudaStream_t stream, const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes,
+                           void* out);
+
+}  // namespace jaxmlp

@@ -1,0 +1,82 @@
+// Python module jaxmlp._cuda: the CUDA handlers as capsules, the workspace sizes Python must request,
+// and what backend_info() reports (cuBLAS version, device, whether the grouped path can run).
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "../common.h"
+#include "cublas_api.h"
+#include "grouped_gemm.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* MlpForwardGrouped(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpForwardFallback(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpBackwardGrouped(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpBackwardFallback(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GemmGrouped(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GemmFallback(XLA_FFI_CallFrame*);
+}
+
+namespace jaxmlp {
+size_t MlpWorkspaceBytes(bool forward, const MlpDims& m, int esize);
+extern std::atomic<int64_t> handler_host_calls;
+}
+
+namespace {
+
+nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsule(reinterpret_cast<void*>(fn)); }
+
+nb::dict Status(const std::vector<std::string>& lib_dirs) {
+  const jaxmlp::CublasApi& api = jaxmlp::LoadCublas(lib_dirs);
+  nb::dict d;
+  int device = 0, major = 0, minor = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+    major = prop.major, minor = prop.minor;
+    d["device_name"] = std::string(prop.name);
+  }
+  d["compute_capability"] = std::to_string(major) + "." + std::to_string(minor);
+  d["cublaslt_version"] = api.lt_version;
+  d["cublaslt_library"] = api.lt_path;
+  if (!api.error.empty()) d["cublas_error"] = api.error;
+  std::string reason;
+  bool ok = api.error.empty() && jaxmlp::GroupedPathAvailable(&reason);
+  d["grouped_available"] = ok;
+  d["grouped_reason"] = api.error.empty() ? reason : api.error;
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jaxmlp_mlp_fwd_grouped"] = Capsule(MlpForwardGrouped);
+    d["jaxmlp_mlp_fwd_fallback"] = Capsule(MlpForwardFallback);
+    d["jaxmlp_mlp_bwd_grouped"] = Capsule(MlpBackwardGrouped);
+    d["jaxmlp_mlp_bwd_fallback"] = Capsule(MlpBackwardFallback);
+    d["jaxmlp_gemm_grouped"] = Capsule(GemmGrouped);
+    d["jaxmlp_gemm_fallback"] = Capsule(GemmFallback);
+    return d;
+  });
+  m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
+        "How often the CUDA handlers' host code ran (a command-buffer replay does not run it).");
+  m.def("status", &Status, nb::arg("lib_dirs"),
+        "Loads cuBLAS (a copy already in the process first, then lib_dirs) and reports versions and paths.");
+  m.def(
+      "mlp_workspace_bytes",
+      [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code) {
+        jaxmlp::MlpDims dims{M, d, f, F1, E, true, true, true};
+        return jaxmlp::MlpWorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
+      },
+      "Scratch bytes of one grouped-MLP call (dtype_code: 0 float32, 1 bfloat16, 2 float16).");
+  m.def(
+      "gemm_workspace_bytes", [](int64_t M, int64_t K, int64_t N, int64_t E) { return jaxmlp::GroupedGemmsWorkspaceBytes(E); },
+      "Scratch bytes of one grouped GEMM call.");
+}

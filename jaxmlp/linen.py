@@ -1,0 +1,114 @@
+"""Flax Linen versions of jaxmlp.nnx.GroupedMLP and jaxmlp.nnx.MoE: same arguments, same computation
+(the routing functions of jaxmlp.nnx) and the same parameter layout:
+
+  GroupedMLP: {"w1": [E, d, 2f or f], "w2": [E, f, d], "b1": [E, 2f or f], "b2": [E, d]}
+  MoE:        {"router": {"kernel": [d, E]}, "experts": {GroupedMLP's params}}
+
+Parameters are boxed in nn.LogicallyPartitioned with the logical axis names of jaxmlp.nnx; read them with
+nn.get_partition_spec and map them onto a mesh with nn.logical_axis_rules.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
+from flax.typing import Dtype, Initializer
+
+from .activations import Activation, resolve
+from .nnx import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, _check_impl, _check_moe_args,
+                  _scaled_grouped_mlp, default_bias_init, default_kernel_init, default_router_init, moe)
+
+__all__ = ["GroupedMLP", "MoE"]
+
+
+class GroupedMLP(nn.Module):
+  """The experts' MLPs applied to rows sorted by expert: `scales * (act(x @ w1[g] + b1[g]) @ w2[g] + b2[g])`.
+
+  Example usage::
+
+    >>> mlp = GroupedMLP(num_experts=4, d_model=8, d_ff=16)
+    >>> params = mlp.init(jax.random.key(0), x, group_sizes)
+    >>> y = mlp.apply(params, x, group_sizes)
+
+  Attributes: as the arguments of jaxmlp.nnx.GroupedMLP.
+  """
+
+  num_experts: int
+  d_model: int
+  d_ff: int
+  activation: str | Activation = "swiglu"
+  use_bias: bool = False
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = default_bias_init
+  impl: str = "jaxmlp"
+
+  @nn.compact
+  def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+    """x [M, d] sorted by expert, group_sizes [E], optional scales [M] -> [M, d]; see jaxmlp.nnx.GroupedMLP."""
+    _check_impl(self.impl)
+    activation = resolve(self.activation)
+    fc1_width = 2 * self.d_ff if activation.gated else self.d_ff
+    shape1 = (self.num_experts, self.d_model, fc1_width)
+    shape2 = (self.num_experts, self.d_ff, self.d_model)
+    w1 = self.param("w1", nn.with_logical_partitioning(self.kernel_init, W1_AXES), shape1, self.param_dtype)
+    w2 = self.param("w2", nn.with_logical_partitioning(self.kernel_init, W2_AXES), shape2, self.param_dtype)
+    b1 = b2 = None
+    if self.use_bias:
+      b1 = self.param("b1", nn.with_logical_partitioning(self.bias_init, B1_AXES),
+                      (self.num_experts, fc1_width), self.param_dtype)
+      b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
+                      (self.num_experts, self.d_model), self.param_dtype)
+    x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
+    return _scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes.astype(jnp.int32), activation,
+                               b1, b2, scales)
+
+
+class MoE(nn.Module):
+  """A Mixture-of-Experts MLP layer: router, top-k, expert-sorted GroupedMLP, weighted combine.
+
+  Example usage::
+
+    >>> moe = MoE(num_experts=8, d_model=64, d_ff=128, top_k=2)
+    >>> params = moe.init(jax.random.key(0), x)
+    >>> y, aux = moe.apply(params, x)  # x [..., 64] -> y [..., 64]; aux as for jaxmlp.nnx.MoE
+
+  Attributes: as the arguments of jaxmlp.nnx.MoE.
+  """
+
+  num_experts: int
+  d_model: int
+  d_ff: int
+  top_k: int
+  activation: str | Activation = "swiglu"
+  use_bias: bool = False
+  score_func: str = "softmax"
+  renormalize: bool = True
+  capacity_factor: float | None = None
+  aux_loss_coef: float = 1e-2
+  z_loss_coef: float = 1e-3
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = default_bias_init
+  impl: str = "jaxmlp"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE."""
+    _check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
+    tokens = x.reshape(-1, self.d_model)
+    # The router computes in float32, as in jaxmlp.nnx.MoE: top-k choices are sensitive to rounding.
+    logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
+                      kernel_init=nn.with_logical_partitioning(default_router_init, ROUTER_AXES),
+                      name="router")(tokens)
+    experts = GroupedMLP(self.num_experts, self.d_model, self.d_ff, activation=self.activation,
+                         use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                         kernel_init=self.kernel_init, bias_init=self.bias_init, impl=self.impl,
+                         name="experts")
+    y, aux = moe(tokens, logits, experts, top_k=self.top_k, score_func=self.score_func,
+                 renormalize=self.renormalize, capacity_factor=self.capacity_factor,
+                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+    return y.reshape(x.shape), aux

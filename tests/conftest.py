@@ -1,0 +1,65 @@
+"""Shared fixtures: every backend the machine has, outputs poisoned, fresh random inputs."""
+import os
+
+# Handlers fill outputs and scratch with NaN before computing: an unwritten element fails the tests.
+os.environ.setdefault("JAXMLP_POISON_OUTPUTS", "1")
+
+import jax
+import numpy as np
+import pytest
+
+import jaxmlp
+from jaxmlp import _ffi
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative Frobenius error
+
+
+def cuda_reason(path):
+  """Why a CUDA backend cannot be tested here, or None."""
+  if _ffi._cuda is None:
+    return _ffi.CUDA_BUILD_ERROR
+  if not _ffi.cuda_devices():
+    return "no CUDA device"
+  if path == "grouped" and not _ffi.cuda_status().get("grouped_available"):
+    return "cuBLASLt grouped GEMM unavailable: " + _ffi.cuda_status().get("grouped_reason", "")
+  return None
+
+
+BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda-grouped", id="cuda-grouped", marks=pytest.mark.gpu),
+    pytest.param("cuda-fallback", id="cuda-fallback", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+  """Runs the test's jaxmlp calls on one platform (and, on CUDA, one GEMM path)."""
+  name = request.param
+  if name == "cpu":
+    device = jax.devices("cpu")[0]
+  else:
+    path = name.split("-")[1]
+    reason = cuda_reason(path)
+    if reason:
+      pytest.skip(reason)
+    monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
+    device = _ffi.cuda_devices()[0]
+  with jax.default_device(device):
+    yield name
+
+
+@pytest.fixture
+def rng(request):
+  # Fresh inputs per test and per run; the seed is printed on failure for reproduction.
+  seed = int.from_bytes(os.urandom(4), "little")
+  request.node.user_properties.append(("seed", seed))
+  print(f"seed={seed}")
+  return np.random.default_rng(seed)
+
+
+def rel_error(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  assert np.isfinite(got).all(), "non-finite values (an unwritten, poisoned element?)"
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)

@@ -1,0 +1,90 @@
+"""CUDA-only checks: realistic sizes on both GEMM paths, and the grouped path inside XLA command buffers.
+
+Skipped without a GPU (the `backend` fixture and cuda_reason in conftest.py say why).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, cuda_reason, rel_error
+
+import jaxmlp
+import numpy_reference as ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("sizes", [
+    [512, 0, 1024, 300, 212],             # balanced-ish with an empty group
+    [0, 0, 2000, 48, 0],                  # skewed
+    [100, 100, 100, 100, 100],            # sum < M: padding rows
+])
+def test_bf16_mlp_at_moe_sizes(backend, rng, sizes):
+  if backend == "cpu":
+    pytest.skip("CUDA sizes")
+  M, d, f = 2048, 256, 384
+  E = len(sizes)
+  x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, f, d)) / np.sqrt(f), jnp.bfloat16)
+  s = jnp.asarray(rng.uniform(0.2, 1, M), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  y, vjp = jax.vjp(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s), x, w1, w2, s)
+  got = vjp(dy)
+  f64 = lambda a: np.asarray(a, np.float64)
+  want_y, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", scales=f64(s), dy=f64(dy))
+  assert rel_error(y, want_y) < TOLERANCE["bfloat16"]
+  for g, k in zip(got, ("x", "w1", "w2", "scales")):
+    assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
+
+
+COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxmlp
+    rng = np.random.default_rng(0)
+    M, d, f, E = 1024, 128, 256, 4
+    x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)) / 16, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((E, f, d)) / 16, jnp.bfloat16)
+    gs = jnp.asarray([300, 0, 500, 100], jnp.int32)
+    def loss(x, w1, w2):
+      return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32) ** 2)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    from jaxmlp import _ffi
+    outs = [step(x, w1, w2) for _ in range(10)]  # with command buffers: replays of one captured graph
+    v, g = jax.block_until_ready(outs[-1])
+    assert all(float(o[0]) == float(v) for o in outs)
+    print(json.dumps({"host_calls": _ffi._cuda.handler_host_calls(), "loss": float(v),
+                      "grads": [np.asarray(a, np.float32).tolist() for a in g]}))
+""")
+
+
+def test_grouped_path_inside_command_buffers():
+  """The grouped-path handlers are captured into an XLA command buffer and give identical results."""
+  reason = cuda_reason("grouped")
+  if reason:
+    pytest.skip(reason)
+  import json
+
+  def run(flags):
+    env = dict(os.environ, JAXMLP_GEMM_PATH="grouped", XLA_FLAGS=flags)
+    out = subprocess.run([sys.executable, "-P", "-c", COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+  with_cb = run("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+  without = run("--xla_gpu_enable_command_buffer=")
+  # 10 steps of one forward and one backward call: 20 host executions unless captured and replayed.
+  assert without["host_calls"] == 20
+  assert with_cb["host_calls"] <= 6, "the jaxmlp custom calls were not captured in a command buffer"
+  assert with_cb["loss"] == without["loss"]
+  for a, b in zip(with_cb["grads"], without["grads"]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

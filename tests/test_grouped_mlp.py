@@ -1,0 +1,186 @@
+"""jaxmlp.grouped_mlp against the float64 NumPy reference, on every backend the machine has."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_error
+
+import jaxmlp
+import numpy_reference as ref
+
+# (M, d, f, group_sizes): odd sizes, one expert, empty groups, padding rows, skewed sizes.
+CASES = {
+    "basic": (64, 32, 48, [20, 12, 32]),
+    "odd": (37, 13, 7, [5, 0, 19, 13]),
+    "one_expert": (24, 16, 16, [24]),
+    "padding": (50, 16, 24, [10, 0, 15]),
+    "skewed": (96, 24, 40, [0, 90, 1, 0, 5, 0]),
+    "all_empty": (16, 8, 8, [0, 0]),
+}
+
+
+def make_inputs(rng, M, d, f, sizes, act, dtype, bias=False, scales=False):
+  E, F1 = len(sizes), (2 * f if act in ref.GATED else f)
+  cast = lambda a: jnp.asarray(a, dtype)
+  args = dict(
+      x=cast(rng.standard_normal((M, d))),
+      w1=cast(rng.standard_normal((E, d, F1)) / np.sqrt(d)),
+      w2=cast(rng.standard_normal((E, f, d)) / np.sqrt(f)),
+      group_sizes=jnp.asarray(sizes, jnp.int32),
+  )
+  if bias:
+    args["b1"] = cast(rng.standard_normal((E, F1)) * 0.5)
+    args["b2"] = cast(rng.standard_normal((E, d)) * 0.5)
+  if scales:
+    args["scales"] = cast(rng.uniform(0.1, 1.0, M))
+  return args
+
+
+def numpy_args(args):
+  return {k: np.asarray(v, np.float64) if k != "group_sizes" else np.asarray(v) for k, v in args.items()}
+
+
+def check_forward_and_grads(args, act, dtype, rng, alpha=1.702, limit=7.0):
+  activation = jaxmlp.Activation(act, alpha=alpha, limit=limit)
+  names = [k for k in args if k != "group_sizes"]
+  dy = jnp.asarray(rng.standard_normal(args["x"].shape), dtype)
+
+  def f(*diff):
+    kw = dict(zip(names, diff))
+    return jaxmlp.grouped_mlp(kw.pop("x"), kw.pop("w1"), kw.pop("w2"), args["group_sizes"], activation=activation, **kw)
+
+  y, vjp = jax.vjp(f, *[args[k] for k in names])
+  grads = dict(zip(names, vjp(dy)))
+  n = numpy_args(args)
+  want_y, want = ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], act, n.get("b1"), n.get("b2"),
+                                 n.get("scales"), dy=np.asarray(dy, np.float64), alpha=alpha, limit=limit)
+  tol = TOLERANCE[jnp.dtype(dtype).name]
+  assert y.dtype == dtype
+  assert rel_error(y, want_y) < tol
+  for k in names:
+    assert grads[k].dtype == args[k].dtype, k
+    assert rel_error(grads[k], want[k]) < tol, k
+  # Padding rows: output 0 and no gradient, whatever the dtype.
+  total = ref.clamp_sizes(n["group_sizes"], n["x"].shape[0])[-1]
+  assert not np.asarray(y[total:], np.float64).any()
+  assert not np.asarray(grads["x"][total:], np.float64).any()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("act", jaxmlp.ACTIVATIONS)
+def test_every_activation_float32(backend, rng, case, act):
+  M, d, f, sizes = CASES[case]
+  check_forward_and_grads(make_inputs(rng, M, d, f, sizes, act, jnp.float32), act, jnp.float32, rng)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
+def test_dtypes_with_biases_and_scales(backend, rng, dtype, act):
+  # Row lengths that are multiples of 8 so the CUDA grouped path takes these too.
+  args = make_inputs(rng, 96, 32, 64, [30, 0, 50, 8], act, dtype, bias=True, scales=True)
+  check_forward_and_grads(args, act, dtype, rng)
+
+
+def test_clamped_swiglu_clamps(backend, rng):
+  # A small limit so that a large share of the gate and linear values sit outside it.
+  args = make_inputs(rng, 64, 16, 32, [30, 30], "clamped_swiglu", jnp.float32, bias=True, scales=True)
+  check_forward_and_grads(args, "clamped_swiglu", jnp.float32, rng, alpha=1.2, limit=0.3)
+
+
+@pytest.mark.parametrize("sizes", [[-5, 40, 100], [70, 70], [2**31 - 1, 3], [-(2**31), 2**31 - 1, 5]])
+def test_adversarial_group_sizes_are_clamped(backend, rng, sizes):
+  args = make_inputs(rng, 48, 16, 16, sizes, "swiglu", jnp.float32, bias=True, scales=True)
+  check_forward_and_grads(args, "swiglu", jnp.float32, rng)
+
+
+def test_reference_matches_numpy(rng):
+  for act in jaxmlp.ACTIVATIONS:
+    args = make_inputs(rng, 50, 16, 24, [10, 0, 15, 20], act, jnp.float32, bias=True, scales=True)
+    n = numpy_args(args)
+    got = jaxmlp.reference.grouped_mlp(**args, activation=act)
+    want = ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], act, n["b1"], n["b2"], n["scales"])
+    assert rel_error(got, want) < 1e-5, act
+
+
+def test_activation_derivatives_match_jax_autodiff(rng):
+  """The hand-written NumPy derivatives (the test oracle) against autodiff of jaxmlp.activations."""
+  with jax.enable_x64(True):
+    for name in jaxmlp.ACTIVATIONS:
+      act = jaxmlp.Activation(name, alpha=1.3, limit=0.8)
+      h = rng.standard_normal((8, 12)) * 2
+      val, (dgate, dup) = ref.activation(name, h, act.alpha, act.limit)
+      np.testing.assert_allclose(act(jnp.asarray(h)), val, rtol=1e-12, atol=1e-12)
+      ct = rng.standard_normal(val.shape)
+      (got,) = jax.vjp(act, jnp.asarray(h))[1](jnp.asarray(ct))
+      want = np.concatenate([ct * dgate, ct * dup], 1) if dup is not None else ct * dgate
+      np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_jit_grad_value_and_grad_checkpoint(backend, rng):
+  args = make_inputs(rng, 64, 16, 32, [20, 30, 14], "swiglu", jnp.float32, scales=True)
+  gs = args["group_sizes"]
+
+  def loss(x, w1, w2, s):
+    return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s) ** 2)
+
+  n = numpy_args(args)
+  y = ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu", scales=n["scales"])
+  _, want = ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu", scales=n["scales"], dy=2 * y)
+  xs = (args["x"], args["w1"], args["w2"], args["scales"])
+  for fn in (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))),
+             jax.jit(jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))):
+    v, g = fn(*xs)
+    assert rel_error(v, np.sum(y**2)) < 1e-4
+    for a, k in zip(g, ("x", "w1", "w2", "scales")):
+      assert rel_error(a, want[k]) < 1e-4, k
+
+
+def test_vmap_over_a_batch_of_calls(backend, rng):
+  args = [make_inputs(rng, 32, 8, 16, [10, 22], "silu", jnp.float32) for _ in range(3)]
+  stack = {k: jnp.stack([a[k] for a in args]) for k in args[0]}
+  got = jax.vmap(lambda x, w1, w2, gs: jaxmlp.grouped_mlp(x, w1, w2, gs, activation="silu"))(
+      stack["x"], stack["w1"], stack["w2"], stack["group_sizes"])
+  for i, a in enumerate(args):
+    n = numpy_args(a)
+    assert rel_error(got[i], ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "silu")) < 1e-5
+
+
+def test_check_group_sizes_raises_at_run_time(rng):
+  args = make_inputs(rng, 16, 8, 8, [10, 10], "relu", jnp.float32)
+  with pytest.raises(Exception, match="check_group_sizes"):
+    jax.block_until_ready(jaxmlp.grouped_mlp(**args, activation="relu", check_group_sizes=True))
+  ok = dict(args, group_sizes=jnp.asarray([6, 10], jnp.int32))
+  jax.block_until_ready(jaxmlp.grouped_mlp(**ok, activation="relu", check_group_sizes=True))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=jnp.ones((4, 8, 2))), r"x: got shape \(4, 8, 2\), expected \[M, d\]"),
+    (dict(w1=jnp.ones((2, 9, 16))), r"w1: got shape \(2, 9, 16\), expected \[E, d, 2f\] = \[2, 8, 16\]"),
+    (dict(w1=jnp.ones((2, 8, 15))), r"w1: .*even last dimension"),
+    (dict(w2=jnp.ones((2, 8, 9))), r"w2: got shape \(2, 8, 9\), expected \[E, f, d\] = \[2, 8, 8\]"),
+    (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes: got shape \(3,\), expected \[2\]"),
+    (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes: expected an integer dtype"),
+    (dict(b1=jnp.ones((2, 8))), r"b1: got shape \(2, 8\), expected \[E, 2f\] = \[2, 16\]"),
+    (dict(b2=jnp.ones((8,))), r"b2: got shape \(8,\), expected \[E, d\] = \[2, 8\]"),
+    (dict(scales=jnp.ones((3,))), r"scales: got shape \(3,\), expected \[M\] = \[16\]"),
+    (dict(w2=jnp.ones((2, 8, 8), jnp.bfloat16)), r"w2: dtype bfloat16 differs from x.dtype float32"),
+    (dict(x=jnp.ones((16, 8), jnp.int32), w1=jnp.ones((2, 8, 16), jnp.int32), w2=jnp.ones((2, 8, 8), jnp.int32)),
+     r"x: dtype int32 is not supported"),
+    (dict(activation="swish"), r"activation: unknown name 'swish'"),
+])
+def test_bad_input_names_the_argument(change, match):
+  args = dict(x=jnp.ones((16, 8)), w1=jnp.ones((2, 8, 16)), w2=jnp.ones((2, 8, 8)),
+              group_sizes=jnp.asarray([8, 8], jnp.int32))
+  args.update(change)
+  act = args.pop("activation", "swiglu")
+  with pytest.raises((ValueError, TypeError), match=match):
+    jax.eval_shape(lambda a: jaxmlp.grouped_mlp(**a, activation=act), args)
+
+
+def test_backend_info_reports_each_platform():
+  info = jaxmlp.backend_info()
+  assert {"jax", "cpu", "cuda"} <= set(info)
+  assert "built" in info["cuda"]
+  if info["cuda"]["devices"]:
+    assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
+    assert info["cuda"]["cublaslt_version"] > 0

@@ -1,0 +1,109 @@
+"""jaxmlp.ragged_dot as a drop-in for jax.lax.ragged_dot, and fuzzing of both ops with hypothesis."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxmlp
+import numpy_reference as ref
+
+# The kinds of cases jax's own ragged_dot tests use: (m, k, n, group_sizes), including sum < m and
+# sizes that are not multiples of anything.
+CASES = [
+    (64, 32, 16, [16, 16, 16, 16]),
+    (45, 7, 11, [10, 0, 20, 15]),
+    (40, 8, 24, [5, 10]),  # sum(group_sizes) < m
+    (8, 128, 64, [8]),
+    (128, 64, 32, [0, 0, 128, 0]),
+    (33, 16, 16, [3, 1, 4, 1, 5, 9, 2, 6]),
+]
+
+
+@pytest.mark.parametrize("m, k, n, sizes", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_lax_ragged_dot_and_its_gradients(backend, rng, m, k, n, sizes, dtype):
+  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
+  gs = jnp.asarray(sizes, jnp.int32)
+  dout = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  out, vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, gs), lhs, rhs)
+  dl, dr = vjp(dout)
+  with jax.default_device(jax.devices("cpu")[0]):
+    want, want_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), *(np.asarray(v, np.float32) for v in (lhs, rhs)))
+    want_dl, want_dr = want_vjp(np.asarray(dout, np.float32))
+  tol = TOLERANCE[jnp.dtype(dtype).name]
+  assert out.shape == (m, n) and out.dtype == dtype
+  assert rel_error(out, want) < tol
+  assert rel_error(out, ref.ragged_dot(lhs, rhs, sizes)) < tol
+  assert rel_error(dl, want_dl) < tol and dl.dtype == dtype
+  assert rel_error(dr, want_dr) < tol and dr.dtype == dtype
+  assert not np.asarray(out[sum(sizes):], np.float32).any()
+
+
+def test_preferred_element_type(backend, rng):
+  lhs = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((2, 16, 8)), jnp.bfloat16)
+  gs = jnp.asarray([12, 20], jnp.int32)
+  out = jaxmlp.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+  assert out.dtype == jnp.float32
+  assert rel_error(out, ref.ragged_dot(lhs, rhs, [12, 20])) < 1e-5  # float32 output: no bf16 rounding
+
+
+def test_group_offset_is_not_implemented():
+  with pytest.raises(NotImplementedError, match="group_offset"):
+    jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4], jnp.int32),
+                      group_offset=jnp.asarray([0], jnp.int32))
+
+
+def test_bad_shapes_name_the_argument():
+  with pytest.raises(ValueError, match=r"rhs: got shape \(1, 3, 3\), expected \[g, 2, n\]"):
+    jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 3, 3)), jnp.asarray([4], jnp.int32))
+  with pytest.raises(ValueError, match=r"group_sizes: got shape \(2,\), expected \[1\]"):
+    jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4, 0], jnp.int32))
+
+
+# Sizes drawn from the whole int32 range as well as plausible ones: whatever group_sizes holds, no crash,
+# results follow the clamping policy, and padding rows stay zero.
+_sizes = st.one_of(st.integers(-3, 40), st.sampled_from([-(2**31), -1, 2**31 - 1, 2**30]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 48), d=st.integers(1, 12), f=st.integers(1, 12), sizes=st.lists(_sizes, min_size=1, max_size=5),
+       act=st.sampled_from(jaxmlp.ACTIVATIONS), seed=st.integers(0, 2**31))
+def test_fuzz_grouped_mlp(backend, m, d, f, sizes, act, seed):
+  rng = np.random.default_rng(seed)
+  gated = act in ref.GATED
+  x = rng.standard_normal((m, d)).astype(np.float32)
+  w1 = rng.standard_normal((len(sizes), d, 2 * f if gated else f)).astype(np.float32)
+  w2 = rng.standard_normal((len(sizes), f, d)).astype(np.float32)
+  gs = np.asarray(sizes, np.int32)
+  dy = rng.standard_normal((m, d)).astype(np.float32)
+  y, vjp = jax.vjp(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, jnp.asarray(gs), activation=act), x, w1, w2)
+  dx, dw1, dw2 = vjp(jnp.asarray(dy))
+  want_y, want = ref.grouped_mlp(x, w1, w2, gs, act, dy=dy)
+  assert rel_error(y, want_y) < 1e-4
+  for got, k in ((dx, "x"), (dw1, "w1"), (dw2, "w2")):
+    assert rel_error(got, want[k]) < 1e-4, k
+  total = ref.clamp_sizes(gs, m)[-1]
+  assert not np.asarray(y[total:]).any() and not np.asarray(dx[total:]).any()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 40), k=st.integers(1, 10), n=st.integers(1, 10), sizes=st.lists(_sizes, min_size=1, max_size=5),
+       seed=st.integers(0, 2**31))
+def test_fuzz_ragged_dot(backend, m, k, n, sizes, seed):
+  rng = np.random.default_rng(seed)
+  lhs = rng.standard_normal((m, k)).astype(np.float32)
+  rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
+  gs = np.asarray(sizes, np.int32)
+  out, vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, jnp.asarray(gs)), lhs, rhs)
+  dl, dr = vjp(jnp.ones((m, n), jnp.float32))
+  assert rel_error(out, ref.ragged_dot(lhs, rhs, gs)) < 1e-4
+  off = ref.clamp_sizes(gs, m)
+  want_dr = np.stack([lhs[off[g]:off[g + 1]].T.astype(np.float64) @ np.ones((off[g + 1] - off[g], n))
+                      for g in range(len(sizes))])
+  assert rel_error(dr, want_dr) < 1e-4 if np.any(want_dr) else not np.asarray(dr).any()
+  assert not np.asarray(dl[off[-1]:]).any()
