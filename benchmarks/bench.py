@@ -244,7 +244,9 @@ def run_overhead(layers: int, mode: str, repeats: int, child_env: dict) -> dict:
     cmd = [sys.executable, str(HERE / "overhead.py"), "--layers", str(layers), "--repeats", str(repeats)]
     cmd += [arg for k, v in layer.items() for arg in (f"--{k}", str(v))]
     try:
-      r = run_json(cmd, {**child_env, "XLA_FLAGS": xla_flags})
+      # The overhead runs alone, so it may preallocate: without XLA's preallocated pool buffer addresses
+      # can change between steps and XLA re-records its command buffers, which is the overhead measured.
+      r = run_json(cmd, {**child_env, "XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_FLAGS": xla_flags})
     except Exception as e:
       out["variants"][name] = {"flag": flag, "xla_flags": xla_flags, "error": str(e)}
       log(f"overhead, command buffers {name}: error: {e}")

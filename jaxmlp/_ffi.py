@@ -134,7 +134,11 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
   def cuda(*a):
     ws = _cuda.mlp_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
     target = _cuda_target("mlp_bwd", dt, s.d, s.f, s.F1)
-    return tuple(jax.ffi.ffi_call(target, outs + [_workspace(ws)], vmap_method="sequential")(*a, **attrs)[:6])
+    # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
+    dh = jax.ShapeDtypeStruct((s.M, s.F1), dt)
+    call = jax.ffi.ffi_call(target, outs + [dh, _workspace(ws)], vmap_method="sequential",
+                            input_output_aliases={7: 6})
+    return tuple(call(*a, **attrs)[:6])
 
   dx, dw1, dw2, db1, db2, ds = jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
   return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,

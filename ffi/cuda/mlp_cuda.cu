@@ -31,15 +31,17 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
   return {c.Take<char>(m.M * m.f * esize)};
 }
 
+// The backward needs less: the activation kernel writes a_s over da (each element is read, then
+// written, by one thread) and dh over h, whose buffer XLA donates to the dh result (see _ffi.py). da
+// itself lives in the dw1 result when that is large enough (E d F1 >= M f, true at MoE shapes): dw1 is
+// written by the last GEMM, after a_s has been consumed by the dw2 GEMM.
 struct BackwardScratch {
-  void *da, *a_s, *dh;  // [M, f], [M, f], [M, F1]
-  float* bias_acc;      // [E, max(F1, d)]
+  void* da;         // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
+  float* bias_acc;  // [E, max(F1, d)]
 };
 BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   BackwardScratch s;
-  s.da = c.Take<char>(m.M * m.f * esize);
-  s.a_s = c.Take<char>(m.M * m.f * esize);
-  s.dh = c.Take<char>(m.M * m.F1 * esize);
+  s.da = m.E * m.d * m.F1 >= m.M * m.f ? nullptr : c.Take<char>(m.M * m.f * esize);
   s.bias_acc = (m.has_b1 || m.has_b2) ? c.Take<float>(m.E * std::max(m.F1, m.d)) : nullptr;
   return s;
 }
@@ -95,7 +97,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
                   AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, int32_t act, float alpha,
                   float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
                   Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales,
-                  Result<AnyBuffer> workspace) {
+                  Result<AnyBuffer> dh, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -107,6 +109,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("db1", *db1, {m.E, m.F1}));
   if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("db2", *db2, {m.E, m.d}));
   if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", *dscales, {m.M}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dh", *dh, {m.M, m.F1}));
   if (dy.element_type() != x.element_type() || h.element_type() != x.element_type())
     return Error::InvalidArgument("jaxmlp: h and dy must have x's dtype");
   const ffi::DataType t = x.element_type();
@@ -114,25 +117,26 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
   BackwardScratch s = CarveBackward(ws, m, ElementSize(t));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  if (!s.da) s.da = dw1->untyped_data();
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
 
   const int32_t d = int32_t(m.d), f = int32_t(m.f), F1 = int32_t(m.F1);
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      {GemmOp::kNT, f, d, dy.untyped_data(), w2.untyped_data(), s.da, t, t, 0.0f},                 // da = dy @ w2^T
-      {GemmOp::kTN, f, d, s.a_s, dy.untyped_data(), dw2->untyped_data(), t, t, 0.0f},              // dw2 = a^T dy
-      {GemmOp::kNT, d, F1, s.dh, w1.untyped_data(), dx->untyped_data(), t, t, 0.0f},               // dx = dh @ w1^T
-      {GemmOp::kTN, d, F1, x.untyped_data(), s.dh, dw1->untyped_data(), t, t, 0.0f},               // dw1 = x^T dh
+      {GemmOp::kNT, f, d, dy.untyped_data(), w2.untyped_data(), s.da, t, t, 0.0f},         // da = dy @ w2^T
+      {GemmOp::kTN, f, d, s.da, dy.untyped_data(), dw2->untyped_data(), t, t, 0.0f},       // dw2 = a_s^T dy
+      {GemmOp::kNT, d, F1, dh->untyped_data(), w1.untyped_data(), dx->untyped_data(), t, t, 0.0f},  // dx
+      {GemmOp::kTN, d, F1, x.untyped_data(), dh->untyped_data(), dw1->untyped_data(), t, t, 0.0f},  // dw1
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
-                                            m.f, m.d, h.untyped_data(), s.da, Data(scales), s.a_s, s.dh,
+                                            m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da, dh->untyped_data(),
                                             m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data()));
   for (int i = 1; i < 4; ++i) JAXMLP_RETURN_IF_ERROR(gemms.Run(i));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups(1));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups(3));
   if (m.has_b1)
     JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, s.dh, s.bias_acc, db1->untyped_data()));
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), s.bias_acc, db1->untyped_data()));
   if (m.has_b2)
     JAXMLP_RETURN_IF_ERROR(
         GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), s.bias_acc, db2->untyped_data()));
@@ -197,6 +201,7 @@ auto BindBackward() {
       .Ret<AnyBuffer>()   // db1
       .Ret<AnyBuffer>()   // db2
       .Ret<AnyBuffer>()   // dscales
+      .Ret<AnyBuffer>()   // dh, aliased to h
       .Ret<AnyBuffer>();  // workspace
 }
 

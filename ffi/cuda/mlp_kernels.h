@@ -20,6 +20,8 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
 // Per valid row, from h (with b1 added) and da = dy @ w2^T:
 //   a_s = act(h) * s (the FC2 weight-gradient input), dh = da * s * act'(h), dscales = sum_j da * act(h).
 // Padding rows: dh = 0, dscales = 0 and dx = 0 (dx is written by the FC1 dgrad for valid rows only).
+// In place is allowed: a_s may be da and dh may be h (each element is read before it is written, by the
+// thread that writes it).
 ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                               const void* scales, void* a_s, void* dh, void* dscales, void* dx);

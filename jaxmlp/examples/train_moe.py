@@ -161,7 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
   parser.add_argument("--config", choices=["auto", *CONFIGS], default="auto",
-                      help="model and batch size (auto: small on GPU, tiny otherwise)")
+                      help="model and batch size (auto: small on GPU, tiny otherwise). small is for GPUs: on "
+                           "CPU, jax.lax.ragged_dot (the reference) expands to one dense product per expert")
   parser.add_argument("--impl", choices=["jaxmlp", "reference", "both"], default="both",
                       help="expert MLP: jaxmlp.grouped_mlp, the jax.lax.ragged_dot reference, or both")
   parser.add_argument("--dtype", choices=list(LOSS_TOLERANCE), default="float32",

@@ -1,0 +1,55 @@
+"""Share of jaxmlp's own kernels (setup, activation, zeroing, bias sums) in one fwd+bwd step.
+
+Run under Nsight Compute, which times each kernel on the device:
+  ncu --clock-control none --csv --metrics gpu__time_duration.sum python benchmarks/kernel_share.py qwen3 \
+      > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
+The first form runs two fwd+bwd steps of the SwiGLU MLP at a reference shape (balanced routing); the
+second sums kernel times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
+"""
+import csv
+import sys
+from collections import defaultdict
+
+import cases
+
+OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroupsKernel", "ColumnSumKernel",
+        "ConvertKernel", "ZeroRowsKernel")
+
+
+def run(shape_name):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jaxmlp
+  s = cases.ALL_SHAPES[shape_name]
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((s.M, s.d)), jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((s.E, s.d, 2 * s.f)) * 0.02, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((s.E, s.f, s.d)) * 0.02, jnp.bfloat16)
+  gs = jnp.asarray(cases.group_sizes("balanced", s.E, s.M))
+  step = jax.jit(jax.grad(lambda x, w1, w2: jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32)),
+                          argnums=(0, 1, 2)))
+  for _ in range(2):
+    jax.block_until_ready(step(x, w1, w2))
+
+
+def summarize(path):
+  per_kind = defaultdict(float)
+  with open(path) as f:
+    lines = [l for l in f if l.startswith('"')]
+  for row in csv.DictReader(lines):
+    if row.get("Metric Name") != "gpu__time_duration.sum":
+      continue
+    ns = float(row["Metric Value"].replace(",", "")) * {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}[row["Metric Unit"]]
+    name = row["Kernel Name"]
+    kind = next((k for k in OURS if k in name), "cuBLAS GEMMs and XLA fusions")
+    per_kind[kind] += ns / 2  # two steps were profiled
+  total = sum(per_kind.values())
+  ours = sum(v for k, v in per_kind.items() if k in OURS)
+  for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+    print(f"{k:32s} {v / 1e3:10.1f} us  {100 * v / total:5.1f}%")
+  print(f"jaxmlp's own kernels: {ours / 1e3:.1f} us of {total / 1e3:.1f} us per fwd+bwd step = {100 * ours / total:.1f}%")
+
+
+if __name__ == "__main__":
+  summarize(sys.argv[2]) if sys.argv[1] == "--summarize" else run(sys.argv[1])
