@@ -3,7 +3,7 @@
 Run under Nsight Compute, which times each kernel on the device:
   ncu --clock-control none --csv --metrics gpu__time_duration.sum python benchmarks/kernel_share.py qwen3 \
       > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
-The first form runs two fwd+bwd steps of the SwiGLU MLP at a reference shape (balanced routing); the
+The first form runs two fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing); the
 second sums kernel times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
 """
 import csv
@@ -17,11 +17,12 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
 
 
 def run(shape_name):
+  """shape_name: one of cases.ALL_SHAPES, or "E,d,f,M"."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   import jaxmlp
-  s = cases.ALL_SHAPES[shape_name]
+  s = cases.ALL_SHAPES.get(shape_name) or cases.Shape(shape_name, *map(int, shape_name.split(",")))
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((s.M, s.d)), jnp.bfloat16)
   w1 = jnp.asarray(rng.standard_normal((s.E, s.d, 2 * s.f)) * 0.02, jnp.bfloat16)

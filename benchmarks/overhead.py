@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +32,6 @@ def stack(impl: str):
       x = mlp(x, w1, w2, gs)
     return x
   return run
-
-
-def command_buffer_share(hlo: str) -> str:
-  """'captured/total' kernels (fusions and custom calls) placed inside XLA command buffers, read from
-  the optimised HLO, where XLA outlines each captured sequence into a `command_buffer` computation."""
-  captured = total = 0
-  inside = False
-  for line in hlo.splitlines():
-    header = re.match(r"(?:ENTRY )?%?([\w.-]+) \(.*\{$", line)
-    if header:
-      inside = header.group(1).startswith("command_buffer")
-    elif line.startswith(" ") and re.search(r"\s(fusion|custom-call)\(", line):
-      total += 1
-      captured += inside
-  return f"{captured}/{total}"
 
 
 def main():
@@ -78,8 +62,7 @@ def main():
       compiled = jax.jit(fn).lower(x, w1s, w2s, gs).compile()
       t = measure(lambda i: compiled(x, w1s, w2s, gs), jax.block_until_ready,
                   repeats=a.repeats, max_call_s=10.0, budget_s=10.0, sample_s=0.05)
-      result[impl][mode] = {"us_per_layer": t["s"] / a.layers * 1e6, "timing": t,
-                            "command_buffer_kernels": command_buffer_share(compiled.as_text())}
+      result[impl][mode] = {"us_per_layer": t["s"] / a.layers * 1e6, "timing": t}
   print(json.dumps(result))
 
 

@@ -183,8 +183,7 @@ def overhead_table(results: dict) -> str:
     return ""
   cfg = ov["config"]
   gpu = results["meta"]["mode"] == "gpu"
-  cols = ["implementation", "command buffers", "fwd µs/layer", "fwd+bwd µs/layer",
-          "kernels in command buffers (fwd+bwd)"]
+  cols = ["implementation", "command buffers", "fwd µs/layer", "fwd+bwd µs/layer"]
   if gpu:
     cols.append(f"fwd+bwd ≤ {OVERHEAD_TARGET_US:g} µs/layer")
   rows = [f"| {' | '.join(cols)} |", "|" + "---|" * len(cols)]
@@ -196,8 +195,7 @@ def overhead_table(results: dict) -> str:
       r = v[impl]
       us = r["fwd_bwd"]["us_per_layer"]
       setting = name + (f" (`{v['flag']}`)" if v["flag"] else "")
-      cells = [IMPL_LABELS[impl], setting, num(r["fwd"]["us_per_layer"]), num(us),
-               r["fwd_bwd"]["command_buffer_kernels"]]
+      cells = [IMPL_LABELS[impl], setting, num(r["fwd"]["us_per_layer"]), num(us)]
       if gpu:
         cells.append("yes" if us <= OVERHEAD_TARGET_US else "no")
       rows.append(f"| {' | '.join(cells)} |")
