@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh bench ARGS  build + benchmarks/bench.py ARGS
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
 OUT=${OUT:-/tmp/jaxmlp-session}; mkdir -p "$OUT"
 what=${1:-test}; shift || true
 
@@ -18,6 +18,9 @@ print(json.dumps(jaxmlp.backend_info(), indent=1, default=str))
 PY
 
 if [ "$what" = test ]; then
+  # Tests start JAX in subprocesses too: leave them GPU memory. (Not for the benchmark, where
+  # jax.lax.ragged_dot's autotuning then runs out of memory.)
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
   python3 -P -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
   # memcheck: both paths, adversarial and skewed group sizes, forward and backward.
   for path in fallback grouped; do

@@ -151,14 +151,14 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   args = (lhs, rhs, group_sizes.astype(jnp.int32))
   out = jax.ShapeDtypeStruct(out_shape, out_dtype)
   attrs = dict(op=np.int32(GEMM_OPS[op]))
-  M, E = lhs.shape[0], group_sizes.shape[0]
+  E = group_sizes.shape[0]
   K, N = (lhs.shape[1], rhs.shape[-1]) if op != "nt" else (rhs.shape[1], lhs.shape[1])
 
   def cpu(*a):
     return jax.ffi.ffi_call("jaxmlp_gemm", out, vmap_method="sequential")(*a, **attrs)
 
   def cuda(lhs, rhs, sizes):
-    ws = _cuda.gemm_workspace_bytes(M, K, N, E) if _cuda else 0
+    ws = _cuda.gemm_workspace_bytes(E) if _cuda else 0
     target = _cuda_target("gemm", lhs.dtype, K, N)
     if target.endswith("fallback") and jnp.dtype(out_dtype) != lhs.dtype:
       # cublasGemmGroupedBatchedEx has no 16-bit-in, float32-out mode: multiply the (exactly) upcast inputs.

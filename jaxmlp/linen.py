@@ -16,8 +16,8 @@ from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
-from .nnx import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, _check_impl, _check_moe_args,
-                  _scaled_grouped_mlp, default_bias_init, default_kernel_init, default_router_init, moe)
+from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
+                  scaled_grouped_mlp, default_bias_init, default_kernel_init, default_router_init, moe)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -48,7 +48,7 @@ class GroupedMLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None) -> jax.Array:
     """x [M, d] sorted by expert, group_sizes [E], optional scales [M] -> [M, d]; see jaxmlp.nnx.GroupedMLP."""
-    _check_impl(self.impl)
+    check_impl(self.impl)
     activation = resolve(self.activation)
     fc1_width = 2 * self.d_ff if activation.gated else self.d_ff
     shape1 = (self.num_experts, self.d_model, fc1_width)
@@ -62,7 +62,7 @@ class GroupedMLP(nn.Module):
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
-    return _scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes.astype(jnp.int32), activation,
+    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes.astype(jnp.int32), activation,
                                b1, b2, scales)
 
 
@@ -98,7 +98,7 @@ class MoE(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE."""
-    _check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
+    check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
     tokens = x.reshape(-1, self.d_model)
     # The router computes in float32, as in jaxmlp.nnx.MoE: top-k choices are sensitive to rounding.
     logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,

@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 
-import jaxmlp
 from jaxmlp import _ffi
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative Frobenius error

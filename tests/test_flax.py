@@ -15,6 +15,7 @@ from flax import nnx, serialization
 from jax.sharding import PartitionSpec as P
 
 import jaxmlp.linen
+import jaxmlp.moe
 import jaxmlp.nnx
 from jaxmlp.activations import resolve
 from jaxmlp.examples import train_moe
@@ -260,7 +261,7 @@ def test_moe_matches_dense_reference(activation, top_k, score_func, renormalize,
   params = nnx.to_pure_dict(state)
 
   if capacity_factor is not None:  # the case must drop rows to test dropping
-    _, experts, _ = jaxmlp.nnx.route(x.reshape(-1, D) @ params["router"]["kernel"], top_k, score_func)
+    _, experts, _ = jaxmlp.moe.route(x.reshape(-1, D) @ params["router"]["kernel"], top_k, score_func)
     capacity = math.ceil(capacity_factor * 24 * top_k / E)
     assert np.bincount(np.asarray(experts).ravel(), minlength=E).max() > capacity
 

@@ -77,6 +77,6 @@ NB_MODULE(_cuda, m) {
       },
       "Scratch bytes of one grouped-MLP call (dtype_code: 0 float32, 1 bfloat16, 2 float16).");
   m.def(
-      "gemm_workspace_bytes", [](int64_t M, int64_t K, int64_t N, int64_t E) { return jaxmlp::GroupedGemmsWorkspaceBytes(E); },
-      "Scratch bytes of one grouped GEMM call.");
+      "gemm_workspace_bytes", [](int64_t E) { return jaxmlp::GroupedGemmsWorkspaceBytes(E); }, nb::arg("E"),
+      "Scratch bytes of one grouped GEMM call over E groups.");
 }
