@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -93,6 +94,25 @@ inline ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buf, std::i
     ffi::Error err_ = (expr);             \
     if (!err_.success()) return err_;     \
   } while (0)
+
+// The operands every grouped-MLP call starts with, on both backends: x, w1, w2, group_sizes, b1, b2,
+// scales (a 0-element buffer means absent). The backward appends h and dy.
+template <typename Binding>
+auto BindMlpOperands(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()       // w1
+      .template Arg<ffi::AnyBuffer>()       // w2
+      .template Arg<ffi::AnyBuffer>()       // group_sizes
+      .template Arg<ffi::AnyBuffer>()       // b1
+      .template Arg<ffi::AnyBuffer>()       // b2
+      .template Arg<ffi::AnyBuffer>();      // scales
+}
+
+// The activation attributes (jaxmlp/_ffi.py _act_attrs).
+template <typename Binding>
+auto BindActivationAttrs(Binding b) {
+  return std::move(b).template Attr<int32_t>("activation").template Attr<float>("alpha").template Attr<float>("limit");
+}
 
 // Shapes of one grouped MLP call, read off the buffers.
 struct MlpDims {

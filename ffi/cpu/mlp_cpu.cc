@@ -270,34 +270,14 @@ Error Gemm(AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op, Resu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardCpu, MlpForward,
-                              ffi::Ffi::Bind()
-                                  .Arg<AnyBuffer>()  // x
-                                  .Arg<AnyBuffer>()  // w1
-                                  .Arg<AnyBuffer>()  // w2
-                                  .Arg<AnyBuffer>()  // group_sizes
-                                  .Arg<AnyBuffer>()  // b1 (0 elements: absent)
-                                  .Arg<AnyBuffer>()  // b2 (0 elements: absent)
-                                  .Arg<AnyBuffer>()  // scales (0 elements: absent)
-                                  .Attr<int32_t>("activation")
-                                  .Attr<float>("alpha")
-                                  .Attr<float>("limit")
+                              BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind()))
                                   .Ret<AnyBuffer>()   // y
                                   .Ret<AnyBuffer>());  // h
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardCpu, MlpBackward,
-                              ffi::Ffi::Bind()
-                                  .Arg<AnyBuffer>()  // x
-                                  .Arg<AnyBuffer>()  // w1
-                                  .Arg<AnyBuffer>()  // w2
-                                  .Arg<AnyBuffer>()  // group_sizes
-                                  .Arg<AnyBuffer>()  // b1
-                                  .Arg<AnyBuffer>()  // b2
-                                  .Arg<AnyBuffer>()  // scales
-                                  .Arg<AnyBuffer>()  // h
-                                  .Arg<AnyBuffer>()  // dy
-                                  .Attr<int32_t>("activation")
-                                  .Attr<float>("alpha")
-                                  .Attr<float>("limit")
+                              BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind())
+                                                      .Arg<AnyBuffer>()    // h
+                                                      .Arg<AnyBuffer>())   // dy
                                   .Ret<AnyBuffer>()   // dx
                                   .Ret<AnyBuffer>()   // dw1
                                   .Ret<AnyBuffer>()   // dw2

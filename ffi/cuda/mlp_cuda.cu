@@ -163,38 +163,16 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
 }
 
 auto BindForward() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<AnyBuffer>()  // x
-      .Arg<AnyBuffer>()  // w1
-      .Arg<AnyBuffer>()  // w2
-      .Arg<AnyBuffer>()  // group_sizes
-      .Arg<AnyBuffer>()  // b1 (0 elements: absent)
-      .Arg<AnyBuffer>()  // b2
-      .Arg<AnyBuffer>()  // scales
-      .Attr<int32_t>("activation")
-      .Attr<float>("alpha")
-      .Attr<float>("limit")
+  return BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()))
       .Ret<AnyBuffer>()   // y
       .Ret<AnyBuffer>()   // h
       .Ret<AnyBuffer>();  // workspace
 }
 
 auto BindBackward() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<AnyBuffer>()  // x
-      .Arg<AnyBuffer>()  // w1
-      .Arg<AnyBuffer>()  // w2
-      .Arg<AnyBuffer>()  // group_sizes
-      .Arg<AnyBuffer>()  // b1
-      .Arg<AnyBuffer>()  // b2
-      .Arg<AnyBuffer>()  // scales
-      .Arg<AnyBuffer>()  // h
-      .Arg<AnyBuffer>()  // dy
-      .Attr<int32_t>("activation")
-      .Attr<float>("alpha")
-      .Attr<float>("limit")
+  return BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                 .Arg<AnyBuffer>()   // h
+                                 .Arg<AnyBuffer>())  // dy
       .Ret<AnyBuffer>()   // dx
       .Ret<AnyBuffer>()   // dw1
       .Ret<AnyBuffer>()   // dw2
