@@ -161,6 +161,25 @@ inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, co
   return ffi::Error::Success();
 }
 
+// The backward's extra operands (h [M, F1], dy [M, d], in x's dtype) and its gradients, for dims m
+// from CheckMlp; db1, db2 and dscales only where b1, b2 and scales are present.
+inline ffi::Error CheckMlpBackward(const MlpDims& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& h,
+                                   const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dw1,
+                                   const ffi::AnyBuffer& dw2, const ffi::AnyBuffer& db1, const ffi::AnyBuffer& db2,
+                                   const ffi::AnyBuffer& dscales) {
+  JAXMLP_RETURN_IF_ERROR(CheckShape("h", h, {m.M, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dy", dy, {m.M, m.d}));
+  if (dy.element_type() != x.element_type() || h.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("jaxmlp: h and dy must have x's dtype");
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dx", dx, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", dw1, {m.E, m.d, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", dw2, {m.E, m.f, m.d}));
+  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("db1", db1, {m.E, m.F1}));
+  if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("db2", db2, {m.E, m.d}));
+  if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", dscales, {m.M}));
+  return ffi::Error::Success();
+}
+
 // Shapes of one grouped GEMM call (see GemmOp).
 struct GemmDims {
   int64_t M, K, N, E;

@@ -200,11 +200,7 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
                   Result<AnyBuffer> db2, Result<AnyBuffer> dscales) {
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("h", h, {m.M, m.F1}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dy", dy, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dx", *dx, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", *dw1, {m.E, m.d, m.F1}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", *dw2, {m.E, m.f, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, x, h, dy, *dx, *dw1, *dw2, *db1, *db2, *dscales));
   Poison({&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales});
   const DataType t = x.element_type();
   const ActParams p{static_cast<Act>(act), alpha, limit};
@@ -242,15 +238,12 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
   Store(dW1, *dw1);
   Store(dW2, *dw2);
   if (m.has_b1) {
-    JAXMLP_RETURN_IF_ERROR(CheckShape("db1", *db1, {m.E, m.F1}));
     Store(GroupColumnSums(dH, off, m.F1), *db1);
   }
   if (m.has_b2) {
-    JAXMLP_RETURN_IF_ERROR(CheckShape("db2", *db2, {m.E, m.d}));
     Store(GroupColumnSums(dY, off, m.d), *db2);
   }
   if (m.has_scales) {
-    JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", *dscales, {m.M}));
     Store(dS, *dscales);
   }
   return Error::Success();

@@ -101,17 +101,8 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("h", h, {m.M, m.F1}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dy", dy, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dx", *dx, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", *dw1, {m.E, m.d, m.F1}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", *dw2, {m.E, m.f, m.d}));
-  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("db1", *db1, {m.E, m.F1}));
-  if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("db2", *db2, {m.E, m.d}));
-  if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", *dscales, {m.M}));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, x, h, dy, *dx, *dw1, *dw2, *db1, *db2, *dscales));
   JAXMLP_RETURN_IF_ERROR(CheckShape("dh", *dh, {m.M, m.F1}));
-  if (dy.element_type() != x.element_type() || h.element_type() != x.element_type())
-    return Error::InvalidArgument("jaxmlp: h and dy must have x's dtype");
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
