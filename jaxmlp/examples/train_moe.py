@@ -1,8 +1,9 @@
 """Trains a small Mixture-of-Experts transformer language model on a synthetic Markov chain, with the
 experts computed by jaxmlp.grouped_mlp and by the jax.lax.ragged_dot reference, and compares the two.
 
-  python -m jaxmlp.examples.train_moe                          # both paths; tiny on CPU, small on GPU
-  python -m jaxmlp.examples.train_moe --impl jaxmlp --config small --steps 300 --dtype bfloat16
+  jaxmlp-train-moe                          # both paths; tiny on CPU, small on GPU
+  jaxmlp-train-moe --impl jaxmlp --config small --steps 300 --dtype bfloat16
+(or python -m jaxmlp.examples.train_moe, from outside the source tree).
 
 Both paths train the same model from the same initialisation on the same batches, so their loss curves
 must agree up to rounding; the run exits with status 1 if they drift apart by more than a tolerance.
@@ -216,5 +217,10 @@ def _print_table(runs: dict[str, Run]) -> None:
   print(f"{'tokens/s':<18}" + "".join(f"{run.tokens_per_s:>14,.0f}" for run in runs.values()))
 
 
-if __name__ == "__main__":
+def cli() -> None:
+  """The `jaxmlp-train-moe` command: exit status 1 when the two paths' loss curves diverge."""
   sys.exit(0 if main()["match"] else 1)
+
+
+if __name__ == "__main__":
+  cli()
