@@ -73,7 +73,7 @@ def gemm_path(dtype, *row_lengths: int) -> tuple[str, str]:
       raise RuntimeError(f"JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: {why}")
     return "fallback", why
   if jnp.dtype(dtype) == jnp.float32:
-    return "fallback", "float32 runs on cublasGemmGroupedBatchedEx (cuBLASLt grouped GEMM takes 16-bit inputs)"
+    return "fallback", "float32 runs on cublasGemmGroupedBatchedEx (the grouped path is used for 16-bit inputs)"
   if any(n % 8 for n in row_lengths):
     return "fallback", f"row lengths {row_lengths} are not all multiples of 8 (16-byte aligned group pointers)"
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
@@ -85,7 +85,10 @@ def _optional(a, dtype):
 
 
 def _cuda_target(kind: str, dtype, *row_lengths: int) -> str:
-  if _cuda is None and cuda_devices():
+  if not cuda_devices():
+    # platform_dependent traces the CUDA branch everywhere; without a CUDA device it is never lowered.
+    return f"jaxmlp_{kind}_fallback"
+  if _cuda is None:
     raise RuntimeError(f"jaxmlp was built without its CUDA handlers ({CUDA_BUILD_ERROR}); reinstall with "
                        "nvcc and the cuBLAS headers available (see README, Install)")
   return f"jaxmlp_{kind}_{gemm_path(dtype, *row_lengths)[0]}"

@@ -145,6 +145,16 @@ def test_vmap_over_a_batch_of_calls(backend, rng):
     assert rel_error(got[i], ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "silu")) < 1e-5
 
 
+def test_cpu_unaffected_by_a_forced_cuda_gemm_path(rng, monkeypatch):
+  """The CUDA branch is traced on every machine; forcing its GEMM path must not break CPU calls."""
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
+  args = make_inputs(rng, 40, 16, 16, [15, 25], "swiglu", jnp.float32)
+  n = numpy_args(args)
+  with jax.default_device(jax.devices("cpu")[0]):
+    got = jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
+  assert rel_error(got, ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu")) < 1e-5
+
+
 def test_check_group_sizes_raises_at_run_time(rng):
   args = make_inputs(rng, 16, 8, 8, [10, 10], "relu", jnp.float32)
   with pytest.raises(Exception, match="check_group_sizes"):
