@@ -1,11 +1,13 @@
 """Share of jaxmlp's own kernels (setup, activation, zeroing, bias sums) in one fwd+bwd step.
 
 Run under Nsight Compute, which times each kernel on the device:
-  ncu --clock-control none --csv --metrics gpu__time_duration.sum python benchmarks/kernel_share.py qwen3 \
-      > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
-The first form runs two fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing); the
-second sums kernel times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
+  ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+      python benchmarks/kernel_share.py qwen3 > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
+The first form runs fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing) and
+profiles two of them, after warm-up steps (compilation, cuBLAS's first-call setup); the second sums kernel
+times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
 """
+import ctypes
 import csv
 import sys
 from collections import defaultdict
@@ -32,6 +34,11 @@ def run(shape_name):
                           argnums=(0, 1, 2)))
   for _ in range(2):
     jax.block_until_ready(step(x, w1, w2))
+  cuda = ctypes.CDLL("libcuda.so.1")  # the profiled window: ncu --profile-from-start off
+  cuda.cuProfilerStart()
+  for _ in range(2):
+    jax.block_until_ready(step(x, w1, w2))
+  cuda.cuProfilerStop()
 
 
 def summarize(path):
