@@ -109,15 +109,22 @@ __global__ void SetupKernel(SetupParams p) {
   }
 }
 
-// Zeros out[g] (K * N elements of `bytes` each) for groups with no rows. Grid (blocks, E).
-__global__ void ZeroEmptyGroupsKernel(const int32_t* counts, char* out, int64_t group_bytes) {
-  if (counts[blockIdx.y] != 0) return;
-  char* dst = out + blockIdx.y * group_bytes;
+// Zeros out[g] of product blockIdx.z for the groups g with no rows. Grid (blocks, groups, products).
+struct ZeroTargets {
+  char* out[kMaxGemms];
+  int64_t group_bytes[kMaxGemms];  // K * N elements of the product's output type
+};
+__global__ void ZeroEmptyGroupsKernel(const int32_t* counts, int64_t E, ZeroTargets t) {
+  const int64_t group_bytes = t.group_bytes[blockIdx.z];
   const int64_t start = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
-  if (group_bytes % 16 == 0) {  // XLA buffers are at least 16-byte aligned
-    for (int64_t i = start; i < group_bytes / 16; i += step) reinterpret_cast<int4*>(dst)[i] = int4{0, 0, 0, 0};
-  } else {
-    for (int64_t i = start; i < group_bytes; i += step) dst[i] = 0;
+  for (int64_t g = blockIdx.y; g < E; g += gridDim.y) {
+    if (counts[g] != 0) continue;
+    char* dst = t.out[blockIdx.z] + g * group_bytes;
+    if (group_bytes % 16 == 0) {  // XLA buffers are at least 16-byte aligned
+      for (int64_t i = start; i < group_bytes / 16; i += step) reinterpret_cast<int4*>(dst)[i] = int4{0, 0, 0, 0};
+    } else {
+      for (int64_t i = start; i < group_bytes; i += step) dst[i] = 0;
+    }
   }
 }
 
@@ -242,14 +249,23 @@ ffi::Error GroupedGemms::Run(int i) {
   return path_ == GemmPath::kGrouped ? RunGrouped(specs_[i], i) : RunFallback(specs_[i], i);
 }
 
-ffi::Error GroupedGemms::ZeroEmptyGroups(int i) {
-  const GemmSpec& s = specs_[i];
-  const int64_t group_bytes = int64_t(s.K) * s.N * ElementBytes(s.out_type);
-  if (group_bytes == 0) return ffi::Error::Success();
+ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
+  ZeroTargets t{};
+  int n = 0;
+  int64_t largest = 0;
+  for (int i : products) {
+    if (i < 0 || i >= num_specs_ || n == kMaxGemms) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
+    const GemmSpec& s = specs_[i];
+    t.out[n] = static_cast<char*>(s.out);
+    t.group_bytes[n] = int64_t(s.K) * s.N * ElementBytes(s.out_type);
+    largest = std::max(largest, t.group_bytes[n++]);
+  }
+  if (largest == 0) return ffi::Error::Success();
   // Few blocks per group: nearly all groups have rows and their blocks exit at once (at qwen3 shapes a
   // 1024-block-per-group grid cost 70 us per launch doing nothing); 16 still zero an empty group quickly.
-  dim3 grid(unsigned(std::min<int64_t>((group_bytes / 16 + 255) / 256, 16) + 1), unsigned(E_));
-  ZeroEmptyGroupsKernel<<<grid, 256, 0, stream_>>>(arrays_.counts, static_cast<char*>(s.out), group_bytes);
+  dim3 grid(unsigned(std::min<int64_t>((largest / 16 + 255) / 256, 16) + 1), unsigned(std::min<int64_t>(E_, 65535)),
+            unsigned(n));
+  ZeroEmptyGroupsKernel<<<grid, 256, 0, stream_>>>(arrays_.counts, E_, t);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing empty groups");
   return ffi::Error::Success();
 }
@@ -304,7 +320,9 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
     handle = h->second;
     auto it = lt_plans.find(key);
     if (it == lt_plans.end()) {
-      // First call with this problem signature: build the descriptor and ask the heuristic once.
+      // First call with this problem signature: build the descriptor and ask the heuristic once. (Timing
+      // its top 8 on the first call instead was measured: +2-4% where later calls had the first call's
+      // group sizes, down to -19% where they had others; benchmarks/NOTES.md.)
       cublasLtMatmulDesc_t desc;
       JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
       cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;

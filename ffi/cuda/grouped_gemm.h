@@ -76,8 +76,9 @@ class GroupedGemms {
   ffi::Error Prepare(std::initializer_list<GemmSpec> specs);
   // Enqueues product i of Prepare's list.
   ffi::Error Run(int i);
-  // Writes zeros to out[g] of a kTN product for every group with no rows (cuBLAS may leave them unwritten).
-  ffi::Error ZeroEmptyGroups(int i);
+  // Writes zeros to out[g] of the given kTN products for every group with no rows (cuBLAS may leave them
+  // unwritten), in one launch.
+  ffi::Error ZeroEmptyGroups(std::initializer_list<int> products);
 
   const int64_t* offsets() const { return arrays_.offsets; }  // device pointer
   int64_t E() const { return E_; }

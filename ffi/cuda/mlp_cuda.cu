@@ -123,8 +123,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
                                             m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da, dh->untyped_data(),
                                             m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data()));
   for (int i = 1; i < 4; ++i) JAXMLP_RETURN_IF_ERROR(gemms.Run(i));
-  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups(1));
-  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups(3));
+  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   if (m.has_b1)
     JAXMLP_RETURN_IF_ERROR(
         GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), s.bias_acc, db1->untyped_data()));
@@ -148,7 +147,7 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({{gop, int32_t(g.K), int32_t(g.N), lhs.untyped_data(), rhs.untyped_data(),
                                          out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f}}));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
-  if (gop == GemmOp::kTN) return gemms.ZeroEmptyGroups(0);
+  if (gop == GemmOp::kTN) return gemms.ZeroEmptyGroups({0});
   const int64_t row_bytes = (gop == GemmOp::kNN ? g.N : g.K) * ElementSize(out->element_type());
   return ZeroPaddingRows(stream, gemms.offsets(), g.E, g.M, row_bytes, out->untyped_data());
 }
