@@ -2,11 +2,13 @@
 experts computed by jaxmlp.grouped_mlp and by the jax.lax.ragged_dot reference, and compares the two.
 
   jaxmlp-train-moe                          # both paths; tiny on CPU, small on GPU
-  jaxmlp-train-moe --impl jaxmlp --config small --steps 300 --dtype bfloat16
+  jaxmlp-train-moe --impl jaxmlp --config small --steps 300 --dtype float32
 (or python -m jaxmlp.examples.train_moe, from outside the source tree).
 
-Both paths train the same model from the same initialisation on the same batches, so their loss curves
-must agree up to rounding; the run exits with status 1 if they drift apart by more than a tolerance.
+Both paths train the same model from the same initialisation on the same batches. The run checks that
+they compute the same gradients at the start (a wrong gradient shows there at once) and end at the same
+loss, and exits with status 1 otherwise. Their curves in between are not expected to coincide: see
+GRADIENT_TOLERANCE.
 """
 from __future__ import annotations
 
@@ -45,11 +47,20 @@ CONFIGS = {
   "small": Config(vocab_size=4096, d_model=512, num_heads=8, num_layers=4, num_experts=32, top_k=4, d_ff=1024,
                   seq_len=512, batch_size=32, steps=200, learning_rate=1e-3),
 }
-# Largest tolerated difference between the two paths' loss curves. The paths round differently, and top-k
-# routing amplifies that: once a rounding difference flips an expert choice, the trajectories drift apart
-# slowly (measured on the tiny config over 150 steps: up to 3e-3 in float32, 7e-2 in bfloat16). A wrong
-# gradient separates them by far more.
-LOSS_TOLERANCE = {"float32": 1e-2, "bfloat16": 1e-1}
+# How far apart the two paths may be. They are different but correct float programs, and training is
+# chaotic in their rounding: AdamW's first steps move each weight by about +-lr whatever its gradient's
+# size, so weights whose gradient is zero up to rounding move in the direction of that rounding, and top-k
+# routing turns such differences into other expert choices. Measured on an H200 (small config): in float32
+# at full precision the gradients at the start agree to 2e-6, yet the losses differ by 1e-3 after one step
+# and by up to 0.38 on the way down; both curves then reach the same loss (within 1% after 60 steps; in
+# bfloat16 within 6e-4 after 200). So the curves are printed, and the checks are:
+#   - the gradients of the first batch against float32 ones (the reference path at full precision): the
+#     largest relative error over all parameters must stay within GRADIENT_TOLERANCE, or within twice the
+#     reference path's own error in the same dtype (in bfloat16 both paths were about 0.3 off on some
+#     parameter: rounding flips expert choices);
+GRADIENT_TOLERANCE = 1e-4
+#   - the relative difference of the mean loss over the last tenth of the steps (at least 5).
+FINAL_LOSS_TOLERANCE = {"float32": 0.02, "bfloat16": 0.05}
 # Successors of each token in the Markov chain: the lower this is, the lower the loss can go.
 BRANCHING = 4
 
@@ -114,6 +125,31 @@ class MoETransformer(nnx.Module):
     return self.lm_head(self.final_norm(x)).astype(jnp.float32), aux_loss
 
 
+def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(cross-entropy + router losses, cross-entropy) of next-token prediction on batch [B, S + 1]."""
+  logits, aux_loss = nnx.merge(graphdef, params)(batch[:, :-1])
+  cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  return cross_entropy + aux_loss, cross_entropy
+
+
+def initial_gradients(cfg: Config, batch: np.ndarray, *, impl: str, dtype, seed: int) -> nnx.State:
+  """Gradients of the loss of `batch` for a fresh model initialised from `seed`."""
+  graphdef, params = nnx.split(MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed)))
+  return jax.jit(jax.grad(lambda p: loss_fn(graphdef, p, batch)[0]))(params)
+
+
+def gradient_error(grads: nnx.State, reference: nnx.State) -> float:
+  """Largest relative error (Frobenius norm, float64) of any parameter's gradient."""
+  errors = [np.linalg.norm(np.float64(a) - np.float64(b)) / max(np.linalg.norm(np.float64(b)), 1e-30)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference))]
+  return float(max(errors))
+
+
+def final_loss(losses: list[float]) -> float:
+  """Mean loss over the last tenth of the steps (at least 5, or all there are)."""
+  return float(np.mean(losses[-max(5, len(losses) // 10):]))
+
+
 @dataclasses.dataclass
 class Run:
   impl: str
@@ -130,12 +166,7 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int) -> R
 
   @jax.jit
   def train_step(params, opt_state, batch):
-    def loss_fn(params):
-      logits, aux_loss = nnx.merge(graphdef, params)(batch[:, :-1])
-      cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-      return cross_entropy + aux_loss, cross_entropy
-
-    (_, cross_entropy), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (_, cross_entropy), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, cross_entropy
 
@@ -166,8 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "CPU, jax.lax.ragged_dot (the reference) expands to one dense product per expert")
   parser.add_argument("--impl", choices=["jaxmlp", "reference", "both"], default="both",
                       help="expert MLP: jaxmlp.grouped_mlp, the jax.lax.ragged_dot reference, or both")
-  parser.add_argument("--dtype", choices=list(LOSS_TOLERANCE), default="float32",
-                      help="computation dtype (parameters stay float32)")
+  parser.add_argument("--dtype", choices=["auto", *FINAL_LOSS_TOLERANCE], default="auto",
+                      help="computation dtype; parameters stay float32 (auto: bfloat16 on GPU, float32 otherwise)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initialisation")
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 2:
@@ -176,49 +207,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  """Runs the example; returns {"runs": {impl: Run}, "max_loss_diff", "tolerance", "match"}."""
+  """Runs the example; returns {"runs": {impl: Run}, "checks": {name: (value, tolerance)},
+  "max_loss_diff", "match"} (checks and max_loss_diff when both paths ran)."""
   args = parse_args(argv)
-  config_name = args.config
-  if config_name == "auto":
-    config_name = "small" if jax.default_backend() == "gpu" else "tiny"
-  cfg = CONFIGS[config_name]
+  gpu = jax.default_backend() == "gpu"
+  config_name = args.config if args.config != "auto" else ("small" if gpu else "tiny")
+  dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu else "float32")
+  cfg, dtype = CONFIGS[config_name], jnp.dtype(dtype_name)
   steps = args.steps or cfg.steps
   impls = ["jaxmlp", "reference"] if args.impl == "both" else [args.impl]
 
   chain = MarkovChain(cfg.vocab_size, args.seed)
   batches = np.stack([chain.sample(cfg.batch_size, cfg.seq_len + 1) for _ in range(steps)])
-  print(f"config {config_name} ({cfg}), {steps} steps, {args.dtype} on {jax.default_backend()}")
+  print(f"config {config_name} ({cfg}), {steps} steps, {dtype_name} on {jax.default_backend()}")
   print(f"loss floor (entropy of the Markov chain): {chain.entropy():.4f}; uniform guess: "
         f"{np.log(cfg.vocab_size):.4f}")
 
   # In float32 both paths multiply in full float32: XLA's default on GPUs (TF32 products) would round
-  # the reference path and the rest of the model but not jaxmlp's float32 GEMMs, and top-k routing
-  # turns such differences into diverging loss curves.
-  precision = "highest" if args.dtype == "float32" else "default"
+  # the reference path and the rest of the model but not jaxmlp's float32 GEMMs.
+  precision = "highest" if dtype_name == "float32" else "default"
+  grads = {}
+  if len(impls) == 2:
+    with jax.default_matmul_precision(precision):
+      grads = {impl: initial_gradients(cfg, batches[0], impl=impl, dtype=dtype, seed=args.seed) for impl in impls}
+    with jax.default_matmul_precision("highest"):
+      exact = initial_gradients(cfg, batches[0], impl="reference", dtype=jnp.float32, seed=args.seed)
   with jax.default_matmul_precision(precision):
-    runs = {impl: train(cfg, batches, impl=impl, dtype=jnp.dtype(args.dtype), seed=args.seed) for impl in impls}
-  result = {"runs": runs, "max_loss_diff": None, "tolerance": LOSS_TOLERANCE[args.dtype], "match": True}
+    runs = {impl: train(cfg, batches, impl=impl, dtype=dtype, seed=args.seed) for impl in impls}
+  result = {"runs": runs, "match": True}
   _print_table(runs)
   if len(runs) == 2:
-    diff = float(np.max(np.abs(np.subtract(runs["jaxmlp"].losses, runs["reference"].losses))))
-    result.update(max_loss_diff=diff, match=diff <= result["tolerance"])
+    final = {impl: final_loss(run.losses) for impl, run in runs.items()}
+    checks = {
+        "gradient error at start": (gradient_error(grads["jaxmlp"], exact),
+                                    max(GRADIENT_TOLERANCE, 2 * gradient_error(grads["reference"], exact))),
+        "final loss rel. diff": (abs(final["jaxmlp"] - final["reference"]) / abs(final["reference"]),
+                                 FINAL_LOSS_TOLERANCE[dtype_name]),
+    }
+    max_diff = float(np.max(np.abs(np.subtract(runs["jaxmlp"].losses, runs["reference"].losses))))
+    result.update(checks=checks, max_loss_diff=max_diff, match=all(v <= tol for v, tol in checks.values()))
+    for name, (value, tol) in checks.items():
+      print(f"{name:<28}{value:>10.2e}  (tolerance {tol:.0e})")
+    print(f"{'max |loss diff|':<28}{max_diff:>10.2e}  (along the curves; not a check, see GRADIENT_TOLERANCE)")
     speedup = runs["jaxmlp"].tokens_per_s / runs["reference"].tokens_per_s
-    print(f"{'max |loss diff|':<18}{diff:>14.2e}  (tolerance {result['tolerance']:.0e})")
-    print(f"{'speedup':<18}{speedup:>13.2f}x  (jaxmlp tokens/s over reference tokens/s)")
+    print(f"{'speedup':<28}{speedup:>9.2f}x  (jaxmlp tokens/s over reference tokens/s)")
     if not result["match"]:
-      print("FAIL: the loss curves of the two paths diverge beyond the tolerance", file=sys.stderr)
+      print("FAIL: the two paths disagree beyond the tolerance", file=sys.stderr)
   return result
 
 
 def _print_table(runs: dict[str, Run]) -> None:
-  print(f"\n{'':<18}" + "".join(f"{impl:>14}" for impl in runs))
-  print(f"{'first loss':<18}" + "".join(f"{run.losses[0]:>14.4f}" for run in runs.values()))
-  print(f"{'final loss':<18}" + "".join(f"{run.losses[-1]:>14.4f}" for run in runs.values()))
-  print(f"{'tokens/s':<18}" + "".join(f"{run.tokens_per_s:>14,.0f}" for run in runs.values()))
+  print(f"\n{'':<28}" + "".join(f"{impl:>14}" for impl in runs))
+  print(f"{'first loss':<28}" + "".join(f"{run.losses[0]:>14.4f}" for run in runs.values()))
+  print(f"{'final loss (mean, last 10%)':<28}" + "".join(f"{final_loss(run.losses):>14.4f}" for run in runs.values()))
+  print(f"{'tokens/s':<28}" + "".join(f"{run.tokens_per_s:>14,.0f}" for run in runs.values()))
 
 
 def cli() -> None:
-  """The `jaxmlp-train-moe` command: exit status 1 when the two paths' loss curves diverge."""
+  """The `jaxmlp-train-moe` command: exit status 1 when the two paths disagree (see main)."""
   sys.exit(0 if main()["match"] else 1)
 
 
