@@ -321,8 +321,8 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
     auto it = lt_plans.find(key);
     if (it == lt_plans.end()) {
       // First call with this problem signature: build the descriptor and ask the heuristic once. (Timing
-      // its top 8 on the first call instead was measured: +2-4% where later calls had the first call's
-      // group sizes, down to -19% where they had others; benchmarks/NOTES.md.)
+      // its top 8 on the first call instead was measured: -2% to +4% where later calls had the first
+      // call's group sizes, down to -19% where they had others; benchmarks/NOTES.md.)
       cublasLtMatmulDesc_t desc;
       JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
       cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;
