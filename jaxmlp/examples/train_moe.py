@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'max |loss diff|':<28}{max_diff:>10.2e}  (along the curves; not a check, see GRADIENT_TOLERANCE)")
     speedup = runs["jaxmlp"].tokens_per_s / runs["reference"].tokens_per_s
     print(f"{'speedup':<28}{speedup:>9.2f}x  (jaxmlp tokens/s over reference tokens/s)")
+    if not gpu:
+      print("(On the CPU jaxmlp runs its single-threaded C++ handlers, there to check the GPU path's "
+            "semantics, not to be fast.)")
     if not result["match"]:
       print("FAIL: the two paths disagree beyond the tolerance", file=sys.stderr)
   return result
