@@ -108,6 +108,17 @@ auto BindMlpOperands(Binding b) {
       .template Arg<ffi::AnyBuffer>();      // scales
 }
 
+// The gradient results of the backward, in the order CheckMlpBackward validates them.
+template <typename Binding>
+auto BindMlpGradients(Binding b) {
+  return std::move(b).template Ret<ffi::AnyBuffer>()  // dx
+      .template Ret<ffi::AnyBuffer>()       // dw1
+      .template Ret<ffi::AnyBuffer>()       // dw2
+      .template Ret<ffi::AnyBuffer>()       // db1
+      .template Ret<ffi::AnyBuffer>()       // db2
+      .template Ret<ffi::AnyBuffer>();      // dscales
+}
+
 // The activation attributes (jaxmlp/_ffi.py _act_attrs).
 template <typename Binding>
 auto BindActivationAttrs(Binding b) {

@@ -268,15 +268,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardCpu, MlpForward,
                                   .Ret<AnyBuffer>());  // h
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardCpu, MlpBackward,
-                              BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind())
-                                                      .Arg<AnyBuffer>()    // h
-                                                      .Arg<AnyBuffer>())   // dy
-                                  .Ret<AnyBuffer>()   // dx
-                                  .Ret<AnyBuffer>()   // dw1
-                                  .Ret<AnyBuffer>()   // dw2
-                                  .Ret<AnyBuffer>()   // db1
-                                  .Ret<AnyBuffer>()   // db2
-                                  .Ret<AnyBuffer>());  // dscales
+                              BindMlpGradients(BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind())
+                                                                       .Arg<AnyBuffer>()     // h
+                                                                       .Arg<AnyBuffer>())));  // dy
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCpu, Gemm,
                               ffi::Ffi::Bind()

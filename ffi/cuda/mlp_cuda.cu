@@ -160,15 +160,9 @@ auto BindForward() {
 }
 
 auto BindBackward() {
-  return BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                 .Arg<AnyBuffer>()   // h
-                                 .Arg<AnyBuffer>())  // dy
-      .Ret<AnyBuffer>()   // dx
-      .Ret<AnyBuffer>()   // dw1
-      .Ret<AnyBuffer>()   // dw2
-      .Ret<AnyBuffer>()   // db1
-      .Ret<AnyBuffer>()   // db2
-      .Ret<AnyBuffer>()   // dscales
+  return BindMlpGradients(BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                                  .Arg<AnyBuffer>()    // h
+                                                  .Arg<AnyBuffer>()))  // dy
       .Ret<AnyBuffer>()   // dh, aliased to h
       .Ret<AnyBuffer>();  // workspace
 }
