@@ -22,8 +22,8 @@ if [ "$what" = test ]; then
   # jax.lax.ragged_dot's autotuning then runs out of memory.)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   python3 -P -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
-  # memcheck: both paths, adversarial and skewed group sizes, forward and backward.
-  for path in fallback grouped; do
+  # memcheck: every path, adversarial and skewed group sizes, forward and backward.
+  for path in fallback grouped tiled; do
     JAXMLP_GEMM_PATH=$path XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
 import jax, jax.numpy as jnp, numpy as np, jaxmlp

@@ -50,7 +50,7 @@ def summarize(path):
       continue
     ns = float(row["Metric Value"].replace(",", "")) * {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}[row["Metric Unit"]]
     name = row["Kernel Name"]
-    kind = next((k for k in OURS if k in name), "cuBLAS GEMMs and XLA fusions")
+    kind = next((k for k in OURS + ("TiledGemmKernel",) if k in name), "cuBLAS GEMMs and XLA fusions")
     per_kind[kind] += ns / 2  # two steps were profiled
   total = sum(per_kind.values())
   ours = sum(v for k, v in per_kind.items() if k in OURS)

@@ -1,9 +1,11 @@
 """The XLA FFI calls: target registration, and one function per custom call that picks the CPU or CUDA
 handler when XLA lowers for that platform.
 
-CUDA targets come in two variants, chosen here at trace time (see `gemm_path`):
+CUDA targets come in three variants, chosen here at trace time (see `gemm_path`):
   *_grouped   cuBLASLt grouped GEMM, group sizes read on the device: no host sync, and the handlers are
               declared command-buffer compatible, so XLA may capture them in CUDA graphs;
+  *_tiled     jaxmlp's own tensor-core grouped GEMM (ffi/cuda/tiled_gemm.cu) for small problems, where
+              cuBLAS's fixed cost per product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host
               copy and stream sync per call).
 CUDA handlers take their scratch memory (cuBLAS workspace, pointer arrays, intermediates) as an extra
@@ -59,22 +61,41 @@ def cuda_status() -> dict:
   return dict(_cuda.status(lib_dirs))
 
 
-def gemm_path(dtype, *row_lengths: int) -> tuple[str, str]:
-  """Which CUDA GEMM path a call takes, and why: ("grouped" | "fallback", reason)."""
+# Up to this many multiply-adds per product (FC1's M * d * F1 for the MLP) the tiled kernel beats the
+# cuBLAS grouped GEMM, whose fixed cost is ~7 us per product (crossover measured on an H200:
+# benchmarks/NOTES.md).
+TILED_MAX_MACS = 1 << 28
+
+
+def gemm_path(dtype, *row_lengths: int, macs: int | None = None) -> tuple[str, str]:
+  """Which CUDA GEMM path a call takes, and why: ("grouped" | "tiled" | "fallback", reason).
+
+  row_lengths: the K and N of the call's products (the tiled and grouped paths need multiples of 8);
+  macs: multiply-adds of its largest product (None: large).
+  """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
   status = cuda_status()
-  if forced not in ("auto", "grouped", "fallback"):
-    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped or fallback")
+  if forced not in ("auto", "grouped", "tiled", "fallback"):
+    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, tiled or fallback")
   if forced == "fallback":
     return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
+  sixteen_bit = jnp.dtype(dtype) != jnp.float32
+  aligned = not any(n % 8 for n in row_lengths)
+  if forced == "tiled" and not status.get("tiled_available"):
+    raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: {status.get('tiled_reason')}")
+  if sixteen_bit and aligned and status.get("tiled_available"):
+    if forced == "tiled":
+      return "tiled", "forced by JAXMLP_GEMM_PATH=tiled"
+    if forced == "auto" and macs is not None and macs <= TILED_MAX_MACS:
+      return "tiled", f"small problem ({macs} multiply-adds per product <= {TILED_MAX_MACS}): jaxmlp's tiled kernel"
   if not status.get("grouped_available"):
     why = status.get("grouped_reason", "no CUDA device")
     if forced == "grouped":
       raise RuntimeError(f"JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: {why}")
     return "fallback", why
-  if jnp.dtype(dtype) == jnp.float32:
+  if not sixteen_bit:
     return "fallback", "float32 runs on cublasGemmGroupedBatchedEx (the grouped path is used for 16-bit inputs)"
-  if any(n % 8 for n in row_lengths):
+  if not aligned:
     return "fallback", f"row lengths {row_lengths} are not all multiples of 8 (16-byte aligned group pointers)"
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
 
@@ -84,14 +105,14 @@ def _optional(a, dtype):
   return jnp.zeros((0,), dtype) if a is None else a
 
 
-def _cuda_target(kind: str, dtype, *row_lengths: int) -> str:
+def _cuda_path(dtype, *row_lengths: int, macs: int) -> str:
   if not cuda_devices():
     # platform_dependent traces the CUDA branch everywhere; without a CUDA device it is never lowered.
-    return f"jaxmlp_{kind}_fallback"
+    return "fallback"
   if _cuda is None:
     raise RuntimeError(f"jaxmlp was built without its CUDA handlers ({CUDA_BUILD_ERROR}); reinstall with "
                        "nvcc and the cuBLAS headers available (see README, Install)")
-  return f"jaxmlp_{kind}_{gemm_path(dtype, *row_lengths)[0]}"
+  return gemm_path(dtype, *row_lengths, macs=macs)[0]
 
 
 def _workspace(nbytes: int) -> jax.ShapeDtypeStruct:
@@ -113,9 +134,10 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
     return tuple(jax.ffi.ffi_call("jaxmlp_mlp_fwd", outs, vmap_method="sequential")(*a, **attrs))
 
   def cuda(*a):
-    ws = _cuda.mlp_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
-    target = _cuda_target("mlp_fwd", dt, s.d, s.f, s.F1)
-    return tuple(jax.ffi.ffi_call(target, outs + [_workspace(ws)], vmap_method="sequential")(*a, **attrs)[:2])
+    path = _cuda_path(dt, s.d, s.f, s.F1, macs=s.M * s.d * s.F1)
+    ws = _cuda.mlp_workspace_bytes(path, True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+    call = jax.ffi.ffi_call(f"jaxmlp_mlp_fwd_{path}", outs + [_workspace(ws)], vmap_method="sequential")
+    return tuple(call(*a, **attrs)[:2])
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
 
@@ -135,11 +157,11 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     return tuple(jax.ffi.ffi_call("jaxmlp_mlp_bwd", outs, vmap_method="sequential")(*a, **attrs))
 
   def cuda(*a):
-    ws = _cuda.mlp_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
-    target = _cuda_target("mlp_bwd", dt, s.d, s.f, s.F1)
+    path = _cuda_path(dt, s.d, s.f, s.F1, macs=s.M * s.d * s.F1)
+    ws = _cuda.mlp_workspace_bytes(path, False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
     # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
     dh = jax.ShapeDtypeStruct((s.M, s.F1), dt)
-    call = jax.ffi.ffi_call(target, outs + [dh, _workspace(ws)], vmap_method="sequential",
+    call = jax.ffi.ffi_call(f"jaxmlp_mlp_bwd_{path}", outs + [dh, _workspace(ws)], vmap_method="sequential",
                             input_output_aliases={7: 6})
     return tuple(call(*a, **attrs)[:6])
 
@@ -161,11 +183,12 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
     return jax.ffi.ffi_call("jaxmlp_gemm", out, vmap_method="sequential")(*a, **attrs)
 
   def cuda(lhs, rhs, sizes):
-    ws = _cuda.gemm_workspace_bytes(E) if _cuda else 0
-    target = _cuda_target("gemm", lhs.dtype, K, N)
-    if target.endswith("fallback") and jnp.dtype(out_dtype) != lhs.dtype:
+    path = _cuda_path(lhs.dtype, K, N, macs=lhs.shape[0] * K * N)
+    ws = _cuda.gemm_workspace_bytes(path, E) if _cuda else 0
+    if path == "fallback" and jnp.dtype(out_dtype) != lhs.dtype:
       # cublasGemmGroupedBatchedEx has no 16-bit-in, float32-out mode: multiply the (exactly) upcast inputs.
       lhs, rhs = lhs.astype(out_dtype), rhs.astype(out_dtype)
-    return jax.ffi.ffi_call(target, [out, _workspace(ws)], vmap_method="sequential")(lhs, rhs, sizes, **attrs)[0]
+    call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [out, _workspace(ws)], vmap_method="sequential")
+    return call(lhs, rhs, sizes, **attrs)[0]
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)

@@ -8,10 +8,11 @@ from . import _ffi
 
 
 def backend_info() -> dict:
-  """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes.
+  """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes: large
+  problems (`gemm_path`) and those of at most `tiled_max_macs` multiply-adds per product (`small_gemm_path`).
 
   Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
-  "why": "cuBLASLt grouped GEMM ...", "cublaslt_version": 131000, "compute_capability": "9.0", ...}}
+  "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000, "compute_capability": "9.0", ...}}
   """
   info = {"jax": jax.__version__,
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "loops"}}
@@ -21,7 +22,9 @@ def backend_info() -> dict:
   elif cuda["devices"]:
     cuda.update(_ffi.cuda_status())
     path, why = _ffi.gemm_path(jnp.bfloat16, 8)
-    cuda.update(gemm_path=path, why=why, float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
+    small_path, small_why = _ffi.gemm_path(jnp.bfloat16, 8, macs=_ffi.TILED_MAX_MACS)
+    cuda.update(gemm_path=path, why=why, small_gemm_path=small_path, small_why=small_why,
+                tiled_max_macs=_ffi.TILED_MAX_MACS, float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
   else:
     cuda["why"] = "no CUDA device visible to JAX"
   info["cuda"] = cuda

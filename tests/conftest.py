@@ -21,12 +21,15 @@ def cuda_reason(path):
     return "no CUDA device"
   if path == "grouped" and not _ffi.cuda_status().get("grouped_available"):
     return "cuBLASLt grouped GEMM unavailable: " + _ffi.cuda_status().get("grouped_reason", "")
+  if path == "tiled" and not _ffi.cuda_status().get("tiled_available"):
+    return "tiled kernel unavailable: " + _ffi.cuda_status().get("tiled_reason", "")
   return None
 
 
 BACKENDS = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda-grouped", id="cuda-grouped", marks=pytest.mark.gpu),
+    pytest.param("cuda-tiled", id="cuda-tiled", marks=pytest.mark.gpu),
     pytest.param("cuda-fallback", id="cuda-fallback", marks=pytest.mark.gpu),
 ]
 

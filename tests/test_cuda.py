@@ -1,4 +1,5 @@
-"""CUDA-only checks: realistic sizes on both GEMM paths, and the grouped path inside XLA command buffers.
+"""CUDA-only checks: realistic sizes on every GEMM path, the automatic choice between them, and the sync-free
+paths inside XLA command buffers.
 
 Skipped without a GPU (the `backend` fixture and cuda_reason in conftest.py say why).
 """
@@ -72,9 +73,11 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_grouped_path_inside_command_buffers():
-  """The grouped-path handlers are captured into an XLA command buffer and give identical results."""
-  reason = cuda_reason("grouped")
+@pytest.mark.parametrize("path", ["grouped", "tiled"])
+def test_sync_free_paths_inside_command_buffers(path):
+  """The grouped- and tiled-path handlers are captured into an XLA command buffer and give identical
+  results."""
+  reason = cuda_reason(path)
   if reason:
     pytest.skip(reason)
   import json
@@ -82,7 +85,7 @@ def test_grouped_path_inside_command_buffers():
   def run(flags):
     # XLA's own allocator: without preallocation buffer addresses can move between steps, and XLA then
     # re-records the command buffer, which runs the handlers' host code again.
-    env = dict(os.environ, JAXMLP_GEMM_PATH="grouped", XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    env = dict(os.environ, JAXMLP_GEMM_PATH=path, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="true")
     out = subprocess.run([sys.executable, "-P", "-c", COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -97,3 +100,18 @@ def test_grouped_path_inside_command_buffers():
   assert with_cb["loss"] == without["loss"]
   for a, b in zip(with_cb["grads"], without["grads"]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
+  reason = cuda_reason("tiled")
+  if reason:
+    pytest.skip(reason)
+  from jaxmlp import _ffi
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "auto")
+  bf16 = jnp.bfloat16
+  assert _ffi.gemm_path(bf16, 256, 1024, macs=256 * 256 * 1024)[0] == "tiled"
+  assert _ffi.gemm_path(bf16, 4096, 28672, macs=16384 * 4096 * 28672)[0] != "tiled"
+  assert _ffi.gemm_path(bf16, 256, 1020, macs=1)[0] != "tiled"  # rows of 1020 elements: not 16-byte multiples
+  assert _ffi.gemm_path(jnp.float32, 256, 1024, macs=1)[0] == "fallback"
+  info = jaxmlp.backend_info()["cuda"]
+  assert info["small_gemm_path"] == "tiled" and info["tiled_max_macs"] == _ffi.TILED_MAX_MACS

@@ -193,4 +193,5 @@ def test_backend_info_reports_each_platform():
   assert "built" in info["cuda"]
   if info["cuda"]["devices"]:
     assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
+    assert info["cuda"]["small_gemm_path"] in ("tiled", "grouped", "fallback") and info["cuda"]["small_why"]
     assert info["cuda"]["cublaslt_version"] > 0

@@ -7,6 +7,8 @@
 #include <tuple>
 #include <vector>
 
+#include "tiled_gemm.h"
+
 namespace jaxmlp {
 namespace {
 
@@ -201,14 +203,18 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* gr
     : path_(path), stream_(stream), group_sizes_(group_sizes), E_(E), M_(M) {
   arrays_.counts = ws.Take<int32_t>(E);
   arrays_.offsets = ws.Take<int64_t>(E + 1);
+  if (path == GemmPath::kTiled) {  // needs no cuBLAS arrays or workspace
+    arrays_.dims = nullptr, arrays_.ptrs = nullptr, cublas_ws_ = nullptr;
+    return;
+  }
   arrays_.dims = ws.Take<int32_t>(kMaxGemms * 2 * E);
   arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
 }
 
-size_t GroupedGemmsWorkspaceBytes(int64_t E) {
+size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E) {
   Carver c(nullptr);
-  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, E, 0, c);
+  GroupedGemms counted(path, nullptr, nullptr, E, 0, c);
   return c.used();
 }
 
@@ -224,11 +230,15 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   p.out = arrays_;
   num_specs_ = 0;
   for (const GemmSpec& s : specs) {
+    if (path_ == GemmPath::kTiled && !TiledGemmSupports(s))
+      return ffi::Error::InvalidArgument("jaxmlp: the tiled GEMM path needs 16-bit inputs and row lengths that are "
+                                         "multiples of 8, got K=" + std::to_string(s.K) + ", N=" + std::to_string(s.N));
     p.in_bytes[num_specs_] = ElementBytes(s.in_type);
     p.out_bytes[num_specs_] = ElementBytes(s.out_type);
     p.gemms[num_specs_] = specs_[num_specs_] = s;
     ++num_specs_;
   }
+  if (path_ == GemmPath::kTiled) return ffi::Error::Success();  // each tiled launch finds its groups itself
   SetupKernel<<<1, kSetupThreads, 0, stream_>>>(p);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("setup kernel launch");
   if (path_ == GemmPath::kFallback) {
@@ -244,12 +254,23 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemms::Run(int i) {
-  if (i < 0 || i >= num_specs_) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
-  return path_ == GemmPath::kGrouped ? RunGrouped(specs_[i], i) : RunFallback(specs_[i], i);
+ffi::Error GroupedGemms::Run(int i) { return RunIndependent({i}); }
+
+ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
+  const GemmSpec* specs[kMaxGemms];
+  int n = 0;
+  for (int i : products) {
+    if (i < 0 || i >= num_specs_ || n == kMaxGemms) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
+    specs[n++] = &specs_[i];
+    if (path_ == GemmPath::kGrouped) JAXMLP_RETURN_IF_ERROR(RunGrouped(specs_[i], i));
+    if (path_ == GemmPath::kFallback) JAXMLP_RETURN_IF_ERROR(RunFallback(specs_[i], i));
+  }
+  if (path_ != GemmPath::kTiled) return ffi::Error::Success();
+  return RunTiledGemms(stream_, TiledGroups{group_sizes_, E_, M_, arrays_.counts, arrays_.offsets}, specs, n);
 }
 
 ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
+  if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   ZeroTargets t{};
   int n = 0;
   int64_t largest = 0;

@@ -2,11 +2,14 @@
 //
 // One call's products (up to kMaxGemms, all over the same group_sizes) share one setup kernel that reads
 // group_sizes, applies the policy of GroupOffsets (common.h) and writes the per-group dims and pointer
-// arrays that cuBLAS reads. Two paths:
+// arrays that cuBLAS reads. Three paths:
 //   kGrouped  cuBLASLt grouped GEMM (CUBLASLT_BATCH_MODE_GROUPED): dims and pointers stay on the device,
 //             so the call never syncs and can be captured in a CUDA graph.
 //   kFallback cublasGemmGroupedBatchedEx: dims come from host arrays, so the group sizes are copied to
 //             the host (one sync per call). For cuBLAS < 13.4, float32, and unaligned shapes.
+//   kTiled    jaxmlp's own kernel (tiled_gemm.h) for small problems, where cuBLAS's fixed cost per
+//             product dominates: no setup kernel, no sync, no zeroing kernel, independent products in
+//             one launch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,7 +26,7 @@ namespace jaxmlp {
 
 constexpr int kMaxGemms = 4;
 
-enum class GemmPath { kGrouped, kFallback };
+enum class GemmPath { kGrouped, kFallback, kTiled };
 
 // Carves aligned sub-buffers out of the workspace XLA passes as a result buffer. With a null base it only
 // counts, so the same code computes the size Python must request (module.cc) and the layout in a call.
@@ -72,15 +75,18 @@ class GroupedGemms {
   GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M, Carver& ws);
 
   // Writes the dims and pointer arrays of all products (one kernel launch); on the fallback path also
-  // copies group_sizes to the host and waits for it.
+  // copies group_sizes to the host and waits for it. The tiled path launches nothing here.
   ffi::Error Prepare(std::initializer_list<GemmSpec> specs);
   // Enqueues product i of Prepare's list.
   ffi::Error Run(int i);
+  // Enqueues products none of which reads another's output: one launch on the tiled path.
+  ffi::Error RunIndependent(std::initializer_list<int> products);
   // Writes zeros to out[g] of the given kTN products for every group with no rows (cuBLAS may leave them
-  // unwritten), in one launch.
+  // unwritten), in one launch. Nothing to do on the tiled path, which writes them itself.
   ffi::Error ZeroEmptyGroups(std::initializer_list<int> products);
 
-  const int64_t* offsets() const { return arrays_.offsets; }  // device pointer
+  // Device pointer; valid once Prepare (cuBLAS paths) or the first Run (tiled path) is enqueued.
+  const int64_t* offsets() const { return arrays_.offsets; }
   int64_t E() const { return E_; }
 
  private:
@@ -99,7 +105,7 @@ class GroupedGemms {
 };
 
 // Bytes GroupedGemms takes from a Carver.
-size_t GroupedGemmsWorkspaceBytes(int64_t E);
+size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E);
 
 // Whether the cuBLASLt grouped GEMM can run on the current device, and if not, why.
 bool GroupedPathAvailable(std::string* reason);

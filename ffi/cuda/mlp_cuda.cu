@@ -1,6 +1,7 @@
 // CUDA handlers: the grouped MLP forward and backward, one custom call each, and the grouped GEMM behind
-// jaxmlp.ragged_dot. Each is registered twice: on the cuBLASLt grouped path (no host sync, so declared
-// command-buffer compatible) and on the cublasGemmGroupedBatchedEx fallback (one sync per call).
+// jaxmlp.ragged_dot. Each is registered once per GEMM path (grouped_gemm.h): the cuBLASLt grouped and
+// tiled paths never sync, so their handlers are declared command-buffer compatible; the
+// cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -32,16 +33,18 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
 }
 
 // The backward needs less: the activation kernel writes a_s over da (each element is read, then
-// written, by one thread) and dh over h, whose buffer XLA donates to the dh result (see _ffi.py). da
-// itself lives in the dw1 result when that is large enough (E d F1 >= M f, true at MoE shapes): dw1 is
-// written by the last GEMM, after a_s has been consumed by the dw2 GEMM.
+// written, by one thread) and dh over h, whose buffer XLA donates to the dh result (see _ffi.py). On the
+// cuBLAS paths da itself lives in the dw1 result when that is large enough (E d F1 >= M f, true at MoE
+// shapes): dw1 is written by the last GEMM, after a_s has been consumed by the dw2 GEMM. The tiled path
+// computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is).
 struct BackwardScratch {
   void* da;         // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
   float* bias_acc;  // [E, max(F1, d)]
 };
-BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
+BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int esize) {
   BackwardScratch s;
-  s.da = m.E * m.d * m.F1 >= m.M * m.f ? nullptr : c.Take<char>(m.M * m.f * esize);
+  const bool in_dw1 = path != GemmPath::kTiled && m.E * m.d * m.F1 >= m.M * m.f;
+  s.da = in_dw1 ? nullptr : c.Take<char>(m.M * m.f * esize);
   s.bias_acc = (m.has_b1 || m.has_b2) ? c.Take<float>(m.E * std::max(m.F1, m.d)) : nullptr;
   return s;
 }
@@ -106,7 +109,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
-  BackwardScratch s = CarveBackward(ws, m, ElementSize(t));
+  BackwardScratch s = CarveBackward(ws, kPath, m, ElementSize(t));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   if (!s.da) s.da = dw1->untyped_data();
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
@@ -122,7 +125,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
                                             m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da, dh->untyped_data(),
                                             m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data()));
-  for (int i = 1; i < 4; ++i) JAXMLP_RETURN_IF_ERROR(gemms.Run(i));
+  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({1, 2, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   if (m.has_b1)
     JAXMLP_RETURN_IF_ERROR(
@@ -182,11 +185,11 @@ constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 }  // namespace
 
-size_t MlpWorkspaceBytes(bool forward, const MlpDims& m, int esize) {
+size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize) {
   Carver c(nullptr);
-  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, m.E, m.M, c);
+  GroupedGemms counted(path, nullptr, nullptr, m.E, m.M, c);
   if (forward) CarveForward(c, m, esize);
-  else CarveBackward(c, m, esize);
+  else CarveBackward(c, path, m, esize);
   return c.used();
 }
 
@@ -201,3 +204,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardGrouped, jaxmlp::MlpBackward<GemmPath::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFallback, jaxmlp::MlpBackward<GemmPath::kFallback>, jaxmlp::BindBackward());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmGrouped, jaxmlp::Gemm<GemmPath::kGrouped>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFallback, jaxmlp::Gemm<GemmPath::kFallback>, jaxmlp::BindGemm());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardTiled, jaxmlp::MlpForward<GemmPath::kTiled>, jaxmlp::BindForward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardTiled, jaxmlp::MlpBackward<GemmPath::kTiled>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmTiled, jaxmlp::Gemm<GemmPath::kTiled>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);

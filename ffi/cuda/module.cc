@@ -1,5 +1,5 @@
 // Python module jaxmlp._cuda: the CUDA handlers as capsules, the workspace sizes Python must request,
-// and what backend_info() reports (cuBLAS version, device, whether the grouped path can run).
+// and what backend_info() reports (cuBLAS version, device, whether the grouped and tiled paths can run).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -10,6 +10,7 @@
 #include "../common.h"
 #include "cublas_api.h"
 #include "grouped_gemm.h"
+#include "tiled_gemm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -21,16 +22,24 @@ XLA_FFI_Error* MlpBackwardGrouped(XLA_FFI_CallFrame*);
 XLA_FFI_Error* MlpBackwardFallback(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GemmGrouped(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GemmFallback(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpForwardTiled(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpBackwardTiled(XLA_FFI_CallFrame*);
+XLA_FFI_Error* GemmTiled(XLA_FFI_CallFrame*);
 }
 
 namespace jaxmlp {
-size_t MlpWorkspaceBytes(bool forward, const MlpDims& m, int esize);
+size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
 extern std::atomic<int64_t> handler_host_calls;
 }
 
 namespace {
 
 nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsule(reinterpret_cast<void*>(fn)); }
+
+jaxmlp::GemmPath PathOf(const std::string& path) {
+  if (path == "tiled") return jaxmlp::GemmPath::kTiled;
+  return path == "fallback" ? jaxmlp::GemmPath::kFallback : jaxmlp::GemmPath::kGrouped;
+}
 
 nb::dict Status(const std::vector<std::string>& lib_dirs) {
   const jaxmlp::CublasApi& api = jaxmlp::LoadCublas(lib_dirs);
@@ -49,6 +58,8 @@ nb::dict Status(const std::vector<std::string>& lib_dirs) {
   bool ok = api.error.empty() && jaxmlp::GroupedPathAvailable(&reason);
   d["grouped_available"] = ok;
   d["grouped_reason"] = api.error.empty() ? reason : api.error;
+  d["tiled_available"] = jaxmlp::TiledPathAvailable(&reason);
+  d["tiled_reason"] = reason;
   return d;
 }
 
@@ -63,6 +74,9 @@ NB_MODULE(_cuda, m) {
     d["jaxmlp_mlp_bwd_fallback"] = Capsule(MlpBackwardFallback);
     d["jaxmlp_gemm_grouped"] = Capsule(GemmGrouped);
     d["jaxmlp_gemm_fallback"] = Capsule(GemmFallback);
+    d["jaxmlp_mlp_fwd_tiled"] = Capsule(MlpForwardTiled);
+    d["jaxmlp_mlp_bwd_tiled"] = Capsule(MlpBackwardTiled);
+    d["jaxmlp_gemm_tiled"] = Capsule(GemmTiled);
     return d;
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
@@ -71,12 +85,14 @@ NB_MODULE(_cuda, m) {
         "Loads cuBLAS (a copy already in the process first, then lib_dirs) and reports versions and paths.");
   m.def(
       "mlp_workspace_bytes",
-      [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code) {
+      [](const std::string& path, bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E,
+         int dtype_code) {
         jaxmlp::MlpDims dims{M, d, f, F1, E, true, true, true};
-        return jaxmlp::MlpWorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
+        return jaxmlp::MlpWorkspaceBytes(PathOf(path), forward, dims, dtype_code == 0 ? 4 : 2);
       },
-      "Scratch bytes of one grouped-MLP call (dtype_code: 0 float32, 1 bfloat16, 2 float16).");
+      "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16).");
   m.def(
-      "gemm_workspace_bytes", [](int64_t E) { return jaxmlp::GroupedGemmsWorkspaceBytes(E); }, nb::arg("E"),
-      "Scratch bytes of one grouped GEMM call over E groups.");
+      "gemm_workspace_bytes",
+      [](const std::string& path, int64_t E) { return jaxmlp::GroupedGemmsWorkspaceBytes(PathOf(path), E); },
+      nb::arg("path"), nb::arg("E"), "Scratch bytes of one grouped GEMM call over E groups on a GEMM path.");
 }

@@ -1,0 +1,296 @@
+// The tiled grouped GEMM (see tiled_gemm.h): one thread block per kBM x kBN output tile, four warps of
+// 32 x 32 on the tensor cores (WMMA, 16x16x16 fragments), operands staged through shared memory by a
+// kStages-deep cp.async pipeline. Operands are copied in their row-major global layout; a transposed
+// operand is read through a column-major fragment instead of being transposed in memory.
+#include "tiled_gemm.h"
+
+#include <cuda_pipeline.h>
+#include <mma.h>
+
+#include <cub/block/block_scan.cuh>
+#include <string>
+#include <type_traits>
+
+#include "elements.cuh"
+
+namespace jaxmlp {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+// Small problems are latency-bound: each block's reduction is a chain of kBK-deep steps, each waiting on
+// global memory, so the steps are deep and kStages - 1 of them are in flight.
+constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
+constexpr int kPad = 8;                       // elements per shared-memory row against bank conflicts
+constexpr int kVec = 8;                       // 16-bit elements per 16-byte copy
+constexpr int kTileElems = 64 * (64 + kPad);  // one operand tile, either orientation
+static_assert(kBM == kBN && kBM == kBK && kBM * (kBK + kPad) == kTileElems);
+constexpr int kLdc = kBN + 4;                 // float accumulator tile rows in the epilogue
+constexpr int kSmemBytes = kStages * 2 * kTileElems * 2;  // 72 KiB: dynamic shared memory
+static_assert(kBM * kLdc * 4 <= kSmemBytes, "the epilogue reuses the pipeline's shared memory");
+
+struct Product {
+  GemmSpec s;
+  int64_t first_block;  // products occupy consecutive ranges of blockIdx.x
+  int32_t tiles_i;      // kTN: tiles over the K rows of out[g]
+  int32_t tiles_j;      // tiles over the output columns
+};
+
+struct Params {
+  TiledGroups groups;
+  int32_t n;
+  Product prod[kMaxGemms];
+};
+
+// Where a block's tile lies: the group, its rows [start, start + count), and for kNN/kNT the index of
+// the tile among the group's row tiles. group < 0: the block has no tile (grids are sized for the worst
+// case of group_sizes).
+struct Site {
+  int32_t group;
+  int64_t start, count, tile;
+};
+
+// Scans group_sizes under the GroupOffsets policy: each size clamped to [0, M] before the int64 running
+// sum, offsets capped at M, so every row index derived here lies in [0, M] whatever the sizes hold.
+// Finds the group of row tile `target` (by_row_tile) or group `target`; block 0 also writes the arrays.
+__device__ Site FindSite(const TiledGroups& gr, bool by_row_tile, int64_t target) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int64_t carry_rows, carry_tiles;
+  __shared__ Site site;
+  const bool write_arrays = blockIdx.x == 0;
+  if (threadIdx.x == 0) carry_rows = carry_tiles = 0, site.group = -1;
+  __syncthreads();
+  for (int64_t base = 0; base < gr.E; base += kThreads) {
+    const int64_t g = base + threadIdx.x;
+    const int64_t size = g < gr.E ? min(int64_t(max(gr.sizes[g], 0)), gr.M) : 0;
+    int64_t end, total;
+    Scan(storage).InclusiveSum(size, end, total);
+    __syncthreads();
+    const int64_t start = min(carry_rows + end - size, gr.M), stop = min(carry_rows + end, gr.M);
+    const int64_t count = stop - start, tiles = (count + kBM - 1) / kBM;
+    int64_t tile_end, tile_total;
+    Scan(storage).InclusiveSum(tiles, tile_end, tile_total);
+    const int64_t first_tile = carry_tiles + tile_end - tiles;
+    if (g < gr.E) {
+      if (write_arrays) {
+        gr.counts[g] = int32_t(count);
+        gr.offsets[g] = start;
+        if (g == gr.E - 1) gr.offsets[gr.E] = stop;
+      }
+      if (by_row_tile ? (target >= first_tile && target < first_tile + tiles) : g == target)
+        site = Site{int32_t(g), start, count, target - first_tile};
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry_rows += total, carry_tiles += tile_total;
+    __syncthreads();
+  }
+  return site;
+}
+
+// Starts copying an kOuter x kInner tile of a row-major matrix (rows of ld elements; tile corner
+// (o0, i0)) into shared rows of kInner + kPad elements. Elements at or past (o_end, i_end) become zeros
+// (visible to all threads after the __syncthreads that also publishes the copies);
+// i_end is a multiple of kVec, so a 16-byte copy is either wholly inside or wholly outside.
+template <int kOuter, int kInner, typename T>
+__device__ __forceinline__ void LoadTile(T* dst, const T* src, int64_t ld, int64_t o0, int64_t o_end, int64_t i0,
+                                         int64_t i_end) {
+  constexpr int kPerRow = kInner / kVec;
+  for (int v = threadIdx.x; v < kOuter * kPerRow; v += kThreads) {
+    const int o = v / kPerRow, i = v % kPerRow * kVec;
+    T* to = dst + o * (kInner + kPad) + i;
+    // Zeros by a plain store: the copy's own zero-fill takes its size at run time, a branch per byte count.
+    if (o0 + o < o_end && i0 + i < i_end) __pipeline_memcpy_async(to, src + (o0 + o) * ld + i0 + i, 16);
+    else *reinterpret_cast<int4*>(to) = int4{0, 0, 0, 0};
+  }
+}
+
+// One output tile of product q (see GemmOp in common.h for the three products). In kBK-deep steps over
+// the reduction: A is the kBM x kBK slice of the left factor, B the kBK x kBN slice of the right one.
+//   kNN: A = lhs rows (row-major),      B = rhs[g] (row-major),            reduction over K
+//   kNT: A = lhs rows (row-major),      B = rhs[g]^T (rhs[g] rows: col-major), reduction over N
+//   kTN: A = lhs rows^T (col-major),    B = rhs rows (row-major),          reduction over the group's rows
+template <GemmOp kOp, typename T, typename OutT>
+__device__ void Tile(const GemmSpec& q, const Site& site, int64_t tile_i, int64_t tile_j, T* smem) {
+  constexpr bool kAColMajor = kOp == GemmOp::kTN, kBColMajor = kOp == GemmOp::kNT;
+  using ALayout = std::conditional_t<kAColMajor, wmma::col_major, wmma::row_major>;
+  using BLayout = std::conditional_t<kBColMajor, wmma::col_major, wmma::row_major>;
+  const int64_t K = q.K, N = q.N, g = site.group, start = site.start, count = site.count;
+  const T* lhs = static_cast<const T*>(q.lhs);
+  const T* rhs = static_cast<const T*>(q.rhs);
+  const int64_t i0 = (kOp == GemmOp::kTN ? tile_i : site.tile) * kBM, j0 = tile_j * kBN;
+  const int64_t reduction = kOp == GemmOp::kNN ? K : kOp == GemmOp::kNT ? N : count;
+
+  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileElems; };
+  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileElems + kTileElems; };
+  auto load = [&](int stage, int64_t k0) {
+    if constexpr (kOp == GemmOp::kNN) {
+      LoadTile<kBM, kBK>(a_tile(stage), lhs + start * K, K, i0, count, k0, K);
+      LoadTile<kBK, kBN>(b_tile(stage), rhs + g * K * N, N, k0, K, j0, N);
+    } else if constexpr (kOp == GemmOp::kNT) {
+      LoadTile<kBM, kBK>(a_tile(stage), lhs + start * N, N, i0, count, k0, N);
+      LoadTile<kBN, kBK>(b_tile(stage), rhs + g * K * N, N, j0, K, k0, N);
+    } else {
+      LoadTile<kBK, kBM>(a_tile(stage), lhs + start * K, K, k0, count, i0, K);
+      LoadTile<kBK, kBN>(b_tile(stage), rhs + start * N, N, k0, count, j0, N);
+    }
+  };
+
+  const int warp = threadIdx.x / 32, wi = warp / 2 * 32, wj = warp % 2 * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  for (auto& row : acc)
+    for (auto& c : row) wmma::fill_fragment(c, 0.0f);
+
+  const int64_t steps = (reduction + kBK - 1) / kBK;
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load(s, s * kBK);
+    __pipeline_commit();
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    __pipeline_wait_prior(kStages - 2);
+    __syncthreads();  // the stage is complete for all threads, and the one refilled below is consumed
+    if (step + kStages - 1 < steps) load((step + kStages - 1) % kStages, (step + kStages - 1) * kBK);
+    __pipeline_commit();
+    const T* a = a_tile(step % kStages);
+    const T* b = b_tile(step % kStages);
+    for (int kk = 0; kk < kBK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb[2];
+      for (int m = 0; m < 2; ++m) {
+        const int i = wi + m * 16;
+        if constexpr (kAColMajor) wmma::load_matrix_sync(fa[m], a + kk * (kBM + kPad) + i, kBM + kPad);
+        else wmma::load_matrix_sync(fa[m], a + i * (kBK + kPad) + kk, kBK + kPad);
+      }
+      for (int n = 0; n < 2; ++n) {
+        const int j = wj + n * 16;
+        if constexpr (kBColMajor) wmma::load_matrix_sync(fb[n], b + j * (kBK + kPad) + kk, kBK + kPad);
+        else wmma::load_matrix_sync(fb[n], b + kk * (kBN + kPad) + j, kBN + kPad);
+      }
+      for (int m = 0; m < 2; ++m)
+        for (int n = 0; n < 2; ++n) wmma::mma_sync(acc[m][n], fa[m], fb[n], acc[m][n]);
+    }
+  }
+  __pipeline_wait_prior(0);
+  __syncthreads();  // all warps are done with the operand tiles: the accumulators go where they were
+
+  float* c = reinterpret_cast<float*>(smem);
+  for (int m = 0; m < 2; ++m)
+    for (int n = 0; n < 2; ++n)
+      wmma::store_matrix_sync(c + (wi + m * 16) * kLdc + wj + n * 16, acc[m][n], kLdc, wmma::mem_row_major);
+  __syncthreads();
+
+  // Output tile rows [i0, row_end) and columns [j0, col_end) of a row-major matrix with ld columns.
+  OutT* out = static_cast<OutT*>(q.out);
+  int64_t ld, row_end;
+  if constexpr (kOp == GemmOp::kTN) out += g * K * N, ld = N, row_end = K;
+  else out += start * (kOp == GemmOp::kNN ? N : K), ld = kOp == GemmOp::kNN ? N : K, row_end = count;
+  const int64_t col_end = kOp == GemmOp::kNT ? K : N;
+  for (int v = threadIdx.x; v < kBM * kBN / kVec; v += kThreads) {
+    const int i = v / (kBN / kVec), j = v % (kBN / kVec) * kVec;
+    if (i0 + i >= row_end || j0 + j >= col_end) continue;
+    OutT* dst = out + (i0 + i) * ld + j0 + j;
+    Vec<OutT, kVec> o;
+    if (q.beta != 0.0f) o = Load<OutT, kVec>(dst);  // accumulate onto a prefilled bias
+    for (int k = 0; k < kVec; ++k)
+      o.v[k] = Conv<OutT>::From(c[i * kLdc + j + k] + (q.beta != 0.0f ? q.beta * Conv<OutT>::To(o.v[k]) : 0.0f));
+    Store<OutT, kVec>(dst, o);
+  }
+}
+
+template <typename T, typename OutT>
+__global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  // No bf16 tensor cores or cp.async: never launched (TiledPathAvailable checks the compiled version).
+#else
+  extern __shared__ __align__(128) char dynamic_smem[];
+  T* smem = reinterpret_cast<T*>(dynamic_smem);
+  int which = 0;
+  while (which + 1 < p.n && blockIdx.x >= p.prod[which + 1].first_block) ++which;
+  const Product& q = p.prod[which];
+  const int64_t b = blockIdx.x - q.first_block;
+  const bool by_row_tile = q.s.op != GemmOp::kTN;
+  const Site site = FindSite(p.groups, by_row_tile, by_row_tile ? b / q.tiles_j : b / (q.tiles_i * q.tiles_j));
+  if (site.group < 0) return;
+  const int64_t tile_i = b / q.tiles_j % q.tiles_i, tile_j = b % q.tiles_j;
+  switch (q.s.op) {
+    case GemmOp::kNN:
+      return Tile<GemmOp::kNN, T, OutT>(q.s, site, tile_i, tile_j, smem);
+    case GemmOp::kNT:
+      return Tile<GemmOp::kNT, T, OutT>(q.s, site, tile_i, tile_j, smem);
+    default:
+      return Tile<GemmOp::kTN, T, OutT>(q.s, site, tile_i, tile_j, smem);
+  }
+#endif
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+
+}  // namespace
+
+bool TiledPathAvailable(std::string* reason) {
+  int device = 0, major = 0, minor = 0;
+  cudaFuncAttributes attrs{};
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaFuncGetAttributes(&attrs, TiledGemmKernel<__nv_bfloat16, __nv_bfloat16>) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the call is only a query
+    return *reason = "no CUDA device, or the tiled kernel has no code for it", false;
+  }
+  if (major < 8)
+    return *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                     ": the tiled kernel needs 8.0 or newer", false;
+  // The code that runs was compiled for compute capability ptxVersion / 10 (a build for 7.5 alone, JIT
+  // compiled for this device, would hold the empty kernel).
+  if (attrs.ptxVersion < 80)
+    return *reason = "the tiled kernel was compiled for compute capability " + std::to_string(attrs.ptxVersion / 10) +
+                     "." + std::to_string(attrs.ptxVersion % 10) + " (rebuild with CMAKE_CUDA_ARCHITECTURES "
+                     "including 80 or newer)", false;
+  return *reason = "jaxmlp's tiled tensor-core kernel", true;
+}
+
+bool TiledGemmSupports(const GemmSpec& s) {
+  const bool sixteen_bit = s.in_type == ffi::DataType::BF16 || s.in_type == ffi::DataType::F16;
+  return sixteen_bit && IsFloat(s.out_type) && s.K % kVec == 0 && s.N % kVec == 0;
+}
+
+ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const GemmSpec* const* specs, int n) {
+  if (n < 1 || n > kMaxGemms) return ffi::Error::Internal("jaxmlp: 1 to 4 products per tiled launch");
+  Params p{};
+  p.groups = groups;
+  p.n = n;
+  int64_t blocks = 0;
+  // Row tiles of kNN/kNT: sum over groups of ceil(count / kBM) <= ceil(M / kBM) + (groups with rows).
+  const int64_t row_tiles = CeilDiv(groups.M, kBM) + std::min(groups.E, groups.M);
+  for (int i = 0; i < n; ++i) {
+    const GemmSpec& s = *specs[i];
+    if (!TiledGemmSupports(s) || s.in_type != specs[0]->in_type || s.out_type != specs[0]->out_type)
+      return ffi::Error::Internal("jaxmlp: tiled GEMM: unsupported product (op " + std::to_string(int(s.op)) +
+                                  ", K=" + std::to_string(s.K) + ", N=" + std::to_string(s.N) + ")");
+    Product& q = p.prod[i];
+    q.s = s;
+    q.first_block = blocks;
+    q.tiles_i = s.op == GemmOp::kTN ? int32_t(CeilDiv(s.K, kBM)) : 1;
+    q.tiles_j = int32_t(CeilDiv(s.op == GemmOp::kNT ? s.K : s.N, kBN));
+    blocks += s.op == GemmOp::kTN ? groups.E * q.tiles_i * q.tiles_j : row_tiles * q.tiles_j;
+  }
+  if (blocks == 0) return ffi::Error::Success();
+  if (blocks > 0x7fffffff) return ffi::Error::InvalidArgument("jaxmlp: problem too large for the tiled GEMM");
+  ByType(specs[0]->in_type, [&](auto in) {
+    ByType(specs[0]->out_type, [&](auto out) {
+      using T = decltype(in);
+      if constexpr (!std::is_same_v<T, float>) {  // 16-bit inputs only (TiledGemmSupports)
+        auto kernel = TiledGemmKernel<T, decltype(out)>;
+        // Above 48 KiB, dynamic shared memory is opt-in per kernel (and per device: set on every launch).
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        kernel<<<unsigned(blocks), kThreads, kSmemBytes, stream>>>(p);
+      }
+    });
+  });
+  const cudaError_t e = cudaPeekAtLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxmlp: tiled GEMM launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxmlp
