@@ -61,17 +61,20 @@ def cuda_status() -> dict:
   return dict(_cuda.status(lib_dirs))
 
 
-# Up to this many multiply-adds per product (FC1's M * d * F1 for the MLP) the tiled kernel beats the
-# cuBLAS grouped GEMM, whose fixed cost is ~7 us per product (crossover measured on an H200:
-# benchmarks/NOTES.md).
-TILED_MAX_MACS = 1 << 28
+# The tiled kernel beats the cuBLAS grouped GEMM (~7 us per product however small, plus setup and
+# zeroing kernels) while a product's expert weights (E * K * N elements) and its work (M * K * N
+# multiply-adds) are both small: on an H200, at E=8, d=256, f=512 for M up to 4096, fwd+bwd in 40-70% of
+# cuBLAS's time. With larger weights its many small weight-gradient tiles lose: 1.7x cuBLAS's time at
+# E=8, d=1024, f=2048 already for M=16 (benchmarks/NOTES.md). Limits at the largest measured win.
+TILED_MAX_WEIGHTS = 1 << 21
+TILED_MAX_MACS = 1 << 30
 
 
-def gemm_path(dtype, *row_lengths: int, macs: int | None = None) -> tuple[str, str]:
+def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None) -> tuple[str, str]:
   """Which CUDA GEMM path a call takes, and why: ("grouped" | "tiled" | "fallback", reason).
 
   row_lengths: the K and N of the call's products (the tiled and grouped paths need multiples of 8);
-  macs: multiply-adds of its largest product (None: large).
+  problem: (E, M, K, N) of its largest product (None: a large one).
   """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
   status = cuda_status()
@@ -86,8 +89,8 @@ def gemm_path(dtype, *row_lengths: int, macs: int | None = None) -> tuple[str, s
   if sixteen_bit and aligned and status.get("tiled_available"):
     if forced == "tiled":
       return "tiled", "forced by JAXMLP_GEMM_PATH=tiled"
-    if forced == "auto" and macs is not None and macs <= TILED_MAX_MACS:
-      return "tiled", f"small problem ({macs} multiply-adds per product <= {TILED_MAX_MACS}): jaxmlp's tiled kernel"
+    if forced == "auto" and problem is not None and _small(*problem):
+      return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
   if not status.get("grouped_available"):
     why = status.get("grouped_reason", "no CUDA device")
     if forced == "grouped":
@@ -100,19 +103,23 @@ def gemm_path(dtype, *row_lengths: int, macs: int | None = None) -> tuple[str, s
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
 
 
+def _small(E: int, M: int, K: int, N: int) -> bool:
+  return E * K * N <= TILED_MAX_WEIGHTS and M * K * N <= TILED_MAX_MACS
+
+
 def _optional(a, dtype):
   """Absent optional operands travel as 0-element buffers."""
   return jnp.zeros((0,), dtype) if a is None else a
 
 
-def _cuda_path(dtype, *row_lengths: int, macs: int) -> str:
+def _cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> str:
   if not cuda_devices():
     # platform_dependent traces the CUDA branch everywhere; without a CUDA device it is never lowered.
     return "fallback"
   if _cuda is None:
     raise RuntimeError(f"jaxmlp was built without its CUDA handlers ({CUDA_BUILD_ERROR}); reinstall with "
                        "nvcc and the cuBLAS headers available (see README, Install)")
-  return gemm_path(dtype, *row_lengths, macs=macs)[0]
+  return gemm_path(dtype, *row_lengths, problem=problem)[0]
 
 
 def _workspace(nbytes: int) -> jax.ShapeDtypeStruct:
@@ -134,7 +141,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
     return tuple(jax.ffi.ffi_call("jaxmlp_mlp_fwd", outs, vmap_method="sequential")(*a, **attrs))
 
   def cuda(*a):
-    path = _cuda_path(dt, s.d, s.f, s.F1, macs=s.M * s.d * s.F1)
+    path = _cuda_path(dt, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
     ws = _cuda.mlp_workspace_bytes(path, True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
     call = jax.ffi.ffi_call(f"jaxmlp_mlp_fwd_{path}", outs + [_workspace(ws)], vmap_method="sequential")
     return tuple(call(*a, **attrs)[:2])
@@ -157,7 +164,7 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     return tuple(jax.ffi.ffi_call("jaxmlp_mlp_bwd", outs, vmap_method="sequential")(*a, **attrs))
 
   def cuda(*a):
-    path = _cuda_path(dt, s.d, s.f, s.F1, macs=s.M * s.d * s.F1)
+    path = _cuda_path(dt, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
     ws = _cuda.mlp_workspace_bytes(path, False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
     # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
     dh = jax.ShapeDtypeStruct((s.M, s.F1), dt)
@@ -183,7 +190,7 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
     return jax.ffi.ffi_call("jaxmlp_gemm", out, vmap_method="sequential")(*a, **attrs)
 
   def cuda(lhs, rhs, sizes):
-    path = _cuda_path(lhs.dtype, K, N, macs=lhs.shape[0] * K * N)
+    path = _cuda_path(lhs.dtype, K, N, problem=(E, lhs.shape[0], K, N))
     ws = _cuda.gemm_workspace_bytes(path, E) if _cuda else 0
     if path == "fallback" and jnp.dtype(out_dtype) != lhs.dtype:
       # cublasGemmGroupedBatchedEx has no 16-bit-in, float32-out mode: multiply the (exactly) upcast inputs.

@@ -9,7 +9,8 @@ from . import _ffi
 
 def backend_info() -> dict:
   """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes: large
-  problems (`gemm_path`) and those of at most `tiled_max_macs` multiply-adds per product (`small_gemm_path`).
+  problems (`gemm_path`), and small ones (`small_gemm_path`, e.g. E=8, M=256, d=256, f=512; the limits
+  are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product).
 
   Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
   "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000, "compute_capability": "9.0", ...}}
@@ -22,9 +23,10 @@ def backend_info() -> dict:
   elif cuda["devices"]:
     cuda.update(_ffi.cuda_status())
     path, why = _ffi.gemm_path(jnp.bfloat16, 8)
-    small_path, small_why = _ffi.gemm_path(jnp.bfloat16, 8, macs=_ffi.TILED_MAX_MACS)
+    small_path, small_why = _ffi.gemm_path(jnp.bfloat16, 8, problem=(8, 256, 256, 1024))
     cuda.update(gemm_path=path, why=why, small_gemm_path=small_path, small_why=small_why,
-                tiled_max_macs=_ffi.TILED_MAX_MACS, float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
+                tiled_max_weights=_ffi.TILED_MAX_WEIGHTS, tiled_max_macs=_ffi.TILED_MAX_MACS,
+                float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
   else:
     cuda["why"] = "no CUDA device visible to JAX"
   info["cuda"] = cuda

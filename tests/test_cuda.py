@@ -109,9 +109,11 @@ def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
   from jaxmlp import _ffi
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "auto")
   bf16 = jnp.bfloat16
-  assert _ffi.gemm_path(bf16, 256, 1024, macs=256 * 256 * 1024)[0] == "tiled"
-  assert _ffi.gemm_path(bf16, 4096, 28672, macs=16384 * 4096 * 28672)[0] != "tiled"
-  assert _ffi.gemm_path(bf16, 256, 1020, macs=1)[0] != "tiled"  # rows of 1020 elements: not 16-byte multiples
-  assert _ffi.gemm_path(jnp.float32, 256, 1024, macs=1)[0] == "fallback"
+  assert _ffi.gemm_path(bf16, 256, 1024, problem=(8, 256, 256, 1024))[0] == "tiled"
+  assert _ffi.gemm_path(bf16, 256, 1024, problem=(8, 4096, 256, 1024))[0] == "tiled"
+  assert _ffi.gemm_path(bf16, 1024, 4096, problem=(8, 16, 1024, 4096))[0] != "tiled"  # large weights
+  assert _ffi.gemm_path(bf16, 256, 1024, problem=(8, 1 << 16, 256, 1024))[0] != "tiled"  # much work
+  assert _ffi.gemm_path(bf16, 256, 1020, problem=(8, 256, 256, 1020))[0] != "tiled"  # rows not 16-byte multiples
+  assert _ffi.gemm_path(jnp.float32, 256, 1024, problem=(8, 256, 256, 1024))[0] == "fallback"
   info = jaxmlp.backend_info()["cuda"]
-  assert info["small_gemm_path"] == "tiled" and info["tiled_max_macs"] == _ffi.TILED_MAX_MACS
+  assert info["small_gemm_path"] == "tiled" and info["tiled_max_weights"] == _ffi.TILED_MAX_WEIGHTS
