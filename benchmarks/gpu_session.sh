@@ -28,12 +28,14 @@ if [ "$what" = test ]; then
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
 import jax, jax.numpy as jnp, numpy as np, jaxmlp
 rng = np.random.default_rng(1)
-for sizes in ([100, -7, 2**31 - 1, 0], [0, 0, 0, 0], [50, 0, 20, 1]):
-  M, d, f = 256, 64, 96
+# The last case is the host-overhead layer, which takes the tiled path by itself.
+for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (64, 96, [50, 0, 20, 1]),
+                    (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
+  M, E = 256, len(sizes)
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
-  w1 = jnp.asarray(rng.standard_normal((4, d, 2 * f)), jnp.bfloat16)
-  w2 = jnp.asarray(rng.standard_normal((4, f, d)), jnp.bfloat16)
-  b1, b2 = jnp.ones((4, 2 * f), jnp.bfloat16), jnp.ones((4, d), jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, f, d)), jnp.bfloat16)
+  b1, b2 = jnp.ones((E, 2 * f), jnp.bfloat16), jnp.ones((E, d), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   g = jax.grad(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=x[:, 0])
                .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)

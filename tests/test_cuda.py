@@ -117,3 +117,49 @@ def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
   assert _ffi.gemm_path(jnp.float32, 256, 1024, problem=(8, 256, 256, 1024))[0] == "fallback"
   info = jaxmlp.backend_info()["cuda"]
   assert info["small_gemm_path"] == "tiled" and info["tiled_max_weights"] == _ffi.TILED_MAX_WEIGHTS
+
+
+@pytest.mark.parametrize("sizes", [
+    [32] * 8,                             # balanced: the host-overhead layer
+    [200, 0, 56, 0, 0, 0, 0, 0],          # skewed, empty groups (zero weight gradients)
+    [10, 3, 0, 40, 1, 0, 7, 2],           # sum < M: padding rows
+    [300, -5, 2**31 - 1, 9, 0, 0, 0, 1],  # adversarial: negative, huge, past M
+])
+def test_tiled_path_at_the_host_overhead_layer(monkeypatch, rng, sizes):
+  """The layer of the host-overhead benchmark takes the tiled path by itself: long reductions (FC2 and
+  the FC1 dgrad: 8 and 16 k-steps), the backward's products in one launch, biases and scales, against
+  float64; and ragged_dot at the same size."""
+  reason = cuda_reason("tiled")
+  if reason:
+    pytest.skip(reason)
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "auto")  # this size takes the tiled path by itself
+  M, d, f, E = 256, 256, 512, 8
+  x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, f, d)) / np.sqrt(f), jnp.bfloat16)
+  b1 = jnp.asarray(rng.standard_normal((E, 2 * f)), jnp.bfloat16)
+  b2 = jnp.asarray(rng.standard_normal((E, d)), jnp.bfloat16)
+  s = jnp.asarray(rng.uniform(0.2, 1, M), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  with jax.default_device(jax.devices("cuda")[0]):
+    y, vjp = jax.vjp(lambda *a: jaxmlp.grouped_mlp(*a[:3], gs, b1=a[3], b2=a[4], scales=a[5]), x, w1, w2, b1, b2, s)
+    got = vjp(dy)
+    lhs, rhs = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16), w1[:, :, :f]
+    dout = jnp.asarray(rng.standard_normal((M, f)), jnp.bfloat16)
+    out, dot_vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, gs), lhs, rhs)
+    dlhs, drhs = dot_vjp(dout)
+  from jaxmlp import _ffi
+  assert _ffi.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, M, d, 2 * f))[0] == "tiled"
+  f64 = lambda a: np.asarray(a, np.float64)
+  want_y, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", b1=f64(b1), b2=f64(b2), scales=f64(s),
+                                 dy=f64(dy))
+  assert rel_error(y, want_y) < TOLERANCE["bfloat16"]
+  for g, k in zip(got, ("x", "w1", "w2", "b1", "b2", "scales")):
+    assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
+  # ragged_dot: K = 256 (4 k-steps), its dgrad reduces over 512 (8 k-steps).
+  assert rel_error(out, ref.ragged_dot(f64(lhs), f64(rhs), sizes)) < TOLERANCE["bfloat16"]
+  assert rel_error(dlhs, ref.ragged_dot(f64(dout), f64(rhs).transpose(0, 2, 1), sizes)) < TOLERANCE["bfloat16"]
+  off = ref.clamp_sizes(sizes, M)
+  want_drhs = np.stack([f64(lhs)[off[g]:off[g + 1]].T @ f64(dout)[off[g]:off[g + 1]] for g in range(E)])
+  assert rel_error(drhs, want_drhs) < TOLERANCE["bfloat16"]
