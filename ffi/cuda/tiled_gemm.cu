@@ -88,22 +88,57 @@ __device__ Site FindSite(const TiledGroups& gr, bool by_row_tile, int64_t target
   return site;
 }
 
-// Starts copying an kOuter x kInner tile of a row-major matrix (rows of ld elements; tile corner
-// (o0, i0)) into shared rows of kInner + kPad elements. Elements at or past (o_end, i_end) become zeros
-// (visible to all threads after the __syncthreads that also publishes the copies);
-// i_end is a multiple of kVec, so a 16-byte copy is either wholly inside or wholly outside.
-template <int kOuter, int kInner, typename T>
-__device__ __forceinline__ void LoadTile(T* dst, const T* src, int64_t ld, int64_t o0, int64_t o_end, int64_t i0,
-                                         int64_t i_end) {
-  constexpr int kPerRow = kInner / kVec;
-  for (int v = threadIdx.x; v < kOuter * kPerRow; v += kThreads) {
-    const int o = v / kPerRow, i = v % kPerRow * kVec;
-    T* to = dst + o * (kInner + kPad) + i;
-    // Zeros by a plain store: the copy's own zero-fill takes its size at run time, a branch per byte count.
-    if (o0 + o < o_end && i0 + i < i_end) __pipeline_memcpy_async(to, src + (o0 + o) * ld + i0 + i, 16);
-    else *reinterpret_cast<int4*>(to) = int4{0, 0, 0, 0};
+// Copies kOuter x kInner tiles of a row-major matrix (rows of ld elements) into shared rows of kInner +
+// kPad elements, one tile per k-step of the reduction, which runs along the tile's rows (kReduceRows)
+// or its columns. Each thread's 16-byte copies are set up once per output tile: a step only moves them
+// by k and checks the reduction bound (the integer work per copy dominated a step otherwise). Elements
+// past the matrix bounds become zeros, by a plain store (visible to all threads after the __syncthreads
+// that also publishes the copies); the bound of the contiguous dimension is a multiple of kVec, so a
+// copy is wholly inside or wholly outside.
+template <int kOuter, int kInner, bool kReduceRows, typename T>
+class TileLoader {
+ public:
+  // Tile corner (o0, i0) at k = 0; elements at or past (o_end, i_end) are outside.
+  __device__ TileLoader(const T* base, int64_t ld, int64_t o0, int64_t o_end, int64_t i0, int64_t i_end)
+      : step_(kReduceRows ? ld : 1), reduce_end_(kReduceRows ? o_end : i_end) {
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      const int v = threadIdx.x + c * kThreads, o = v / kPerRow, i = v % kPerRow * kVec;
+      dst_[c] = o * (kInner + kPad) + i;
+      src_[c] = base + (o0 + o) * ld + i0 + i;
+      reduce_index_[c] = kReduceRows ? o0 + o : i0 + i;
+      fixed_inside_[c] = kReduceRows ? i0 + i < i_end : o0 + o < o_end;
+    }
   }
-}
+
+  // Starts the copies of the tile at reduction offset k.
+  __device__ __forceinline__ void Load(T* stage, int64_t k) const {
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      if (fixed_inside_[c] && reduce_index_[c] + k < reduce_end_)
+        __pipeline_memcpy_async(stage + dst_[c], src_[c] + k * step_, 16);
+      else
+        *reinterpret_cast<int4*>(stage + dst_[c]) = int4{0, 0, 0, 0};
+    }
+  }
+
+ private:
+  static constexpr int kPerRow = kInner / kVec, kCopies = kOuter * kPerRow / kThreads;
+  static_assert(kOuter * kPerRow % kThreads == 0, "whole copies per thread");
+  const T* src_[kCopies];
+  int dst_[kCopies];
+  int64_t reduce_index_[kCopies];
+  bool fixed_inside_[kCopies];
+  int64_t step_, reduce_end_;
+};
+
+template <typename A, typename B>
+struct Both {
+  A a;
+  B b;
+};
+template <typename A, typename B>
+Both(A, B) -> Both<A, B>;
 
 // One output tile of product q (see GemmOp in common.h for the three products). In kBK-deep steps over
 // the reduction: A is the kBM x kBK slice of the left factor, B the kBK x kBN slice of the right one.
@@ -123,17 +158,21 @@ __device__ void Tile(const GemmSpec& q, const Site& site, int64_t tile_i, int64_
 
   auto a_tile = [&](int stage) { return smem + stage * 2 * kTileElems; };
   auto b_tile = [&](int stage) { return smem + stage * 2 * kTileElems + kTileElems; };
+  // A's and B's tiles at k = 0 (see the table above); the reduction runs along kReduceRows.
+  auto loaders = [&] {
+    if constexpr (kOp == GemmOp::kNN)
+      return Both{TileLoader<kBM, kBK, false, T>(lhs + start * K, K, i0, count, 0, K),
+                  TileLoader<kBK, kBN, true, T>(rhs + g * K * N, N, 0, K, j0, N)};
+    else if constexpr (kOp == GemmOp::kNT)
+      return Both{TileLoader<kBM, kBK, false, T>(lhs + start * N, N, i0, count, 0, N),
+                  TileLoader<kBN, kBK, false, T>(rhs + g * K * N, N, j0, K, 0, N)};
+    else
+      return Both{TileLoader<kBK, kBM, true, T>(lhs + start * K, K, 0, count, i0, K),
+                  TileLoader<kBK, kBN, true, T>(rhs + start * N, N, 0, count, j0, N)};
+  }();
   auto load = [&](int stage, int64_t k0) {
-    if constexpr (kOp == GemmOp::kNN) {
-      LoadTile<kBM, kBK>(a_tile(stage), lhs + start * K, K, i0, count, k0, K);
-      LoadTile<kBK, kBN>(b_tile(stage), rhs + g * K * N, N, k0, K, j0, N);
-    } else if constexpr (kOp == GemmOp::kNT) {
-      LoadTile<kBM, kBK>(a_tile(stage), lhs + start * N, N, i0, count, k0, N);
-      LoadTile<kBN, kBK>(b_tile(stage), rhs + g * K * N, N, j0, K, k0, N);
-    } else {
-      LoadTile<kBK, kBM>(a_tile(stage), lhs + start * K, K, k0, count, i0, K);
-      LoadTile<kBK, kBN>(b_tile(stage), rhs + start * N, N, k0, count, j0, N);
-    }
+    loaders.a.Load(a_tile(stage), k0);
+    loaders.b.Load(b_tile(stage), k0);
   };
 
   const int warp = threadIdx.x / 32, wi = warp / 2 * 32, wj = warp % 2 * 32;
@@ -153,6 +192,7 @@ __device__ void Tile(const GemmSpec& q, const Site& site, int64_t tile_i, int64_
     __pipeline_commit();
     const T* a = a_tile(step % kStages);
     const T* b = b_tile(step % kStages);
+#pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> fa[2];
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb[2];
