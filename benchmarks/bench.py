@@ -166,7 +166,9 @@ def main():
                        "jaxlib": jaxlib.__version__, "jaxmlp": jaxmlp.__version__,
                        "tokamax": _version("tokamax"), "torch": _version("torch"), **torch_meta},
           "cublas": {k: v for k, v in cuda.items() if "cublas" in k.lower()},
-          "gemm_path": f"{cuda['gemm_path']} ({cuda.get('why', '')})" if "gemm_path" in cuda else None,
+          "gemm_path": (f"{cuda['gemm_path']} ({cuda.get('why', '')}); small problems such as the host-overhead "
+                        f"layer: {cuda.get('small_gemm_path')} ({cuda.get('small_why', '')})")
+                       if "gemm_path" in cuda else None,
           "backend_info": info, "timing": timing,
           "seconds": round((datetime.datetime.now() - wall_start).total_seconds(), 1),
       },
