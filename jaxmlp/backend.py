@@ -13,7 +13,8 @@ def backend_info() -> dict:
   are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product).
 
   Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
-  "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000, "compute_capability": "9.0", ...}}
+  "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000,
+  "compute_capability": "9.0", ...}}
   """
   info = {"jax": jax.__version__,
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "loops"}}

@@ -18,8 +18,9 @@ namespace {
 
 namespace wmma = nvcuda::wmma;
 
-// Small problems are latency-bound: each block's reduction is a chain of kBK-deep steps, each waiting on
-// global memory, so the steps are deep and kStages - 1 of them are in flight.
+// Small problems have few tiles, one block each, and a block's time is mostly its warps' instruction
+// latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 (benchmarks/NOTES.md): 64-deep
+// steps with 4 stages (3 blocks per SM) beat 3 or 6 stages, 32-deep steps, 8 warps per tile, and split-K.
 constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
 constexpr int kPad = 8;                       // elements per shared-memory row against bank conflicts
 constexpr int kVec = 8;                       // 16-bit elements per 16-byte copy
@@ -132,6 +133,7 @@ class TileLoader {
   int64_t step_, reduce_end_;
 };
 
+// A pair that device code can build (std::pair's constructors are host functions to nvcc).
 template <typename A, typename B>
 struct Both {
   A a;
