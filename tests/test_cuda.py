@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, cuda_reason, rel_error
+from conftest import GROUP_SIZE, TOLERANCE, cuda_reason, rel_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxmlp
 import numpy_reference as ref
@@ -162,4 +164,43 @@ def test_tiled_path_at_the_host_overhead_layer(monkeypatch, rng, sizes):
   assert rel_error(dlhs, ref.ragged_dot(f64(dout), f64(rhs).transpose(0, 2, 1), sizes)) < TOLERANCE["bfloat16"]
   off = ref.clamp_sizes(sizes, M)
   want_drhs = np.stack([f64(lhs)[off[g]:off[g + 1]].T @ f64(dout)[off[g]:off[g + 1]] for g in range(E)])
+  assert rel_error(drhs, want_drhs) < TOLERANCE["bfloat16"]
+
+
+# The float32 fuzz tests (test_ragged_dot.py) never reach the tiled path, which is 16-bit only: this one
+# does, with row lengths in multiples of 8, sizes from the whole int32 range, and up to 300 groups (the
+# kernel's group scan runs in chunks of 128).
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 300), d=st.sampled_from([8, 16, 72]), f=st.sampled_from([8, 24, 136]),
+       sizes=st.one_of(st.lists(GROUP_SIZE, min_size=1, max_size=6),
+                       st.lists(st.integers(-1, 3), min_size=129, max_size=300)),
+       seed=st.integers(0, 2**31))
+def test_fuzz_tiled_path(monkeypatch, m, d, f, sizes, seed):
+  reason = cuda_reason("tiled")
+  if reason:
+    pytest.skip(reason)
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "tiled")
+  rng = np.random.default_rng(seed)
+  E = len(sizes)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+  x, w1, w2, dy = bf16(m, d), bf16(E, d, 2 * f), bf16(E, f, d), bf16(m, d)
+  gs = jnp.asarray(sizes, jnp.int32)
+  with jax.default_device(jax.devices("cuda")[0]):
+    y, vjp = jax.vjp(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, gs), x, w1, w2)
+    got = vjp(dy)
+    dout = bf16(m, 2 * f)
+    dot, dot_vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, gs), x, w1)
+    dlhs, drhs = dot_vjp(dout)
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  want_y, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", dy=f64(dy))
+  off = ref.clamp_sizes(sizes, m)
+  if off[-1] == 0:  # no rows: everything is exactly zero
+    assert not any(np.asarray(a, np.float32).any() for a in (y, *got, dot, dlhs, drhs))
+    return
+  assert rel_error(y, want_y) < TOLERANCE["bfloat16"]
+  for g, k in zip(got, ("x", "w1", "w2")):
+    assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
+  assert rel_error(dot, ref.ragged_dot(f64(x), f64(w1), sizes)) < TOLERANCE["bfloat16"]
+  assert rel_error(dlhs, ref.ragged_dot(f64(dout), f64(w1).transpose(0, 2, 1), sizes)) < TOLERANCE["bfloat16"]
+  want_drhs = np.stack([f64(x)[off[g]:off[g + 1]].T @ f64(dout)[off[g]:off[g + 1]] for g in range(E)])
   assert rel_error(drhs, want_drhs) < TOLERANCE["bfloat16"]
