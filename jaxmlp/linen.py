@@ -17,7 +17,7 @@ from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  scaled_grouped_mlp, default_bias_init, default_kernel_init, default_router_init, moe)
+                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -63,7 +63,7 @@ class GroupedMLP(nn.Module):
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
     return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes.astype(jnp.int32), activation,
-                               b1, b2, scales)
+                              b1, b2, scales)
 
 
 class MoE(nn.Module):

@@ -25,6 +25,7 @@ from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_
 
 __all__ = ["GroupedMLP", "MoE"]
 
+
 def _partitioned(init: Initializer, names: tuple[str | None, ...]) -> Initializer:
   """`init` with logical axis names, as `nnx.with_partitioning` attaches them.
 
@@ -117,7 +118,7 @@ class GroupedMLP(nnx.Module):
     x, w1, w2, b1, b2, scales = dtypes.promote_dtype(
       (x, self.w1[...], self.w2[...], b1, b2, scales), dtype=self.dtype)
     return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes.astype(jnp.int32), self.activation,
-                               b1, b2, scales)
+                              b1, b2, scales)
 
 
 class MoE(nnx.Module):
@@ -207,5 +208,3 @@ class MoE(nnx.Module):
                  renormalize=self.renormalize, capacity_factor=self.capacity_factor,
                  aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
     return y.reshape(x.shape), aux
-
-
