@@ -130,8 +130,6 @@ __global__ void ZeroEmptyGroupsKernel(const int32_t* counts, int64_t E, ZeroTarg
   }
 }
 
-int ElementBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
-
 // ---- cuBLASLt state shared by all calls: a handle per device, descriptors and algorithms per problem --
 struct LtKey {
   int device;
@@ -230,15 +228,13 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   p.out = arrays_;
   num_specs_ = 0;
   for (const GemmSpec& s : specs) {
-    if (path_ == GemmPath::kTiled && !TiledGemmSupports(s))
-      return ffi::Error::InvalidArgument("jaxmlp: the tiled GEMM path needs 16-bit inputs and row lengths that are "
-                                         "multiples of 8, got K=" + std::to_string(s.K) + ", N=" + std::to_string(s.N));
-    p.in_bytes[num_specs_] = ElementBytes(s.in_type);
-    p.out_bytes[num_specs_] = ElementBytes(s.out_type);
+    p.in_bytes[num_specs_] = int32_t(ffi::ByteWidth(s.in_type));
+    p.out_bytes[num_specs_] = int32_t(ffi::ByteWidth(s.out_type));
     p.gemms[num_specs_] = specs_[num_specs_] = s;
     ++num_specs_;
   }
-  if (path_ == GemmPath::kTiled) return ffi::Error::Success();  // each tiled launch finds its groups itself
+  // Each tiled launch finds its groups itself (and RunTiledGemms checks its products).
+  if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   SetupKernel<<<1, kSetupThreads, 0, stream_>>>(p);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("setup kernel launch");
   if (path_ == GemmPath::kFallback) {
@@ -278,7 +274,7 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
     if (i < 0 || i >= num_specs_ || n == kMaxGemms) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
     const GemmSpec& s = specs_[i];
     t.out[n] = static_cast<char*>(s.out);
-    t.group_bytes[n] = int64_t(s.K) * s.N * ElementBytes(s.out_type);
+    t.group_bytes[n] = int64_t(s.K) * s.N * int64_t(ffi::ByteWidth(s.out_type));
     largest = std::max(largest, t.group_bytes[n++]);
   }
   if (largest == 0) return ffi::Error::Success();

@@ -65,8 +65,6 @@ Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
 
 void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
 
-int ElementSize(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
-
 template <GemmPath kPath>
 Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                  AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
@@ -79,7 +77,7 @@ Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, A
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
-  ForwardScratch s = CarveForward(ws, m, ElementSize(t));
+  ForwardScratch s = CarveForward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*workspace}));
 
@@ -109,7 +107,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
-  BackwardScratch s = CarveBackward(ws, kPath, m, ElementSize(t));
+  BackwardScratch s = CarveBackward(ws, kPath, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   if (!s.da) s.da = dw1->untyped_data();
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
@@ -151,7 +149,7 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
                                          out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f}}));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   if (gop == GemmOp::kTN) return gemms.ZeroEmptyGroups({0});
-  const int64_t row_bytes = (gop == GemmOp::kNN ? g.N : g.K) * ElementSize(out->element_type());
+  const int64_t row_bytes = (gop == GemmOp::kNN ? g.N : g.K) * int64_t(ffi::ByteWidth(out->element_type()));
   return ZeroPaddingRows(stream, gemms.offsets(), g.E, g.M, row_bytes, out->untyped_data());
 }
 

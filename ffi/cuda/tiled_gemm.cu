@@ -308,8 +308,9 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
   for (int i = 0; i < n; ++i) {
     const GemmSpec& s = *specs[i];
     if (!TiledGemmSupports(s) || s.in_type != specs[0]->in_type || s.out_type != specs[0]->out_type)
-      return ffi::Error::Internal("jaxmlp: tiled GEMM: unsupported product (op " + std::to_string(int(s.op)) +
-                                  ", K=" + std::to_string(s.K) + ", N=" + std::to_string(s.N) + ")");
+      return ffi::Error::InvalidArgument("jaxmlp: the tiled GEMM path needs 16-bit inputs, one dtype per launch "
+                                         "and row lengths that are multiples of 8; got op " + std::to_string(int(s.op)) +
+                                         ", K=" + std::to_string(s.K) + ", N=" + std::to_string(s.N));
     Product& q = p.prod[i];
     q.s = s;
     q.first_block = blocks;
