@@ -29,14 +29,14 @@ __device__ __forceinline__ int64_t GroupOf(const int64_t* offsets, int64_t E, in
 }
 
 // One block per row: the row's work is a few KB, and a block-wide loop keeps the group lookup and the
-// row scale to one per row.
-template <typename T, int V>
+// row scale to one per row. The activation is a template parameter: no dispatch in the loop.
+template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                              int64_t f, int64_t d, T* h, const T* b1,
                                                              const T* scales, T* a, T* y, const T* b2) {
+  constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
-  const bool gated = IsGated(p.act);
-  const int64_t F1 = gated ? 2 * f : f;
+  const int64_t F1 = kGated ? 2 * f : f;
   if (row >= offsets[E]) {  // padding
     ZeroRow<T, V>(a + row * f, f);
     ZeroRow<T, V>(y + row * d, d);
@@ -47,12 +47,12 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
   T* hr = h + row * F1;
   for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
     Vec<T, V> gate = Load<T, V>(hr + j), up;
-    if (gated) up = Load<T, V>(hr + f + j);
+    if (kGated) up = Load<T, V>(hr + f + j);
     if (b1) {  // the saved pre-activation includes b1
       Vec<T, V> bg = Load<T, V>(b1 + g * F1 + j);
       for (int k = 0; k < V; ++k) gate.v[k] = Conv<T>::From(Conv<T>::To(gate.v[k]) + Conv<T>::To(bg.v[k]));
       Store<T, V>(hr + j, gate);
-      if (gated) {
+      if (kGated) {
         Vec<T, V> bu = Load<T, V>(b1 + g * F1 + f + j);
         for (int k = 0; k < V; ++k) up.v[k] = Conv<T>::From(Conv<T>::To(up.v[k]) + Conv<T>::To(bu.v[k]));
         Store<T, V>(hr + f + j, up);
@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
     }
     Vec<T, V> out;
     for (int k = 0; k < V; ++k) {
-      float u = gated ? Conv<T>::To(up.v[k]) : 0.0f;
-      out.v[k] = Conv<T>::From(ActivationGrad(p, Conv<T>::To(gate.v[k]), u).val * s);
+      float u = kGated ? Conv<T>::To(up.v[k]) : 0.0f;
+      out.v[k] = Conv<T>::From(ActivationGradOf<kAct>(p, Conv<T>::To(gate.v[k]), u).val * s);
     }
     Store<T, V>(a + row * f + j, out);
   }
@@ -79,14 +79,14 @@ __device__ float BlockSum(float v) {
   return v;
 }
 
-template <typename T, int V>
+template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, int64_t d, const T* h, const T* da,
                                                               const T* scales, T* a_s, T* dh, T* dscales,
                                                               T* dx) {
+  constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
-  const bool gated = IsGated(p.act);
-  const int64_t F1 = gated ? 2 * f : f;
+  const int64_t F1 = kGated ? 2 * f : f;
   if (row >= offsets[E]) {  // padding
     ZeroRow<T, V>(dh + row * F1, F1);
     ZeroRow<T, V>(dx + row * d, d);
@@ -98,10 +98,10 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
   float ds = 0.0f;
   for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
     Vec<T, V> gate = Load<T, V>(hr + j), up, dav = Load<T, V>(da + row * f + j);
-    if (gated) up = Load<T, V>(hr + f + j);
+    if (kGated) up = Load<T, V>(hr + f + j);
     Vec<T, V> as, dg, du;
     for (int k = 0; k < V; ++k) {
-      ActGrad r = ActivationGrad(p, Conv<T>::To(gate.v[k]), gated ? Conv<T>::To(up.v[k]) : 0.0f);
+      ActGrad r = ActivationGradOf<kAct>(p, Conv<T>::To(gate.v[k]), kGated ? Conv<T>::To(up.v[k]) : 0.0f);
       float dak = Conv<T>::To(dav.v[k]);
       ds += dak * r.val;
       as.v[k] = Conv<T>::From(r.val * s);
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
     }
     Store<T, V>(a_s + row * f + j, as);
     Store<T, V>(dh + row * F1 + j, dg);
-    if (gated) Store<T, V>(dh + row * F1 + f + j, du);
+    if (kGated) Store<T, V>(dh + row * F1 + f + j, du);
   }
   if (dscales) {
     ds = BlockSum(ds);
@@ -176,8 +176,11 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
     auto args = std::make_tuple(p, offsets, E, f, d, static_cast<T*>(h), static_cast<const T*>(b1),
                                 static_cast<const T*>(scales), static_cast<T*>(a), static_cast<T*>(y),
                                 static_cast<const T*>(b2));
-    auto kernel = Vectorizable<T>({f, d}) ? ActForwardKernel<T, V> : ActForwardKernel<T, 1>;
-    std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+    ByAct(p.act, [&](auto act) {
+      constexpr Act A = decltype(act)::value;
+      auto kernel = Vectorizable<T>({f, d}) ? ActForwardKernel<T, V, A> : ActForwardKernel<T, 1, A>;
+      std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+    });
   });
   return LaunchError("the activation forward kernel");
 }
@@ -192,8 +195,11 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
     auto args = std::make_tuple(p, offsets, E, f, d, static_cast<const T*>(h), static_cast<const T*>(da),
                                 static_cast<const T*>(scales), static_cast<T*>(a_s), static_cast<T*>(dh),
                                 static_cast<T*>(dscales), static_cast<T*>(dx));
-    auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V> : ActBackwardKernel<T, 1>;
-    std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+    ByAct(p.act, [&](auto act) {
+      constexpr Act A = decltype(act)::value;
+      auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V, A> : ActBackwardKernel<T, 1, A>;
+      std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+    });
   });
   return LaunchError("the activation backward kernel");
 }
