@@ -4,6 +4,7 @@
 
 #include "../activations.h"
 #include "elements.cuh"
+#include "launch.cuh"
 
 namespace jaxmlp {
 namespace {
@@ -34,6 +35,7 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                              int64_t f, int64_t d, T* h, const T* b1,
                                                              const T* scales, T* a, T* y, const T* b2) {
+  WaitForPrevious();
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
   const int64_t F1 = kGated ? 2 * f : f;
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
                                                               int64_t f, int64_t d, const T* h, const T* da,
                                                               const T* scales, T* a_s, T* dh, T* dscales,
                                                               T* dx) {
+  WaitForPrevious();
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
   const int64_t F1 = kGated ? 2 * f : f;
@@ -179,7 +182,7 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActForwardKernel<T, V, A> : ActForwardKernel<T, 1, A>;
-      std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+      std::apply([&](auto... xs) { LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, xs...); }, args);
     });
   });
   return LaunchError("the activation forward kernel");
@@ -198,7 +201,7 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V, A> : ActBackwardKernel<T, 1, A>;
-      std::apply([&](auto... xs) { kernel<<<unsigned(M), kThreads, 0, stream>>>(xs...); }, args);
+      std::apply([&](auto... xs) { LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, xs...); }, args);
     });
   });
   return LaunchError("the activation backward kernel");

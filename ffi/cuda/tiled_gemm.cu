@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "elements.cuh"
+#include "launch.cuh"
 
 namespace jaxmlp {
 namespace {
@@ -244,6 +245,7 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   // No bf16 tensor cores or cp.async: never launched (TiledPathAvailable checks the compiled version).
 #else
+  WaitForPrevious();
   extern __shared__ __align__(128) char dynamic_smem[];
   T* smem = reinterpret_cast<T*>(dynamic_smem);
   int which = 0;
@@ -327,7 +329,7 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
         auto kernel = TiledGemmKernel<T, decltype(out)>;
         // Above 48 KiB, dynamic shared memory is opt-in per kernel (and per device: set on every launch).
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-        kernel<<<unsigned(blocks), kThreads, kSmemBytes, stream>>>(p);
+        LaunchOverlapped(kernel, unsigned(blocks), kThreads, kSmemBytes, stream, p);
       }
     });
   });
