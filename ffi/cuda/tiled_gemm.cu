@@ -1,11 +1,10 @@
 // The tiled grouped GEMM (see tiled_gemm.h): one thread block per kBM x kBN output tile, four warps of
-// 32 x 32 on the tensor cores (WMMA, 16x16x16 fragments), operands staged through shared memory by a
-// kStages-deep cp.async pipeline. Operands are copied in their row-major global layout; a transposed
-// operand is read through a column-major fragment instead of being transposed in memory.
+// 32 x 32 on the tensor cores (mma.sync m16n8k16, fragments read by ldmatrix), operands staged through
+// shared memory by a kStages-deep cp.async pipeline. Operands are copied in their row-major global
+// layout; a transposed operand is read by the transposing ldmatrix instead of being transposed in memory.
 #include "tiled_gemm.h"
 
 #include <cuda_pipeline.h>
-#include <mma.h>
 
 #include <cub/block/block_scan.cuh>
 #include <string>
@@ -16,8 +15,6 @@
 
 namespace jaxmlp {
 namespace {
-
-namespace wmma = nvcuda::wmma;
 
 // Small problems have few tiles, one block each, and a block's time is mostly its warps' instruction
 // latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 (benchmarks/NOTES.md): 64-deep
@@ -134,6 +131,39 @@ class TileLoader {
   int64_t step_, reduce_end_;
 };
 
+// The tensor-core instructions, on 16-bit operands staged in shared memory (compute capability 8.0+).
+// They replaced WMMA's fragments: the stack of small layers in benchmarks/overhead.py ran 10% faster.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 matrices of 16-bit elements, lane l giving the shared address of row l % 8 of matrix l / 8;
+// kTrans transposes each. Register i of every lane holds its two elements of matrix i.
+template <bool kTrans>
+__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], uint32_t address) {
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// acc (16 x 8, float) += A (16 x 16, row-major fragment a) * B (16 x 8, column-major fragment b0, b1).
+template <typename T>
+__device__ __forceinline__ void Mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // A pair that device code can build (std::pair's constructors are host functions to nvcc).
 template <typename A, typename B>
 struct Both {
@@ -151,8 +181,6 @@ Both(A, B) -> Both<A, B>;
 template <GemmOp kOp, typename T, typename OutT>
 __device__ void Tile(const GemmSpec& q, const Site& site, int64_t tile_i, int64_t tile_j, T* smem) {
   constexpr bool kAColMajor = kOp == GemmOp::kTN, kBColMajor = kOp == GemmOp::kNT;
-  using ALayout = std::conditional_t<kAColMajor, wmma::col_major, wmma::row_major>;
-  using BLayout = std::conditional_t<kBColMajor, wmma::col_major, wmma::row_major>;
   const int64_t K = q.K, N = q.N, g = site.group, start = site.start, count = site.count;
   const T* lhs = static_cast<const T*>(q.lhs);
   const T* rhs = static_cast<const T*>(q.rhs);
@@ -178,48 +206,56 @@ __device__ void Tile(const GemmSpec& q, const Site& site, int64_t tile_i, int64_
     loaders.b.Load(b_tile(stage), k0);
   };
 
-  const int warp = threadIdx.x / 32, wi = warp / 2 * 32, wj = warp % 2 * 32;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-  for (auto& row : acc)
-    for (auto& c : row) wmma::fill_fragment(c, 0.0f);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wi = warp / 2 * 32, wj = warp % 2 * 32;
+  float acc[2][4][4] = {};  // [16-row block][8-column block][mma accumulator registers]
 
   const int64_t steps = (reduction + kBK - 1) / kBK;
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < steps) load(s, s * kBK);
     __pipeline_commit();
   }
+  // This lane's ldmatrix address, in elements from a stage's tile at kk = 0: lane l points at row l % 8
+  // of matrix l / 8, the matrices in the order of mma.sync's fragment registers (A: a0..a3 = rows 0-7,
+  // 8-15 at k 0-7, then the same at k 8-15; B: b0, b1 = k 0-7, 8-15 of one 8-column block, then of the
+  // next). A tile stored with k along its rows (A of kTN, B of kNN and kTN) is read transposed.
+  const int a_lane = kAColMajor ? (lane % 8 + lane / 16 * 8) * (kBM + kPad) + wi + lane / 8 % 2 * 8
+                                : (wi + lane % 16) * (kBK + kPad) + lane / 16 * 8;
+  const int b_lane = kBColMajor ? (wj + lane % 8 + lane / 16 * 8) * (kBK + kPad) + lane / 8 % 2 * 8
+                                : (lane % 8 + lane / 8 % 2 * 8) * (kBN + kPad) + wj + lane / 16 * 8;
   for (int64_t step = 0; step < steps; ++step) {
     __pipeline_wait_prior(kStages - 2);
     __syncthreads();  // the stage is complete for all threads, and the one refilled below is consumed
     if (step + kStages - 1 < steps) load((step + kStages - 1) % kStages, (step + kStages - 1) * kBK);
     __pipeline_commit();
-    const T* a = a_tile(step % kStages);
-    const T* b = b_tile(step % kStages);
+    const uint32_t a = SharedAddress(a_tile(step % kStages) + a_lane);
+    const uint32_t b = SharedAddress(b_tile(step % kStages) + b_lane);
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> fa[2];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb[2];
-      for (int m = 0; m < 2; ++m) {
-        const int i = wi + m * 16;
-        if constexpr (kAColMajor) wmma::load_matrix_sync(fa[m], a + kk * (kBM + kPad) + i, kBM + kPad);
-        else wmma::load_matrix_sync(fa[m], a + i * (kBK + kPad) + kk, kBK + kPad);
-      }
-      for (int n = 0; n < 2; ++n) {
-        const int j = wj + n * 16;
-        if constexpr (kBColMajor) wmma::load_matrix_sync(fb[n], b + j * (kBK + kPad) + kk, kBK + kPad);
-        else wmma::load_matrix_sync(fb[n], b + kk * (kBN + kPad) + j, kBN + kPad);
-      }
+      uint32_t fa[2][4], fb[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)  // rows wi + 16 m ..., k kk ... kk + 15
+        LoadMatrices<kAColMajor>(fa[m], a + 2 * (kAColMajor ? kk * (kBM + kPad) + m * 16 : m * 16 * (kBK + kPad) + kk));
+#pragma unroll
+      for (int n = 0; n < 2; ++n)  // columns wj + 16 n ..., k kk ... kk + 15: two 8-column fragments
+        LoadMatrices<!kBColMajor>(fb[n], b + 2 * (kBColMajor ? n * 16 * (kBK + kPad) + kk : kk * (kBN + kPad) + n * 16));
+#pragma unroll
       for (int m = 0; m < 2; ++m)
-        for (int n = 0; n < 2; ++n) wmma::mma_sync(acc[m][n], fa[m], fb[n], acc[m][n]);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) Mma<T>(acc[m][n], fa[m], fb[n / 2][n % 2 * 2], fb[n / 2][n % 2 * 2 + 1]);
     }
   }
   __pipeline_wait_prior(0);
   __syncthreads();  // all warps are done with the operand tiles: the accumulators go where they were
 
   float* c = reinterpret_cast<float*>(smem);
+#pragma unroll
   for (int m = 0; m < 2; ++m)
-    for (int n = 0; n < 2; ++n)
-      wmma::store_matrix_sync(c + (wi + m * 16) * kLdc + wj + n * 16, acc[m][n], kLdc, wmma::mem_row_major);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {  // accumulator registers: rows lane / 4 and + 8, columns 2 (lane % 4) + 0, 1
+      float* r = c + (wi + m * 16 + lane / 4) * kLdc + wj + n * 8 + lane % 4 * 2;
+      r[0] = acc[m][n][0], r[1] = acc[m][n][1];
+      r[8 * kLdc] = acc[m][n][2], r[8 * kLdc + 1] = acc[m][n][3];
+    }
   __syncthreads();
 
   // Output tile rows [i0, row_end) and columns [j0, col_end) of a row-major matrix with ld columns.
