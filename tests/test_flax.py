@@ -304,6 +304,10 @@ def test_moe_shapes_and_dtypes():
   assert y.shape == (3, 5, D) and y.dtype == jnp.bfloat16
   assert set(aux) == {"load_balancing_loss", "router_z_loss", "aux_loss"}
   assert all(v.shape == () and v.dtype == jnp.float32 for v in aux.values())
+  y2, _ = jit_call(moe, x.reshape(15, D))  # tokens as rows: the same layer, the same rows out
+  assert y2.shape == (15, D)
+  np.testing.assert_allclose(np.asarray(y2, np.float32), np.asarray(y.reshape(15, D), np.float32), rtol=1e-2,
+                             atol=1e-2)
 
   linen_moe = jaxmlp.linen.MoE(E, D, F, 2, dtype=jnp.bfloat16)
   variables = jax.jit(linen_moe.init)(jax.random.key(0), x)
@@ -312,8 +316,9 @@ def test_moe_shapes_and_dtypes():
   assert set(aux) == {"load_balancing_loss", "router_z_loss", "aux_loss"}
 
 
-def test_linen_moe_matches_nnx_moe_with_the_same_params():
-  options = dict(activation="geglu", use_bias=True, score_func="sigmoid", capacity_factor=0.5,
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_linen_moe_matches_nnx_moe_with_the_same_params(capacity_factor):
+  options = dict(activation="geglu", use_bias=True, score_func="sigmoid", capacity_factor=capacity_factor,
                  bias_init=random_init(0.3))
   nnx_moe = jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(0), **options)
   x = jax.random.normal(jax.random.key(1), (2, 6, D))
