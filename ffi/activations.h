@@ -52,8 +52,8 @@ struct ActGrad {
   float val, dgate, dup;
 };
 
-// A gated activation's output and partial derivatives for the activation kAct, fixed at compile time so
-// that a kernel's inner loop holds no dispatch.
+// The output and partial derivatives (ActGrad) of the activation kAct, fixed at compile time so that a
+// kernel's inner loop holds no dispatch.
 template <Act kAct>
 JAXMLP_HD ActGrad ActivationGradOf(const ActParams& p, float gate, float up) {
   if constexpr (kAct == Act::kSwiglu) {

@@ -2,8 +2,8 @@
 // LaunchOverlapped may be scheduled while the kernel before it on the stream is still finishing, so its
 // launch and block start-up hide behind that kernel's tail instead of following it. Such a kernel must
 // call WaitForPrevious before its first access to global memory: it returns once the previous kernel
-// has completed and its writes are visible. In an XLA command buffer (stream capture) the same holds
-// through programmatic graph edges.
+// has completed and its writes are visible. Under stream capture (XLA command buffers) CUDA records the
+// relation as a programmatic graph edge; tests/test_cuda.py replays these kernels from command buffers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,7 +20,7 @@ __device__ __forceinline__ void WaitForPrevious() {
 #endif
 }
 
-// Whether the current device takes programmatic launches (queried per call: a few hundred ns).
+// Whether the current device takes programmatic launches (asked at each launch).
 inline bool OverlapLaunches() {
   int device = 0, major = 0;
   return cudaGetDevice(&device) == cudaSuccess &&

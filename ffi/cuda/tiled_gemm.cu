@@ -17,8 +17,9 @@ namespace jaxmlp {
 namespace {
 
 // Small problems have few tiles, one block each, and a block's time is mostly its warps' instruction
-// latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 (benchmarks/NOTES.md): 64-deep
-// steps with 4 stages (3 blocks per SM) beat 3 or 6 stages, 32-deep steps, 8 warps per tile, and split-K.
+// latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 with the earlier WMMA version
+// (benchmarks/NOTES.md): 64-deep steps with 4 stages (3 blocks per SM) beat 3 or 6 stages, 32-deep
+// steps, 8 warps per tile, and split-K.
 constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
 constexpr int kPad = 8;                       // elements per shared-memory row against bank conflicts
 constexpr int kVec = 8;                       // 16-bit elements per 16-byte copy
@@ -214,30 +215,33 @@ __device__ void Tile(const GemmSpec& q, const Site& site, int64_t tile_i, int64_
     if (s < steps) load(s, s * kBK);
     __pipeline_commit();
   }
-  // This lane's ldmatrix address, in elements from a stage's tile at kk = 0: lane l points at row l % 8
-  // of matrix l / 8, the matrices in the order of mma.sync's fragment registers (A: a0..a3 = rows 0-7,
-  // 8-15 at k 0-7, then the same at k 8-15; B: b0, b1 = k 0-7, 8-15 of one 8-column block, then of the
-  // next). A tile stored with k along its rows (A of kTN, B of kNN and kTN) is read transposed.
-  const int a_lane = kAColMajor ? (lane % 8 + lane / 16 * 8) * (kBM + kPad) + wi + lane / 8 % 2 * 8
-                                : (wi + lane % 16) * (kBK + kPad) + lane / 16 * 8;
-  const int b_lane = kBColMajor ? (wj + lane % 8 + lane / 16 * 8) * (kBK + kPad) + lane / 8 % 2 * 8
-                                : (lane % 8 + lane / 8 % 2 * 8) * (kBN + kPad) + wj + lane / 16 * 8;
+  // Element strides in the staged tiles: per step along k, and per row of A or column of B.
+  constexpr int kAk = kAColMajor ? kBM + kPad : 1, kAm = kAColMajor ? 1 : kBK + kPad;
+  constexpr int kBk = kBColMajor ? 1 : kBN + kPad, kBn = kBColMajor ? kBK + kPad : 1;
+  // This lane's ldmatrix address at kk = 0: lane l points at row l % 8 of matrix l / 8, the matrices in
+  // the order of mma.sync's fragment registers (A: a0..a3 = rows 0-7, 8-15 at k 0-7, then the same at
+  // k 8-15; B: b0, b1 = k 0-7, 8-15 of one 8-column block, then of the next). A tile stored with k
+  // along its rows (A of kTN, B of kNN and kTN) is read transposed, which swaps the lanes' roles.
+  const int a_i = kAColMajor ? wi + lane / 8 % 2 * 8 : wi + lane % 16;
+  const int a_k = kAColMajor ? lane % 8 + lane / 16 * 8 : lane / 16 * 8;
+  const int b_n = kBColMajor ? wj + lane % 8 + lane / 16 * 8 : wj + lane / 16 * 8;
+  const int b_k = kBColMajor ? lane / 8 % 2 * 8 : lane % 8 + lane / 8 % 2 * 8;
   for (int64_t step = 0; step < steps; ++step) {
     __pipeline_wait_prior(kStages - 2);
     __syncthreads();  // the stage is complete for all threads, and the one refilled below is consumed
     if (step + kStages - 1 < steps) load((step + kStages - 1) % kStages, (step + kStages - 1) * kBK);
     __pipeline_commit();
-    const uint32_t a = SharedAddress(a_tile(step % kStages) + a_lane);
-    const uint32_t b = SharedAddress(b_tile(step % kStages) + b_lane);
+    const uint32_t a = SharedAddress(a_tile(step % kStages) + a_i * kAm + a_k * kAk);
+    const uint32_t b = SharedAddress(b_tile(step % kStages) + b_n * kBn + b_k * kBk);
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t fa[2][4], fb[2][4];
 #pragma unroll
       for (int m = 0; m < 2; ++m)  // rows wi + 16 m ..., k kk ... kk + 15
-        LoadMatrices<kAColMajor>(fa[m], a + 2 * (kAColMajor ? kk * (kBM + kPad) + m * 16 : m * 16 * (kBK + kPad) + kk));
+        LoadMatrices<kAColMajor>(fa[m], a + sizeof(T) * (kk * kAk + m * 16 * kAm));
 #pragma unroll
       for (int n = 0; n < 2; ++n)  // columns wj + 16 n ..., k kk ... kk + 15: two 8-column fragments
-        LoadMatrices<!kBColMajor>(fb[n], b + 2 * (kBColMajor ? n * 16 * (kBK + kPad) + kk : kk * (kBN + kPad) + n * 16));
+        LoadMatrices<!kBColMajor>(fb[n], b + sizeof(T) * (kk * kBk + n * 16 * kBn));
 #pragma unroll
       for (int m = 0; m < 2; ++m)
 #pragma unroll
