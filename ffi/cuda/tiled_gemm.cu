@@ -17,9 +17,9 @@ namespace jaxmlp {
 namespace {
 
 // Small problems have few tiles, one block each, and a block's time is mostly its warps' instruction
-// latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 with the earlier WMMA version
-// (benchmarks/NOTES.md): 64-deep steps with 4 stages (3 blocks per SM) beat 3 or 6 stages, 32-deep
-// steps, 8 warps per tile, and split-K.
+// latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 (benchmarks/NOTES.md): 64-deep
+// steps with 4 stages (3 blocks per SM) beat 3 stages (also with mma.sync), and with the earlier WMMA
+// version 6 stages, 32-deep steps, 8 warps per tile and split-K.
 constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
 constexpr int kPad = 8;                       // elements per shared-memory row against bank conflicts
 constexpr int kVec = 8;                       // 16-bit elements per 16-byte copy
