@@ -96,3 +96,11 @@ def ragged_dot(lhs, rhs, sizes):
   for g in range(rhs.shape[0]):
     out[off[g]:off[g + 1]] = lhs[off[g]:off[g + 1]] @ rhs[g]
   return out
+
+
+def ragged_dot_rhs_grad(lhs, dout, sizes):
+  """The gradient of ragged_dot w.r.t. rhs: per group, lhs[rows of g]^T @ dout[rows of g] (zeros for a group
+  without rows)."""
+  lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+  off = clamp_sizes(sizes, lhs.shape[0])
+  return np.stack([lhs[off[g]:off[g + 1]].T @ dout[off[g]:off[g + 1]] for g in range(len(sizes))])
