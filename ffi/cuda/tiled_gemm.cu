@@ -34,20 +34,23 @@ struct Product {
   int64_t first_block;  // products occupy consecutive ranges of blockIdx.x
   int32_t tiles_i;      // kTN: tiles over the K rows of out[g]
   int32_t tiles_j;      // tiles over the output columns
+  int32_t out_bytes;    // bytes per output element
 };
 
 struct Params {
   TiledGroups groups;
+  int64_t row_tiles;    // kNN/kNT blocks per tile column: the most row tiles any group_sizes can make
   int32_t n;
   Product prod[kMaxGemms];
 };
 
 // Where a block's tile lies: the group, its rows [start, start + count), and for kNN/kNT the index of
 // the tile among the group's row tiles. group < 0: the block has no tile (grids are sized for the worst
-// case of group_sizes).
+// case of group_sizes). Also the scan's totals: rows in groups (the rest is padding) and row tiles used.
 struct Site {
   int32_t group;
   int64_t start, count, tile;
+  int64_t valid_rows, used_row_tiles;
 };
 
 // Scans group_sizes under the GroupOffsets policy: each size clamped to [0, M] before the int64 running
@@ -85,7 +88,24 @@ __device__ Site FindSite(const TiledGroups& gr, bool by_row_tile, int64_t target
     if (threadIdx.x == 0) carry_rows += total, carry_tiles += tile_total;
     __syncthreads();
   }
-  return site;
+  Site s = site;
+  s.valid_rows = min(carry_rows, gr.M), s.used_row_tiles = carry_tiles;
+  return s;
+}
+
+// A kNN/kNT block whose row tile holds no rows writes zeros to the rows past the groups (padding)
+// instead, so that no kernel of its own has to: spare block `spare` of `spares` takes the padding's
+// kBM-row slices spare, spare + spares, ... in its tile's columns. RunTiledGemms sizes the grid so that
+// there is a spare block whenever there is padding.
+__device__ void ZeroPaddingSlices(const Product& q, const Site& site, int64_t M, int64_t spare, int64_t spares,
+                                  int64_t tile_j) {
+  // In 16-byte units: the row length is a multiple of 8 elements of at least 2 bytes (TiledGemmSupports).
+  const int64_t units = (q.s.op == GemmOp::kNN ? q.s.N : q.s.K) * q.out_bytes / 16;
+  const int64_t u0 = tile_j * kBN * q.out_bytes / 16, width = min(int64_t(kBN) * q.out_bytes / 16, units - u0);
+  int4* out = static_cast<int4*>(q.s.out);
+  for (int64_t r0 = site.valid_rows + spare * kBM; r0 < M; r0 += spares * kBM)
+    for (int64_t v = threadIdx.x; v < kBM * width && r0 + v / width < M; v += kThreads)
+      out[(r0 + v / width) * units + u0 + v % width] = int4{0, 0, 0, 0};
 }
 
 // Copies kOuter x kInner tiles of a row-major matrix (rows of ld elements) into shared rows of kInner +
@@ -294,8 +314,10 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
   const int64_t b = blockIdx.x - q.first_block;
   const bool by_row_tile = q.s.op != GemmOp::kTN;
   const Site site = FindSite(p.groups, by_row_tile, by_row_tile ? b / q.tiles_j : b / (q.tiles_i * q.tiles_j));
-  if (site.group < 0) return;
   const int64_t tile_i = b / q.tiles_j % q.tiles_i, tile_j = b % q.tiles_j;
+  if (site.group < 0)  // only kNN/kNT blocks: a kTN block's group always exists
+    return ZeroPaddingSlices(q, site, p.groups.M, b / q.tiles_j - site.used_row_tiles,
+                             p.row_tiles - site.used_row_tiles, tile_j);
   switch (q.s.op) {
     case GemmOp::kNN:
       return Tile<GemmOp::kNN, T, OutT>(q.s, site, tile_i, tile_j, smem);
@@ -345,8 +367,10 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
   p.groups = groups;
   p.n = n;
   int64_t blocks = 0;
-  // Row tiles of kNN/kNT: sum over groups of ceil(count / kBM) <= ceil(M / kBM) + (groups with rows).
-  const int64_t row_tiles = CeilDiv(groups.M, kBM) + std::min(groups.E, groups.M);
+  // Row tiles of kNN/kNT: the groups use sum over groups of ceil(count / kBM) <= floor(R / kBM) + (groups
+  // with rows), R being the rows in groups. The unused ones zero the padding rows, and there is one
+  // whenever there is padding: row_tiles - used >= ceil(M / kBM) - floor(R / kBM) >= 1 when R < M.
+  p.row_tiles = CeilDiv(groups.M, kBM) + std::min(groups.E, groups.M);
   for (int i = 0; i < n; ++i) {
     const GemmSpec& s = *specs[i];
     if (!TiledGemmSupports(s) || s.in_type != specs[0]->in_type || s.out_type != specs[0]->out_type)
@@ -358,7 +382,8 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
     q.first_block = blocks;
     q.tiles_i = s.op == GemmOp::kTN ? int32_t(CeilDiv(s.K, kBM)) : 1;
     q.tiles_j = int32_t(CeilDiv(s.op == GemmOp::kNT ? s.K : s.N, kBN));
-    blocks += s.op == GemmOp::kTN ? groups.E * q.tiles_i * q.tiles_j : row_tiles * q.tiles_j;
+    q.out_bytes = int32_t(ffi::ByteWidth(s.out_type));
+    blocks += s.op == GemmOp::kTN ? groups.E * q.tiles_i * q.tiles_j : p.row_tiles * q.tiles_j;
   }
   if (blocks == 0) return ffi::Error::Success();
   if (blocks > 0x7fffffff) return ffi::Error::InvalidArgument("jaxmlp: problem too large for the tiled GEMM");
