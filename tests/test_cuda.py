@@ -104,6 +104,17 @@ def test_sync_free_paths_inside_command_buffers(path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.skipif(jaxmlp._ffi._cuda is None, reason="built without the CUDA handlers")
+def test_workspace_sizes_reject_an_unknown_gemm_path():
+  """The CUDA module (built in CI, which has nvcc but no GPU) sizes scratch per path and names the bad one."""
+  cuda = jaxmlp._ffi._cuda
+  assert cuda.gemm_workspace_bytes("tiled", 8) < cuda.gemm_workspace_bytes("grouped", 8)  # no cuBLAS workspace
+  with pytest.raises(ValueError, match="unknown GEMM path 'cublas'"):
+    cuda.gemm_workspace_bytes("cublas", 8)
+  with pytest.raises(ValueError, match="unknown GEMM path ''"):
+    cuda.mlp_workspace_bytes("", True, 256, 256, 512, 1024, 8, 1)
+
+
 def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
   reason = cuda_reason("tiled")
   if reason:

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <stdexcept>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -37,8 +38,10 @@ namespace {
 nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsule(reinterpret_cast<void*>(fn)); }
 
 jaxmlp::GemmPath PathOf(const std::string& path) {
+  if (path == "grouped") return jaxmlp::GemmPath::kGrouped;
   if (path == "tiled") return jaxmlp::GemmPath::kTiled;
-  return path == "fallback" ? jaxmlp::GemmPath::kFallback : jaxmlp::GemmPath::kGrouped;
+  if (path == "fallback") return jaxmlp::GemmPath::kFallback;
+  throw std::invalid_argument("jaxmlp: unknown GEMM path '" + path + "': expected grouped, tiled or fallback");
 }
 
 nb::dict Status(const std::vector<std::string>& lib_dirs) {
