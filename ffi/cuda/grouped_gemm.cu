@@ -130,6 +130,12 @@ __global__ void ZeroEmptyGroupsKernel(const int32_t* counts, int64_t E, ZeroTarg
   }
 }
 
+// Zeros rows [offsets[E], M) of out [M, row_bytes].
+__global__ void ZeroRowsKernel(const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes, char* out) {
+  for (int64_t r = offsets[E] + blockIdx.x; r < M; r += gridDim.x)
+    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) out[r * row_bytes + i] = 0;
+}
+
 // ---- cuBLASLt state shared by all calls: a handle per device, descriptors and algorithms per problem --
 struct LtKey {
   int device;
@@ -284,6 +290,19 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
             unsigned(n));
   ZeroEmptyGroupsKernel<<<grid, 256, 0, stream_>>>(arrays_.counts, E_, t);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing empty groups");
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemms::ZeroPaddingRows(int i) {
+  if (path_ == GemmPath::kTiled) return ffi::Error::Success();
+  if (i < 0 || i >= num_specs_ || specs_[i].op == GemmOp::kTN)
+    return ffi::Error::Internal("jaxmlp: padding rows of a product that is not kNN/kNT");
+  const GemmSpec& s = specs_[i];
+  const int64_t row_bytes = (s.op == GemmOp::kNN ? s.N : s.K) * int64_t(ffi::ByteWidth(s.out_type));
+  if (M_ == 0 || row_bytes == 0) return ffi::Error::Success();
+  ZeroRowsKernel<<<unsigned(std::min<int64_t>(M_, 1024)), 256, 0, stream_>>>(arrays_.offsets, E_, M_, row_bytes,
+                                                                              static_cast<char*>(s.out));
+  if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing padding rows");
   return ffi::Error::Success();
 }
 

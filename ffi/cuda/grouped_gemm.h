@@ -84,6 +84,9 @@ class GroupedGemms {
   // Writes zeros to out[g] of the given kTN products for every group with no rows (cuBLAS may leave them
   // unwritten), in one launch. Nothing to do on the tiled path, which writes them itself.
   ffi::Error ZeroEmptyGroups(std::initializer_list<int> products);
+  // Writes zeros to the rows past the groups (padding) of kNN/kNT product i's output, which cuBLAS
+  // leaves alone. Nothing to do on the tiled path, which writes them itself.
+  ffi::Error ZeroPaddingRows(int i);
 
   // Device pointer; valid once Prepare (cuBLAS paths) or the first Run (tiled path) is enqueued.
   const int64_t* offsets() const { return arrays_.offsets; }

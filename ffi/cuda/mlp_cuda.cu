@@ -148,10 +148,7 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({{gop, int32_t(g.K), int32_t(g.N), lhs.untyped_data(), rhs.untyped_data(),
                                          out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f}}));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
-  if (gop == GemmOp::kTN) return gemms.ZeroEmptyGroups({0});
-  if (kPath == GemmPath::kTiled) return Error::Success();  // the tiled kernel zeroed the padding rows
-  const int64_t row_bytes = (gop == GemmOp::kNN ? g.N : g.K) * int64_t(ffi::ByteWidth(out->element_type()));
-  return ZeroPaddingRows(stream, gemms.offsets(), g.E, g.M, row_bytes, out->untyped_data());
+  return gop == GemmOp::kTN ? gemms.ZeroEmptyGroups({0}) : gemms.ZeroPaddingRows(0);
 }
 
 auto BindForward() {

@@ -149,11 +149,6 @@ __global__ void ConvertKernel(const float* in, T* out, int64_t count) {
     out[i] = Conv<T>::From(in[i]);
 }
 
-__global__ void ZeroRowsKernel(const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes, char* out) {
-  for (int64_t r = offsets[E] + blockIdx.x; r < M; r += gridDim.x)
-    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) out[r * row_bytes + i] = 0;
-}
-
 ffi::Error LaunchError(const char* what) {
   cudaError_t e = cudaPeekAtLastError();
   if (e == cudaSuccess) return ffi::Error::Success();
@@ -219,14 +214,6 @@ ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* 
         acc, static_cast<T*>(out), E * n);
   });
   return LaunchError("the bias gradient kernels");
-}
-
-ffi::Error ZeroPaddingRows(cudaStream_t stream, const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes,
-                           void* out) {
-  if (M == 0 || row_bytes == 0) return ffi::Error::Success();
-  ZeroRowsKernel<<<unsigned(std::min<int64_t>(M, 1024)), 256, 0, stream>>>(offsets, E, M, row_bytes,
-                                                                             static_cast<char*>(out));
-  return LaunchError("the padding-row kernel");
 }
 
 }  // namespace jaxmlp

@@ -1,5 +1,5 @@
 // The MLP's own CUDA kernels, around the grouped GEMMs: activation forward and backward (bias, gating
-// and row scales fused), per-group bias gradients, and zeroing of padding rows.
+// and row scales fused), and per-group bias gradients.
 //
 // All take `offsets` [E + 1] from the setup kernel (GroupedGemms::offsets()): rows at or past offsets[E]
 // are padding, and the group of a row is found by binary search in it.
@@ -30,9 +30,5 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
 // E * n elements. Groups with no rows get 0.
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
                            int64_t n, const void* v, float* acc, void* out);
-
-// Zeros rows [offsets[E], M) of out [M, row_bytes].
-ffi::Error ZeroPaddingRows(cudaStream_t stream, const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes,
-                           void* out);
 
 }  // namespace jaxmlp
