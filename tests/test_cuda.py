@@ -140,8 +140,8 @@ def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
 ])
 def test_tiled_path_at_the_host_overhead_layer(monkeypatch, rng, sizes):
   """The layer of the host-overhead benchmark takes the tiled path by itself: long reductions (FC2 and
-  the FC1 dgrad: 8 and 16 k-steps), the backward's products in one launch, biases and scales, against
-  float64; and ragged_dot at the same size."""
+  the FC1 dgrad: 8 and 16 k-steps, the latter split over 2 blocks), the backward's products in one
+  launch, biases and scales, against float64; and ragged_dot at the same size."""
   reason = cuda_reason("tiled")
   if reason:
     pytest.skip(reason)
@@ -178,9 +178,10 @@ def test_tiled_path_at_the_host_overhead_layer(monkeypatch, rng, sizes):
 
 # The float32 fuzz tests (test_ragged_dot.py) never reach the tiled path, which is 16-bit only: this one
 # does, with row lengths in multiples of 8, sizes from the whole int32 range, and up to 300 groups (the
-# kernel's group scan runs in chunks of 128).
+# kernel's group scan runs in chunks of 32). At f = 520 the FC1 dgrad's 17 k-steps are split over two
+# blocks, of 9 and 8.
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(m=st.integers(1, 300), d=st.sampled_from([8, 16, 72]), f=st.sampled_from([8, 24, 136]),
+@given(m=st.integers(1, 300), d=st.sampled_from([8, 16, 72]), f=st.sampled_from([8, 24, 136, 520]),
        sizes=st.one_of(st.lists(GROUP_SIZE, min_size=1, max_size=6),
                        st.lists(st.integers(-1, 3), min_size=129, max_size=300)),
        seed=st.integers(0, 2**31))

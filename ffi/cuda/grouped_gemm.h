@@ -58,12 +58,17 @@ struct GemmSpec {
   void* out;
   ffi::DataType in_type, out_type;
   float beta;  // 0: out = product, 1: out += product (onto a prefilled bias)
+  // Operands that are inputs of the FFI call, which none of the call's kernels writes: the tiled path
+  // starts copying them before the kernel ahead of it on the stream has finished.
+  bool lhs_is_input = false, rhs_is_input = false;
 };
 
 // Device arrays written by the setup kernel.
 struct GroupArrays {
   int32_t* counts;   // [E] rows of each group after the policy
   int64_t* offsets;  // [E + 1] first row of each group; offsets[E] = rows in use
+  int32_t* split_arrivals;  // tiled path: split-K scratch (tiled_gemm.h)
+  float* split_partials;
   int32_t* dims;     // [kMaxGemms][2][E]: K and N repeated per group (cuBLASLt reads dims from arrays)
   void** ptrs;       // [kMaxGemms][3][E]: cuBLAS A, B and D pointers per group
 };
@@ -104,6 +109,7 @@ class GroupedGemms {
   void* cublas_ws_;
   GemmSpec specs_[kMaxGemms];
   int num_specs_ = 0;
+  int tiled_launches_ = 0;
   std::vector<int64_t> host_offsets_;  // fallback path only
 };
 

@@ -82,9 +82,10 @@ Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, A
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*workspace}));
 
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      {GemmOp::kNN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), w1.untyped_data(), h->untyped_data(), t, t, 0.0f},
+      {GemmOp::kNN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), w1.untyped_data(), h->untyped_data(), t, t, 0.0f,
+       true, true},
       {GemmOp::kNN, int32_t(m.f), int32_t(m.d), s.a, w2.untyped_data(), y->untyped_data(), t, t,
-       m.has_b2 ? 1.0f : 0.0f},
+       m.has_b2 ? 1.0f : 0.0f, false, true},
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
   JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
@@ -114,16 +115,18 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
 
   const int32_t d = int32_t(m.d), f = int32_t(m.f), F1 = int32_t(m.F1);
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      {GemmOp::kNT, f, d, dy.untyped_data(), w2.untyped_data(), s.da, t, t, 0.0f},         // da = dy @ w2^T
-      {GemmOp::kTN, f, d, s.da, dy.untyped_data(), dw2->untyped_data(), t, t, 0.0f},       // dw2 = a_s^T dy
-      {GemmOp::kNT, d, F1, dh->untyped_data(), w1.untyped_data(), dx->untyped_data(), t, t, 0.0f},  // dx
-      {GemmOp::kTN, d, F1, x.untyped_data(), dh->untyped_data(), dw1->untyped_data(), t, t, 0.0f},  // dw1
+      {GemmOp::kNT, f, d, dy.untyped_data(), w2.untyped_data(), s.da, t, t, 0.0f, true, true},    // da = dy w2^T
+      {GemmOp::kTN, f, d, s.da, dy.untyped_data(), dw2->untyped_data(), t, t, 0.0f, false, true},  // dw2 = a_s^T dy
+      {GemmOp::kNT, d, F1, dh->untyped_data(), w1.untyped_data(), dx->untyped_data(), t, t, 0.0f, false, true},
+      {GemmOp::kTN, d, F1, x.untyped_data(), dh->untyped_data(), dw1->untyped_data(), t, t, 0.0f, true, false},
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
                                             m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da, dh->untyped_data(),
                                             m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data()));
-  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({1, 2, 3}));
+  // dx first: on the tiled path its blocks, the launch's longest (the reduction runs over F1), then start
+  // in the first wave.
+  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   if (m.has_b1)
     JAXMLP_RETURN_IF_ERROR(
@@ -146,7 +149,8 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*out, &*workspace}));
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({{gop, int32_t(g.K), int32_t(g.N), lhs.untyped_data(), rhs.untyped_data(),
-                                         out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f}}));
+                                         out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f,
+                                         true, true}}));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   return gop == GemmOp::kTN ? gemms.ZeroEmptyGroups({0}) : gemms.ZeroPaddingRows(0);
 }

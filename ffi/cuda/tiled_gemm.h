@@ -18,13 +18,21 @@
 
 namespace jaxmlp {
 
-// The group_sizes of a call, and where block 0 of each launch writes the counts and offsets that the
-// MLP kernels after it read (the policy of GroupOffsets, as the setup kernel of the cuBLAS paths does).
+// Split-K scratch of a call: output tiles whose reduction is split over several blocks (at most
+// kTiledSplitSlots per launch, counting each split) leave their partial sums here.
+constexpr int kTiledSplitSlots = 256;
+constexpr int kTiledTileElems = 64 * 64;
+
+// The group_sizes of a call, where block 0 of the call's first launch writes the counts and offsets that
+// the MLP kernels after it read (the policy of GroupOffsets, as the setup kernel of the cuBLAS paths
+// does), and the split-K scratch.
 struct TiledGroups {
   const int32_t* sizes;
   int64_t E, M;
-  int32_t* counts;   // [E]
-  int64_t* offsets;  // [E + 1]
+  int32_t* counts;          // [E]
+  int64_t* offsets;         // [E + 1]
+  int32_t* split_arrivals;  // [kTiledSplitSlots] blocks done per split tile; zeroed by the first launch
+  float* split_partials;    // [kTiledSplitSlots][kTiledTileElems]: 4 MiB
 };
 
 // Whether the tiled kernel can run on the current device, and if not, why.
@@ -34,7 +42,11 @@ bool TiledPathAvailable(std::string* reason);
 bool TiledGemmSupports(const GemmSpec& s);
 
 // Runs products specs[0..n) (no one reading another's output) in one launch. The rows of a kNN/kNT
-// product's output past the groups (padding) get zeros.
-ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const GemmSpec* const* specs, int n);
+// product's output past the groups (padding) get zeros. A call's first launch writes the group arrays.
+// The later ones (follows_own_kernel: the kernel ahead on the stream is one of the call's own, launched
+// after the first) read group_sizes and the operands that are call inputs before waiting for that kernel,
+// and split long reductions over several blocks.
+ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const GemmSpec* const* specs, int n,
+                         bool follows_own_kernel);
 
 }  // namespace jaxmlp
