@@ -209,11 +209,11 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* gr
   arrays_.offsets = ws.Take<int64_t>(E + 1);
   if (path == GemmPath::kTiled) {  // needs no cuBLAS arrays or workspace
     arrays_.dims = nullptr, arrays_.ptrs = nullptr, cublas_ws_ = nullptr;
-    arrays_.split_arrivals = ws.Take<int32_t>(kTiledSplitSlots);
-    arrays_.split_partials = ws.Take<float>(int64_t(kTiledSplitSlots) * kTiledTileElems);
+    split_arrivals_ = ws.Take<int32_t>(kTiledSplitSlots);
+    split_partials_ = ws.Take<float>(int64_t(kTiledSplitSlots) * kTiledTileElems);
     return;
   }
-  arrays_.split_arrivals = nullptr, arrays_.split_partials = nullptr;
+  split_arrivals_ = nullptr, split_partials_ = nullptr;
   arrays_.dims = ws.Take<int32_t>(kMaxGemms * 2 * E);
   arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
@@ -273,8 +273,7 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
   if (path_ != GemmPath::kTiled) return ffi::Error::Success();
   // A call's first launch writes the group arrays; the kernels after it are all the call's own.
   const bool follows_own_kernel = tiled_launches_++ > 0;
-  const TiledGroups groups{group_sizes_, E_, M_, arrays_.counts, arrays_.offsets, arrays_.split_arrivals,
-                           arrays_.split_partials};
+  const TiledGroups groups{group_sizes_, E_, M_, arrays_.counts, arrays_.offsets, split_arrivals_, split_partials_};
   return RunTiledGemms(stream_, groups, specs, n, follows_own_kernel);
 }
 

@@ -67,8 +67,6 @@ struct GemmSpec {
 struct GroupArrays {
   int32_t* counts;   // [E] rows of each group after the policy
   int64_t* offsets;  // [E + 1] first row of each group; offsets[E] = rows in use
-  int32_t* split_arrivals;  // tiled path: split-K scratch (tiled_gemm.h)
-  float* split_partials;
   int32_t* dims;     // [kMaxGemms][2][E]: K and N repeated per group (cuBLASLt reads dims from arrays)
   void** ptrs;       // [kMaxGemms][3][E]: cuBLAS A, B and D pointers per group
 };
@@ -107,6 +105,8 @@ class GroupedGemms {
   int64_t E_, M_;
   GroupArrays arrays_;
   void* cublas_ws_;
+  int32_t* split_arrivals_;  // tiled path: the split-K scratch (TiledGroups)
+  float* split_partials_;
   GemmSpec specs_[kMaxGemms];
   int num_specs_ = 0;
   int tiled_launches_ = 0;
