@@ -1,7 +1,9 @@
-// The tiled grouped GEMM (see tiled_gemm.h): one thread block per kBM x kBN output tile, four warps of
-// 32 x 32 on the tensor cores (mma.sync m16n8k16, fragments read by ldmatrix), operands staged through
-// shared memory by a kStages-deep cp.async pipeline. Operands are copied in their row-major global
-// layout; a transposed operand is read by the transposing ldmatrix instead of being transposed in memory.
+// The tiled grouped GEMM (see tiled_gemm.h): one thread block per kBM x kBN output tile, one warpgroup
+// (four warps) on the tensor cores, operands staged through shared memory by a kStages-deep cp.async
+// pipeline. On Hopper (built for sm_90a) a k-step is four asynchronous warpgroup MMAs (wgmma) reading
+// both operands from shared memory; elsewhere each warp computes 16 rows with mma.sync m16n8k16 on
+// fragments read by ldmatrix. Operands are copied in their global orientation into the swizzled layout
+// that both read (Swizzled); a transposed operand is read transposed, not transposed in memory.
 #include "tiled_gemm.h"
 
 #include <cuda_pipeline.h>
@@ -20,15 +22,23 @@ namespace {
 // steps with 4 stages (3 blocks per SM) beat 3 stages (also with mma.sync), and with the earlier WMMA
 // version 6 stages, 32-deep steps, 8 warps per tile and split-K.
 constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
-constexpr int kPad = 8;                       // elements per shared-memory row against bank conflicts
-constexpr int kVec = 8;                       // 16-bit elements per 16-byte copy
-constexpr int kTileElems = 64 * (64 + kPad);  // one operand tile, either orientation
-static_assert(kBM == kBN && kBM == kBK && kBM * (kBK + kPad) == kTileElems);
-constexpr int kLdc = kBN + 4;                 // float accumulator tile rows in the epilogue
-constexpr int kSmemBytes = kStages * 2 * kTileElems * 2;  // 72 KiB: dynamic shared memory
-static_assert(kBM * kLdc * 4 <= kSmemBytes, "the epilogue reuses the pipeline's shared memory");
+constexpr int kVec = 8;                  // 16-bit elements per 16-byte copy
+constexpr int kTileElems = 64 * 64;      // one operand tile, either orientation
+static_assert(kBM == kBN && kBM == kBK && kBM * kBK == kTileElems);
+constexpr int kLdc = kBN + 4;            // float accumulator tile rows in the epilogue
+constexpr int kStageBytes = kStages * 2 * kTileElems * 2;  // 64 KiB of operand tiles
+static_assert(kBM * kLdc * 4 <= kStageBytes, "the epilogue reuses the pipeline's shared memory");
+constexpr int kSwizzleAlign = 1024;  // bytes: the swizzle pattern repeats every 8 rows of 128 bytes
+constexpr int kSmemBytes = kStageBytes + kSwizzleAlign;  // dynamic shared memory, aligned in the kernel
 constexpr int kStepsPerSplit = 8, kMinSplits = 2, kMaxSplits = 4;  // split-K (RunTiledGemms)
 static_assert(kBM * kBN == kTiledTileElems && kBM * kBN == 32 * kThreads, "a split's partial sums: 32 per thread");
+
+// An operand tile in shared memory (64 x 64 16-bit elements, rows and columns as in global memory) is
+// in wgmma's 128-byte swizzled layout: row r at r * 128 bytes, its 16-byte chunk c at position c ^ r % 8
+// in the row. So a warp's 16-byte copies of 4 whole rows, and ldmatrix's reads of one chunk in 8 rows,
+// are free of bank conflicts. The tile starts at a multiple of kSwizzleAlign bytes, as wgmma applies the
+// pattern to the shared-memory address.
+__device__ __forceinline__ int Swizzled(int row, int chunk) { return row * 64 + (chunk ^ row % 8) * 8; }
 
 struct Product {
   GemmSpec s;
@@ -120,23 +130,24 @@ __device__ void ZeroPaddingSlices(const Product& q, const Site& site, int64_t M,
       out[(r0 + v / width) * units + u0 + v % width] = int4{0, 0, 0, 0};
 }
 
-// Copies kOuter x kInner tiles of a row-major matrix (rows of ld elements) into shared rows of kInner +
-// kPad elements, one tile per k-step of the reduction, which runs along the tile's rows (kReduceRows)
-// or its columns. Each thread's 16-byte copies are set up once per output tile: a step only moves them
-// by k and checks the reduction bound (the integer work per copy dominated a step otherwise). Elements
-// past the matrix bounds become zeros, by a plain store (visible to all threads after the __syncthreads
-// that also publishes the copies); the bound of the contiguous dimension is a multiple of kVec, so a
-// copy is wholly inside or wholly outside.
-template <int kOuter, int kInner, bool kReduceRows, typename T>
+// Copies 64 x 64 tiles of a row-major matrix (rows of ld elements) into the swizzled layout, one tile
+// per k-step of the reduction, which runs along the tile's rows (kReduceRows) or its columns. Each
+// thread's 16-byte copies are set up once per output tile: a step only moves them by k and checks the
+// reduction bound (the integer work per copy dominated a step otherwise). Elements past the matrix
+// bounds become zeros, by a plain store (visible to all threads after the __syncthreads that also
+// publishes the copies); the bound of the contiguous dimension is a multiple of kVec, so a copy is
+// wholly inside or wholly outside.
+template <bool kReduceRows, typename T>
 class TileLoader {
  public:
   // Tile corner (o0, i0) at k = 0; elements at or past (o_end, i_end) are outside.
   __device__ TileLoader(const T* base, int64_t ld, int64_t o0, int64_t o_end, int64_t i0, int64_t i_end)
-      : step_(kReduceRows ? ld : 1), reduce_end_(kReduceRows ? o_end : i_end) {
+      : dst0_(Swizzled(threadIdx.x / kPerRow, threadIdx.x % kPerRow)),
+        step_(kReduceRows ? ld : 1),
+        reduce_end_(kReduceRows ? o_end : i_end) {
 #pragma unroll
-    for (int c = 0; c < kCopies; ++c) {
-      const int v = threadIdx.x + c * kThreads, o = v / kPerRow, i = v % kPerRow * kVec;
-      dst_[c] = o * (kInner + kPad) + i;
+    for (int c = 0; c < kCopies; ++c) {  // copy c: row o, chunk i / kVec; rows kRowsPerPass apart
+      const int o = threadIdx.x / kPerRow + c * kRowsPerPass, i = threadIdx.x % kPerRow * kVec;
       src_[c] = base + (o0 + o) * ld + i0 + i;
       reduce_index_[c] = kReduceRows ? o0 + o : i0 + i;
       fixed_inside_[c] = kReduceRows ? i0 + i < i_end : o0 + o < o_end;
@@ -147,28 +158,97 @@ class TileLoader {
   __device__ __forceinline__ void Load(T* stage, int64_t k) const {
 #pragma unroll
     for (int c = 0; c < kCopies; ++c) {
+      T* dst = stage + dst0_ + c * kRowsPerPass * 64;  // kRowsPerPass is a multiple of 8: same swizzle
       if (fixed_inside_[c] && reduce_index_[c] + k < reduce_end_)
-        __pipeline_memcpy_async(stage + dst_[c], src_[c] + k * step_, 16);
+        __pipeline_memcpy_async(dst, src_[c] + k * step_, 16);
       else
-        *reinterpret_cast<int4*>(stage + dst_[c]) = int4{0, 0, 0, 0};
+        *reinterpret_cast<int4*>(dst) = int4{0, 0, 0, 0};
     }
   }
 
  private:
-  static constexpr int kPerRow = kInner / kVec, kCopies = kOuter * kPerRow / kThreads;
-  static_assert(kOuter * kPerRow % kThreads == 0, "whole copies per thread");
+  static constexpr int kPerRow = 64 / kVec, kRowsPerPass = kThreads / kPerRow, kCopies = 64 / kRowsPerPass;
+  static_assert(kRowsPerPass % 8 == 0);
   const T* src_[kCopies];
-  int dst_[kCopies];
   int64_t reduce_index_[kCopies];
   bool fixed_inside_[kCopies];
+  int dst0_;
   int64_t step_, reduce_end_;
 };
 
-// The tensor-core instructions, on 16-bit operands staged in shared memory (compute capability 8.0+).
-// They replaced WMMA's fragments: the stack of small layers in benchmarks/overhead.py ran 10% faster.
+// The block's accumulators: warp w holds rows 16w ... 16w + 15 of the tile, acc[n][r] the element at row
+// 16w + lane / 4 + 8 (r / 2), column 8n + 2 (lane % 4) + r % 2. That is the register order of wgmma's
+// m64n64 accumulators, and of eight mma.sync m16n8 accumulators side by side.
+using Accumulators = float[8][4];
+
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper's warpgroup MMA (sm_90a): a k-step is 4 instructions for the warpgroup instead of 32 MMAs and
+// 20 ldmatrix per warp. Measured on an H200 (benchmarks/NOTES.md), the MMAs now take about half of a
+// k-step; the rest is issuing the next stage's copies and waiting for them.
+
+// The shared-memory matrix descriptor of a staged operand tile (Swizzled's layout: 128-byte swizzling,
+// 1024 bytes between groups of 8 rows; the leading offset is unused, as a tile row is one swizzle row).
+__device__ __forceinline__ uint64_t Descriptor(const void* tile) {
+  return uint64_t((SharedAddress(tile) & 0x3ffff) >> 4) | uint64_t(1) << 16 | uint64_t(1024 >> 4) << 32 |
+         uint64_t(1) << 62;
+}
+
+// Keeps the compiler from moving accesses of the accumulators across the asynchronous MMAs' fences.
+__device__ __forceinline__ void PinAccumulators(Accumulators& d) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(d[n][r])::"memory");
+}
+
+// d (64 x 64) += A (64 x 16) B (16 x 64), A and B from shared memory; kTransA / kTransB: the operand's
+// tile is MN-major (its rows run along the reduction).
+template <typename T, bool kTransA, bool kTransB>
+__device__ __forceinline__ void Wgmma(Accumulators& d, uint64_t a, uint64_t b) {
+  // Operands: the 32 accumulators, A's and B's descriptors, scale-d (1: accumulate), the transposes.
+#define JAXMLP_WGMMA(type)                                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                 \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." type "." type " "                              \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "          \
+               "%32, %33, p, 1, 1, %35, %36;\n}"                                                            \
+               : JAXMLP_ACC(0), JAXMLP_ACC(1), JAXMLP_ACC(2), JAXMLP_ACC(3),                                \
+                 JAXMLP_ACC(4), JAXMLP_ACC(5), JAXMLP_ACC(6), JAXMLP_ACC(7)                                 \
+               : "l"(a), "l"(b), "r"(1), "n"(int(kTransA)), "n"(int(kTransB)))
+#define JAXMLP_ACC(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) JAXMLP_WGMMA("bf16");
+  else JAXMLP_WGMMA("f16");
+#undef JAXMLP_ACC
+#undef JAXMLP_WGMMA
+}
+
+// Orders this thread's writes to shared memory (cp.async copies that have landed, zero stores) before
+// the tensor cores' reads of it, which go through the async proxy.
+__device__ __forceinline__ void FenceForTensorCores() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// acc += A B over one kBK-deep step. kAKMajor / kBKMajor: the operand's tile has the reduction along
+// its columns (else along its rows: read transposed).
+template <bool kAKMajor, bool kBKMajor, typename T>
+__device__ __forceinline__ void MmaStep(Accumulators& acc, const T* a, const T* b) {
+  // The next 16 of k, in the descriptor's 16-byte units: 2 chunks along a row (K-major), or 16 rows.
+  constexpr uint64_t kAk16 = kAKMajor ? 2 : 16 * 128 / 16, kBk16 = kBKMajor ? 2 : 16 * 128 / 16;
+  const uint64_t da = Descriptor(a), db = Descriptor(b);
+  PinAccumulators(acc);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) Wgmma<T, !kAKMajor, !kBKMajor>(acc, da + kAk16 * kk, db + kBk16 * kk);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  PinAccumulators(acc);
+}
+
+#else
+// mma.sync m16n8k16 with ldmatrix (compute capability 8.0+), where wgmma is not available. They replaced
+// WMMA's fragments: the stack of small layers in benchmarks/overhead.py ran 10% faster.
 
 // Four 8x8 matrices of 16-bit elements, lane l giving the shared address of row l % 8 of matrix l / 8;
 // kTrans transposes each. Register i of every lane holds its two elements of matrix i.
@@ -197,6 +277,39 @@ __device__ __forceinline__ void Mma(float (&acc)[4], const uint32_t (&a)[4], uin
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void FenceForTensorCores() {}  // ldmatrix reads through the generic proxy
+
+// acc += A B over one kBK-deep step (see the wgmma version).
+template <bool kAKMajor, bool kBKMajor, typename T>
+__device__ __forceinline__ void MmaStep(Accumulators& acc, const T* a, const T* b) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, j = lane / 8, r = lane % 8;
+  // Lane l points at row l % 8 of matrix j = l / 8, the matrices in the order of mma.sync's fragment
+  // registers. A (rows 16 warp ..., 16 of k): matrix j at rows + 8 (j % 2), k + 8 (j / 2). B (16 of k,
+  // 16 columns, two 8-column fragments): k + 8 (j % 2), columns + 8 (j / 2). An MN-major tile (k along
+  // its rows) is read transposed, which swaps the lane's row and column.
+  const int a_m = 16 * warp + j % 2 * 8, a_k = j / 2 * 8, b_k = j % 2 * 8, b_n = j / 2 * 8;
+  const uint32_t a_base = SharedAddress(a), b_base = SharedAddress(b);
+  auto a_at = [&](int k) {  // bytes, at k
+    return sizeof(T) * (kAKMajor ? Swizzled(a_m + r, (k + a_k) / 8) : Swizzled(k + a_k + r, a_m / 8));
+  };
+  auto b_at = [&](int k, int n) {  // bytes, at k and column n
+    return sizeof(T) * (kBKMajor ? Swizzled(n + b_n + r, (k + b_k) / 8) : Swizzled(k + b_k + r, (n + b_n) / 8));
+  };
+#pragma unroll
+  for (int kk = 0; kk < kBK; kk += 16) {
+    uint32_t fa[4];
+    LoadMatrices<!kAKMajor>(fa, a_base + a_at(kk));
+#pragma unroll
+    for (int p = 0; p < kBN / 16; ++p) {
+      uint32_t fb[4];
+      LoadMatrices<!kBKMajor>(fb, b_base + b_at(kk, 16 * p));
+      Mma<T>(acc[2 * p], fa, fb[0], fb[1]);
+      Mma<T>(acc[2 * p + 1], fa, fb[2], fb[3]);
+    }
+  }
+}
+#endif
+
 // A pair that device code can build (std::pair's constructors are host functions to nvcc).
 template <typename A, typename B>
 struct Both {
@@ -206,11 +319,6 @@ struct Both {
 template <typename A, typename B>
 Both(A, B) -> Both<A, B>;
 
-// One output tile of product q (see GemmOp in common.h for the three products). In kBK-deep steps over
-// the reduction: A is the kBM x kBK slice of the left factor, B the kBK x kBN slice of the right one.
-//   kNN: A = lhs rows (row-major),      B = rhs[g] (row-major),            reduction over K
-//   kNT: A = lhs rows (row-major),      B = rhs[g]^T (rhs[g] rows: col-major), reduction over N
-//   kTN: A = lhs rows^T (col-major),    B = rhs rows (row-major),          reduction over the group's rows
 // Which part of a tile's reduction a block computes: split `index` of `count`. A split tile has an
 // arrival counter `tile` and partial-sum slots slot0 ... slot0 + count - 1 in the split-K scratch.
 struct Split {
@@ -220,8 +328,8 @@ struct Split {
 // Adds the partial sums of the other blocks of a split output tile to acc, in the block that finishes
 // last; returns false in the others. Each block leaves its accumulators in its slot, every thread its
 // own registers at [register][thread], so the last block reads them back in its own registers' order.
-__device__ bool GatherSplits(float (&acc)[2][4][4], const TiledGroups& gr, const Split& split) {
-  float* flat = &acc[0][0][0];
+__device__ bool GatherSplits(Accumulators& acc, const TiledGroups& gr, const Split& split) {
+  float* flat = &acc[0][0];
   float* slot = gr.split_partials + int64_t(split.slot0 + split.index) * kTiledTileElems;
 #pragma unroll
   for (int r = 0; r < 32; ++r) slot[r * kThreads + threadIdx.x] = flat[r];
@@ -247,12 +355,19 @@ __device__ bool GatherSplits(float (&acc)[2][4][4], const TiledGroups& gr, const
   return true;
 }
 
+// One output tile of product q (see GemmOp in common.h for the three products). In kBK-deep steps over
+// the reduction: A is the kBM x kBK slice of the left factor, B the kBK x kBN slice of the right one,
+// each staged as it lies in memory, so K-major (the reduction along the staged tile's columns) or
+// MN-major (along its rows):
+//   kNN: A = lhs rows (K-major),      B = rhs[g] (MN-major),                    reduction over K
+//   kNT: A = lhs rows (K-major),      B = rhs[g]^T (rhs[g] rows: K-major),       reduction over N
+//   kTN: A = lhs rows^T (MN-major),   B = rhs rows (MN-major),                  reduction over the group's rows
 // early: this block has not waited for the kernel ahead yet (Params::early); it starts the copies of the
 // operands that are call inputs first.
 template <GemmOp kOp, typename T, typename OutT>
 __device__ void Tile(const GemmSpec& q, const TiledGroups& gr, const Site& site, int64_t tile_i, int64_t tile_j,
                      Split split, T* smem, bool early) {
-  constexpr bool kAColMajor = kOp == GemmOp::kTN, kBColMajor = kOp == GemmOp::kNT;
+  constexpr bool kAKMajor = kOp != GemmOp::kTN, kBKMajor = kOp == GemmOp::kNT;
   const int64_t K = q.K, N = q.N, g = site.group, start = site.start, count = site.count;
   const T* lhs = static_cast<const T*>(q.lhs);
   const T* rhs = static_cast<const T*>(q.rhs);
@@ -264,14 +379,14 @@ __device__ void Tile(const GemmSpec& q, const TiledGroups& gr, const Site& site,
   // A's and B's tiles at k = 0 (see the table above); the reduction runs along kReduceRows.
   auto loaders = [&] {
     if constexpr (kOp == GemmOp::kNN)
-      return Both{TileLoader<kBM, kBK, false, T>(lhs + start * K, K, i0, count, 0, K),
-                  TileLoader<kBK, kBN, true, T>(rhs + g * K * N, N, 0, K, j0, N)};
+      return Both{TileLoader<false, T>(lhs + start * K, K, i0, count, 0, K),
+                  TileLoader<true, T>(rhs + g * K * N, N, 0, K, j0, N)};
     else if constexpr (kOp == GemmOp::kNT)
-      return Both{TileLoader<kBM, kBK, false, T>(lhs + start * N, N, i0, count, 0, N),
-                  TileLoader<kBN, kBK, false, T>(rhs + g * K * N, N, j0, K, 0, N)};
+      return Both{TileLoader<false, T>(lhs + start * N, N, i0, count, 0, N),
+                  TileLoader<false, T>(rhs + g * K * N, N, j0, K, 0, N)};
     else
-      return Both{TileLoader<kBK, kBM, true, T>(lhs + start * K, K, 0, count, i0, K),
-                  TileLoader<kBK, kBN, true, T>(rhs + start * N, N, 0, count, j0, N)};
+      return Both{TileLoader<true, T>(lhs + start * K, K, 0, count, i0, K),
+                  TileLoader<true, T>(rhs + start * N, N, 0, count, j0, N)};
   }();
   auto load = [&](int stage, int64_t k0) {
     loaders.a.Load(a_tile(stage), k0);
@@ -295,55 +410,27 @@ __device__ void Tile(const GemmSpec& q, const TiledGroups& gr, const Site& site,
     __pipeline_commit();
   }
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wi = warp / 2 * 32, wj = warp % 2 * 32;
-  float acc[2][4][4] = {};  // [16-row block][8-column block][mma accumulator registers]
-
-  // Element strides in the staged tiles: per step along k, and per row of A or column of B.
-  constexpr int kAk = kAColMajor ? kBM + kPad : 1, kAm = kAColMajor ? 1 : kBK + kPad;
-  constexpr int kBk = kBColMajor ? 1 : kBN + kPad, kBn = kBColMajor ? kBK + kPad : 1;
-  // This lane's ldmatrix address at kk = 0: lane l points at row l % 8 of matrix l / 8, the matrices in
-  // the order of mma.sync's fragment registers (A: a0..a3 = rows 0-7, 8-15 at k 0-7, then the same at
-  // k 8-15; B: b0, b1 = k 0-7, 8-15 of one 8-column block, then of the next). A tile stored with k
-  // along its rows (A of kTN, B of kNN and kTN) is read transposed, which swaps the lanes' roles.
-  const int a_i = kAColMajor ? wi + lane / 8 % 2 * 8 : wi + lane % 16;
-  const int a_k = kAColMajor ? lane % 8 + lane / 16 * 8 : lane / 16 * 8;
-  const int b_n = kBColMajor ? wj + lane % 8 + lane / 16 * 8 : wj + lane / 16 * 8;
-  const int b_k = kBColMajor ? lane / 8 % 2 * 8 : lane % 8 + lane / 8 % 2 * 8;
+  Accumulators acc = {};
   for (int64_t step = 0; step < steps; ++step) {
     __pipeline_wait_prior(kStages - 2);
+    FenceForTensorCores();
     __syncthreads();  // the stage is complete for all threads, and the one refilled below is consumed
     if (step + kStages - 1 < steps) load((step + kStages - 1) % kStages, k_first + (step + kStages - 1) * kBK);
     __pipeline_commit();
-    const uint32_t a = SharedAddress(a_tile(step % kStages) + a_i * kAm + a_k * kAk);
-    const uint32_t b = SharedAddress(b_tile(step % kStages) + b_n * kBn + b_k * kBk);
-#pragma unroll
-    for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t fa[2][4], fb[2][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)  // rows wi + 16 m ..., k kk ... kk + 15
-        LoadMatrices<kAColMajor>(fa[m], a + sizeof(T) * (kk * kAk + m * 16 * kAm));
-#pragma unroll
-      for (int n = 0; n < 2; ++n)  // columns wj + 16 n ..., k kk ... kk + 15: two 8-column fragments
-        LoadMatrices<!kBColMajor>(fb[n], b + sizeof(T) * (kk * kBk + n * 16 * kBn));
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int n = 0; n < 4; ++n) Mma<T>(acc[m][n], fa[m], fb[n / 2][n % 2 * 2], fb[n / 2][n % 2 * 2 + 1]);
-    }
+    MmaStep<kAKMajor, kBKMajor>(acc, a_tile(step % kStages), b_tile(step % kStages));
   }
   __pipeline_wait_prior(0);
   if (split.count > 1 && !GatherSplits(acc, gr, split)) return;
   __syncthreads();  // all warps are done with the operand tiles: the accumulators go where they were
 
   float* c = reinterpret_cast<float*>(smem);
+  const int lane = threadIdx.x % 32, row = threadIdx.x / 32 * 16 + lane / 4, col = lane % 4 * 2;
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {  // accumulator registers: rows lane / 4 and + 8, columns 2 (lane % 4) + 0, 1
-      float* r = c + (wi + m * 16 + lane / 4) * kLdc + wj + n * 8 + lane % 4 * 2;
-      r[0] = acc[m][n][0], r[1] = acc[m][n][1];
-      r[8 * kLdc] = acc[m][n][2], r[8 * kLdc + 1] = acc[m][n][3];
-    }
+  for (int n = 0; n < 8; ++n) {  // see Accumulators
+    float* r = c + row * kLdc + n * 8 + col;
+    r[0] = acc[n][0], r[1] = acc[n][1];
+    r[8 * kLdc] = acc[n][2], r[8 * kLdc + 1] = acc[n][3];
+  }
   __syncthreads();
 
   // Output tile rows [i0, row_end) and columns [j0, col_end) of a row-major matrix with ld columns.
@@ -374,7 +461,8 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
   // for them before letting this launch start). The first launch waits at once.
   if (!p.early) WaitForPrevious();
   extern __shared__ __align__(128) char dynamic_smem[];
-  T* smem = reinterpret_cast<T*>(dynamic_smem);
+  const uint32_t misalign = SharedAddress(dynamic_smem) % kSwizzleAlign;
+  T* smem = reinterpret_cast<T*>(dynamic_smem + (kSwizzleAlign - misalign) % kSwizzleAlign);
   int which = 0;
   while (which + 1 < p.n && blockIdx.x >= p.prod[which + 1].first_block) ++which;
   const Product& q = p.prod[which];
