@@ -132,6 +132,18 @@ def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
   assert info["small_gemm_path"] == "tiled" and info["tiled_max_weights"] == _ffi.TILED_MAX_WEIGHTS
 
 
+def test_tiled_kernel_uses_wgmma_exactly_where_built_for_hopper():
+  reason = cuda_reason("tiled")
+  if reason:
+    pytest.skip(reason)
+  info = jaxmlp.backend_info()["cuda"]
+  # wgmma needs compute capability 9.0 and code for sm_90a (the default build's 90a-real).
+  archs = info["cuda_architectures"].split(",")
+  hopper_build = info["compute_capability"] == "9.0" and any(a.startswith("90a") for a in archs)
+  expected = "(wgmma)" if hopper_build else "(mma.sync)"
+  assert info["tiled_reason"].endswith(expected), (info["tiled_reason"], info["cuda_architectures"])
+
+
 @pytest.mark.parametrize("sizes", [
     [32] * 8,                             # balanced: the host-overhead layer
     [200, 0, 56, 0, 0, 0, 0, 0],          # skewed, empty groups (zero weight gradients)

@@ -54,6 +54,7 @@ nb::dict Status(const std::vector<std::string>& lib_dirs) {
     d["device_name"] = std::string(prop.name);
   }
   d["compute_capability"] = std::to_string(major) + "." + std::to_string(minor);
+  d["cuda_architectures"] = JAXMLP_CUDA_ARCHITECTURES;  // those this module was compiled for
   d["cublaslt_version"] = api.lt_version;
   d["cublaslt_library"] = api.lt_path;
   if (!api.error.empty()) d["cublas_error"] = api.error;

@@ -497,6 +497,15 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Which MMA the kernel's code for the current device uses, for TiledPathAvailable's report: each
+// compilation for a device architecture has its own value, and a module holds the one of its code.
+__device__ const bool kTiledUsesWgmma =
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    true;
+#else
+    false;
+#endif
+
 
 }  // namespace
 
@@ -519,7 +528,9 @@ bool TiledPathAvailable(std::string* reason) {
     return *reason = "the tiled kernel was compiled for compute capability " + std::to_string(attrs.ptxVersion / 10) +
                      "." + std::to_string(attrs.ptxVersion % 10) + " (rebuild with CMAKE_CUDA_ARCHITECTURES "
                      "including 80 or newer)", false;
-  return *reason = "jaxmlp's tiled tensor-core kernel", true;
+  bool wgmma = false;
+  if (cudaMemcpyFromSymbol(&wgmma, kTiledUsesWgmma, sizeof(wgmma)) != cudaSuccess) cudaGetLastError();
+  return *reason = std::string("jaxmlp's tiled tensor-core kernel (") + (wgmma ? "wgmma" : "mma.sync") + ")", true;
 }
 
 bool TiledGemmSupports(const GemmSpec& s) {
