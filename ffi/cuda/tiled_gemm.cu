@@ -23,20 +23,20 @@ namespace {
 // version 6 stages, 32-deep steps, 8 warps per tile and split-K.
 constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
 constexpr int kVec = 8;                  // 16-bit elements per 16-byte copy
-constexpr int kTileElems = 64 * 64;      // one operand tile, either orientation
+constexpr int kTileElems = kTiledTileElems;  // one operand tile (64 x 64), either orientation
 static_assert(kBM == kBN && kBM == kBK && kBM * kBK == kTileElems);
 constexpr int kLdc = kBN + 4;            // float accumulator tile rows in the epilogue
 constexpr int kStageBytes = kStages * 2 * kTileElems * 2;  // 64 KiB of operand tiles
 static_assert(kBM * kLdc * 4 <= kStageBytes, "the epilogue reuses the pipeline's shared memory");
-constexpr int kSwizzleAlign = 1024;  // bytes: the swizzle pattern repeats every 8 rows of 128 bytes
-constexpr int kSmemBytes = kStageBytes + kSwizzleAlign;  // dynamic shared memory, aligned in the kernel
+constexpr int kSwizzleAtom = 1024;  // bytes: 8 tile rows of 128, over which the swizzle pattern repeats
+constexpr int kSmemBytes = kStageBytes + kSwizzleAtom;  // dynamic shared memory, aligned in the kernel
 constexpr int kStepsPerSplit = 8, kMinSplits = 2, kMaxSplits = 4;  // split-K (RunTiledGemms)
 static_assert(kBM * kBN == kTiledTileElems && kBM * kBN == 32 * kThreads, "a split's partial sums: 32 per thread");
 
 // An operand tile in shared memory (64 x 64 16-bit elements, rows and columns as in global memory) is
 // in wgmma's 128-byte swizzled layout: row r at r * 128 bytes, its 16-byte chunk c at position c ^ r % 8
 // in the row. So a warp's 16-byte copies of 4 whole rows, and ldmatrix's reads of one chunk in 8 rows,
-// are free of bank conflicts. The tile starts at a multiple of kSwizzleAlign bytes, as wgmma applies the
+// are free of bank conflicts. The tile starts at a multiple of kSwizzleAtom bytes, as wgmma applies the
 // pattern to the shared-memory address.
 __device__ __forceinline__ int Swizzled(int row, int chunk) { return row * 64 + (chunk ^ row % 8) * 8; }
 
@@ -191,9 +191,9 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
 // k-step; the rest is issuing the next stage's copies and waiting for them.
 
 // The shared-memory matrix descriptor of a staged operand tile (Swizzled's layout: 128-byte swizzling,
-// 1024 bytes between groups of 8 rows; the leading offset is unused, as a tile row is one swizzle row).
+// kSwizzleAtom bytes between groups of 8 rows; the leading offset is unused, as a tile row is one swizzle row).
 __device__ __forceinline__ uint64_t Descriptor(const void* tile) {
-  return uint64_t((SharedAddress(tile) & 0x3ffff) >> 4) | uint64_t(1) << 16 | uint64_t(1024 >> 4) << 32 |
+  return uint64_t((SharedAddress(tile) & 0x3ffff) >> 4) | uint64_t(1) << 16 | uint64_t(kSwizzleAtom >> 4) << 32 |
          uint64_t(1) << 62;
 }
 
@@ -461,8 +461,8 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
   // for them before letting this launch start). The first launch waits at once.
   if (!p.early) WaitForPrevious();
   extern __shared__ __align__(128) char dynamic_smem[];
-  const uint32_t misalign = SharedAddress(dynamic_smem) % kSwizzleAlign;
-  T* smem = reinterpret_cast<T*>(dynamic_smem + (kSwizzleAlign - misalign) % kSwizzleAlign);
+  const uint32_t misalign = SharedAddress(dynamic_smem) % kSwizzleAtom;
+  T* smem = reinterpret_cast<T*>(dynamic_smem + (kSwizzleAtom - misalign) % kSwizzleAtom);
   int which = 0;
   while (which + 1 < p.n && blockIdx.x >= p.prod[which + 1].first_block) ++which;
   const Product& q = p.prod[which];
