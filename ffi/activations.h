@@ -36,11 +36,13 @@ JAXMLP_HD ValGrad Silu(float x) {
   return {x * s, s * (1.0f + x * (1.0f - s))};
 }
 
+// 0.5 x (1 + tanh(u)) written as x sigmoid(2u): the same function, but 1 + tanh(u) cancels to 0 in float32
+// for x below about -4, where gelu is still ~1e-7, while sigmoid(2u) keeps its relative accuracy there.
 JAXMLP_HD ValGrad GeluTanh(float x) {
   constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
   constexpr float kA = 0.044715f;
-  float t = tanhf(kC * (x + kA * x * x * x));
-  return {0.5f * x * (1.0f + t), 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kC * (1.0f + 3.0f * kA * x * x)};
+  float s = Sigmoid(2.0f * kC * (x + kA * x * x * x));
+  return {x * s, s + 2.0f * x * s * (1.0f - s) * kC * (1.0f + 3.0f * kA * x * x)};
 }
 
 JAXMLP_HD ValGrad Relu(float x) { return {x > 0.0f ? x : 0.0f, x > 0.0f ? 1.0f : 0.0f}; }

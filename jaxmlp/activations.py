@@ -63,7 +63,9 @@ class Activation:
 
 
 def _gelu_tanh(x):
-  return 0.5 * x * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+  # 0.5 x (1 + tanh(u)) as x sigmoid(2u), which keeps its relative accuracy in the negative tail, where
+  # 1 + tanh(u) cancels.
+  return x * jax.nn.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))
 
 
 _UNGATED = {

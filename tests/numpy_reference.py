@@ -19,13 +19,14 @@ def clamp_sizes(sizes, m):
 
 
 def _sigmoid(x):
-  return 1 / (1 + np.exp(-x))
+  return np.exp(-np.logaddexp(0, -x))  # 1 / (1 + exp(-x)) without overflow
 
 
 def _gelu(x):
+  # 0.5 x (1 + tanh(u)) = x sigmoid(2u): 1 + tanh(u) cancels in the negative tail even in float64.
   c = math.sqrt(2 / math.pi)
-  t = np.tanh(c * (x + 0.044715 * x**3))
-  return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+  s = _sigmoid(2 * c * (x + 0.044715 * x**3))
+  return x * s, s + 2 * x * s * (1 - s) * c * (1 + 3 * 0.044715 * x * x)
 
 
 def _silu(x):
