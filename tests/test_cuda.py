@@ -109,6 +109,8 @@ def test_workspace_sizes_reject_an_unknown_gemm_path():
   """The CUDA module (built in CI, which has nvcc but no GPU) sizes scratch per path and names the bad one."""
   cuda = jaxmlp._ffi._cuda
   assert cuda.gemm_workspace_bytes("tiled", 8) < cuda.gemm_workspace_bytes("grouped", 8)  # no cuBLAS workspace
+  # A ragged_dot call is one tiled launch, which never splits: the group arrays only, no split-K scratch.
+  assert cuda.gemm_workspace_bytes("tiled", 8) <= 1024
   with pytest.raises(ValueError, match="unknown GEMM path 'cublas'"):
     cuda.gemm_workspace_bytes("cublas", 8)
   with pytest.raises(ValueError, match="unknown GEMM path ''"):

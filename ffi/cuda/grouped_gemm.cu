@@ -203,25 +203,27 @@ bool GroupedPathAvailable(std::string* reason) {
 }
 
 GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M,
-                           Carver& ws)
+                           bool split_k, Carver& ws)
     : path_(path), stream_(stream), group_sizes_(group_sizes), E_(E), M_(M) {
   arrays_.counts = ws.Take<int32_t>(E);
   arrays_.offsets = ws.Take<int64_t>(E + 1);
+  split_arrivals_ = nullptr, split_partials_ = nullptr;
   if (path == GemmPath::kTiled) {  // needs no cuBLAS arrays or workspace
     arrays_.dims = nullptr, arrays_.ptrs = nullptr, cublas_ws_ = nullptr;
-    split_arrivals_ = ws.Take<int32_t>(kTiledSplitSlots);
-    split_partials_ = ws.Take<float>(int64_t(kTiledSplitSlots) * kTiledTileElems);
+    if (split_k) {
+      split_arrivals_ = ws.Take<int32_t>(kTiledSplitSlots);
+      split_partials_ = ws.Take<float>(int64_t(kTiledSplitSlots) * kTiledTileElems);
+    }
     return;
   }
-  split_arrivals_ = nullptr, split_partials_ = nullptr;
   arrays_.dims = ws.Take<int32_t>(kMaxGemms * 2 * E);
   arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
 }
 
-size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E) {
+size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
   Carver c(nullptr);
-  GroupedGemms counted(path, nullptr, nullptr, E, 0, c);
+  GroupedGemms counted(path, nullptr, nullptr, E, 0, split_k, c);
   return c.used();
 }
 

@@ -74,8 +74,10 @@ struct GroupArrays {
 // The grouped products of one FFI call, on one stream.
 class GroupedGemms {
  public:
-  // Takes its arrays and the cuBLAS workspace from `ws`.
-  GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M, Carver& ws);
+  // Takes its arrays and the cuBLAS workspace from `ws`; on the tiled path with split_k also the 4 MiB
+  // split-K scratch, which only a call with more than one launch uses (see RunTiledGemms).
+  GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M, bool split_k,
+               Carver& ws);
 
   // Writes the dims and pointer arrays of all products (one kernel launch); on the fallback path also
   // copies group_sizes to the host and waits for it. The tiled path launches nothing here.
@@ -105,7 +107,7 @@ class GroupedGemms {
   int64_t E_, M_;
   GroupArrays arrays_;
   void* cublas_ws_;
-  int32_t* split_arrivals_;  // tiled path: the split-K scratch (TiledGroups)
+  int32_t* split_arrivals_;  // tiled path with split_k: the split-K scratch (TiledGroups), else null
   float* split_partials_;
   GemmSpec specs_[kMaxGemms];
   int num_specs_ = 0;
@@ -114,7 +116,7 @@ class GroupedGemms {
 };
 
 // Bytes GroupedGemms takes from a Carver.
-size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E);
+size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k);
 
 // Whether the cuBLASLt grouped GEMM can run on the current device, and if not, why.
 bool GroupedPathAvailable(std::string* reason);

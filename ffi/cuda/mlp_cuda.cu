@@ -76,7 +76,8 @@ Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, A
   JAXMLP_RETURN_IF_ERROR(CheckShape("h", *h, {m.M, m.F1}));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
+  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+                     /*split_k=*/true, ws);
   ForwardScratch s = CarveForward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*workspace}));
@@ -107,7 +108,8 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   JAXMLP_RETURN_IF_ERROR(CheckShape("dh", *dh, {m.M, m.F1}));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M, ws);
+  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+                     /*split_k=*/true, ws);
   BackwardScratch s = CarveBackward(ws, kPath, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   if (!s.da) s.da = dw1->untyped_data();
@@ -145,7 +147,8 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
   const GemmOp gop = static_cast<GemmOp>(op);
   JAXMLP_RETURN_IF_ERROR(CheckGemm(gop, lhs, rhs, group_sizes, *out, &g));
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), g.E, g.M, ws);
+  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), g.E, g.M,
+                     /*split_k=*/false, ws);  // one launch: nothing to split (see RunTiledGemms)
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*out, &*workspace}));
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({{gop, int32_t(g.K), int32_t(g.N), lhs.untyped_data(), rhs.untyped_data(),
@@ -187,7 +190,7 @@ constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize) {
   Carver c(nullptr);
-  GroupedGemms counted(path, nullptr, nullptr, m.E, m.M, c);
+  GroupedGemms counted(path, nullptr, nullptr, m.E, m.M, /*split_k=*/true, c);
   if (forward) CarveForward(c, m, esize);
   else CarveBackward(c, path, m, esize);
   return c.used();

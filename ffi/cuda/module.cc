@@ -97,6 +97,8 @@ NB_MODULE(_cuda, m) {
       "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16).");
   m.def(
       "gemm_workspace_bytes",
-      [](const std::string& path, int64_t E) { return jaxmlp::GroupedGemmsWorkspaceBytes(PathOf(path), E); },
+      [](const std::string& path, int64_t E) {
+        return jaxmlp::GroupedGemmsWorkspaceBytes(PathOf(path), E, /*split_k=*/false);  // one launch per call
+      },
       nb::arg("path"), nb::arg("E"), "Scratch bytes of one grouped GEMM call over E groups on a GEMM path.");
 }

@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
   const Site site = FindSite(p.groups, !p.early, by_row_tile,
                              by_row_tile ? b / q.tiles_j : b / (q.tiles_i * q.tiles_j));
   const int32_t tile_i = b / q.tiles_j % q.tiles_i, tile_j = b % q.tiles_j;
-  if (!p.early && blockIdx.x == 0)  // for the call's split launches, which all follow this one
+  if (!p.early && blockIdx.x == 0 && p.groups.split_arrivals)  // for the call's split launches, all after this one
     for (int i = threadIdx.x; i < kTiledSplitSlots; i += kThreads) p.groups.split_arrivals[i] = 0;
   if (site.group < 0) {  // only kNN/kNT blocks: a kTN block's group always exists
     if (p.early) WaitForPrevious();
@@ -575,7 +575,8 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
     // later launches split.
     const int64_t tiles = p.row_tiles * q.tiles_j, steps = CeilDiv(s.op == GemmOp::kNN ? s.K : s.N, kBK);
     const int64_t splits = std::min<int64_t>(kMaxSplits, steps / kStepsPerSplit);
-    if (follows_own_kernel && splits >= kMinSplits && split_slots + tiles * splits <= kTiledSplitSlots) {
+    if (follows_own_kernel && groups.split_partials && splits >= kMinSplits &&
+        split_slots + tiles * splits <= kTiledSplitSlots) {
       q.splits = int32_t(splits);
       q.split_tile0 = int32_t(split_tiles), q.split_slot0 = int32_t(split_slots);
       split_tiles += tiles, split_slots += tiles * splits;

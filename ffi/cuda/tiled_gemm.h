@@ -32,7 +32,7 @@ struct TiledGroups {
   int32_t* counts;          // [E]
   int64_t* offsets;         // [E + 1]
   int32_t* split_arrivals;  // [kTiledSplitSlots] blocks done per split tile; zeroed by the first launch
-  float* split_partials;    // [kTiledSplitSlots][kTiledTileElems]: 4 MiB
+  float* split_partials;    // [kTiledSplitSlots][kTiledTileElems]: 4 MiB; both null: no launch splits
 };
 
 // Whether the tiled kernel can run on the current device, and if not, why.
