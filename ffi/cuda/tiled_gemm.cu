@@ -23,15 +23,15 @@ namespace {
 // version 6 stages, 32-deep steps, 8 warps per tile and split-K.
 constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
 constexpr int kVec = 8;                  // 16-bit elements per 16-byte copy
-constexpr int kTileElems = kTiledTileElems;  // one operand tile (64 x 64), either orientation
-static_assert(kBM == kBN && kBM == kBK && kBM * kBK == kTileElems);
+// An operand tile (64 x 64, either orientation), a float accumulator tile and a split's partial sums
+// all have kTiledTileElems elements: 32 per thread.
+static_assert(kBM == kBN && kBM == kBK && kBM * kBK == kTiledTileElems && kTiledTileElems == 32 * kThreads);
 constexpr int kLdc = kBN + 4;            // float accumulator tile rows in the epilogue
-constexpr int kStageBytes = kStages * 2 * kTileElems * 2;  // 64 KiB of operand tiles
+constexpr int kStageBytes = kStages * 2 * kTiledTileElems * 2;  // 64 KiB of operand tiles
 static_assert(kBM * kLdc * 4 <= kStageBytes, "the epilogue reuses the pipeline's shared memory");
 constexpr int kSwizzleAtom = 1024;  // bytes: 8 tile rows of 128, over which the swizzle pattern repeats
 constexpr int kSmemBytes = kStageBytes + kSwizzleAtom;  // dynamic shared memory, aligned in the kernel
 constexpr int kStepsPerSplit = 8, kMinSplits = 2, kMaxSplits = 4;  // split-K (RunTiledGemms)
-static_assert(kBM * kBN == kTiledTileElems && kBM * kBN == 32 * kThreads, "a split's partial sums: 32 per thread");
 
 // An operand tile in shared memory (64 x 64 16-bit elements, rows and columns as in global memory) is
 // in wgmma's 128-byte swizzled layout: row r at r * 128 bytes, its 16-byte chunk c at position c ^ r % 8
@@ -374,8 +374,8 @@ __device__ void Tile(const GemmSpec& q, const TiledGroups& gr, const Site& site,
   const int64_t i0 = (kOp == GemmOp::kTN ? tile_i : site.tile) * kBM, j0 = tile_j * kBN;
   const int64_t reduction = kOp == GemmOp::kNN ? K : kOp == GemmOp::kNT ? N : count;
 
-  auto a_tile = [&](int stage) { return smem + stage * 2 * kTileElems; };
-  auto b_tile = [&](int stage) { return smem + stage * 2 * kTileElems + kTileElems; };
+  auto a_tile = [&](int stage) { return smem + stage * 2 * kTiledTileElems; };
+  auto b_tile = [&](int stage) { return smem + stage * 2 * kTiledTileElems + kTiledTileElems; };
   // A's and B's tiles at k = 0 (see the table above); the reduction runs along kReduceRows.
   auto loaders = [&] {
     if constexpr (kOp == GemmOp::kNN)
