@@ -19,18 +19,21 @@ namespace {
 
 // Small problems have few tiles, one block each, and a block's time is mostly its warps' instruction
 // latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 (benchmarks/NOTES.md): 64-deep
-// steps with 4 stages (3 blocks per SM) beat 3 stages (also with mma.sync), and with the earlier WMMA
-// version 6 stages, 32-deep steps, 8 warps per tile and split-K.
-constexpr int kBM = 64, kBN = 64, kBK = 64, kStages = 4, kThreads = 128;
+// steps with 4 stages (3 blocks per SM) beat 3 stages (also with mma.sync) for launches of one wave, and
+// with the earlier WMMA version 6 stages, 32-deep steps, 8 warps per tile and split-K. A launch of more
+// blocks than fit at once takes 3 stages where that fits more blocks per SM (RunTiledGemms).
+constexpr int kBM = 64, kBN = 64, kBK = 64, kThreads = 128;
 constexpr int kVec = 8;                  // 16-bit elements per 16-byte copy
 // An operand tile (64 x 64, either orientation), a float accumulator tile and a split's partial sums
 // all have kTiledTileElems elements: 32 per thread.
 static_assert(kBM == kBN && kBM == kBK && kBM * kBK == kTiledTileElems && kTiledTileElems == 32 * kThreads);
 constexpr int kLdc = kBN + 4;            // float accumulator tile rows in the epilogue
-constexpr int kStageBytes = kStages * 2 * kTiledTileElems * 2;  // 64 KiB of operand tiles
-static_assert(kBM * kLdc * 4 <= kStageBytes, "the epilogue reuses the pipeline's shared memory");
+template <int kStages>
+constexpr int kStageBytes = kStages * 2 * kTiledTileElems * 2;  // 48 or 64 KiB of operand tiles
+static_assert(kBM * kLdc * 4 <= kStageBytes<3>, "the epilogue reuses the pipeline's shared memory");
 constexpr int kSwizzleAtom = 1024;  // bytes: 8 tile rows of 128, over which the swizzle pattern repeats
-constexpr int kSmemBytes = kStageBytes + kSwizzleAtom;  // dynamic shared memory, aligned in the kernel
+template <int kStages>
+constexpr int kSmemBytes = kStageBytes<kStages> + kSwizzleAtom;  // dynamic shared memory, aligned in the kernel
 constexpr int kStepsPerSplit = 8, kMinSplits = 2, kMaxSplits = 4;  // split-K (RunTiledGemms)
 
 // An operand tile in shared memory (64 x 64 16-bit elements, rows and columns as in global memory) is
@@ -364,7 +367,7 @@ __device__ bool GatherSplits(Accumulators& acc, const TiledGroups& gr, const Spl
 //   kTN: A = lhs rows^T (MN-major),   B = rhs rows (MN-major),                  reduction over the group's rows
 // early: this block has not waited for the kernel ahead yet (Params::early); it starts the copies of the
 // operands that are call inputs first.
-template <GemmOp kOp, typename T, typename OutT>
+template <GemmOp kOp, int kStages, typename T, typename OutT>
 __device__ void Tile(const GemmSpec& q, const TiledGroups& gr, const Site& site, int64_t tile_i, int64_t tile_j,
                      Split split, T* smem, bool early) {
   constexpr bool kAKMajor = kOp != GemmOp::kTN, kBKMajor = kOp == GemmOp::kNT;
@@ -451,7 +454,7 @@ __device__ void Tile(const GemmSpec& q, const TiledGroups& gr, const Site& site,
   }
 }
 
-template <typename T, typename OutT>
+template <typename T, typename OutT, int kStages>
 __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   // No bf16 tensor cores or cp.async: never launched (TiledPathAvailable checks the compiled version).
@@ -486,11 +489,11 @@ __global__ void __launch_bounds__(kThreads) TiledGemmKernel(const __grid_constan
   const Split split{split_index, q.splits, q.split_tile0 + b, q.split_slot0 + b * q.splits};
   switch (q.s.op) {
     case GemmOp::kNN:
-      return Tile<GemmOp::kNN, T, OutT>(q.s, p.groups, site, tile_i, tile_j, split, smem, p.early);
+      return Tile<GemmOp::kNN, kStages, T, OutT>(q.s, p.groups, site, tile_i, tile_j, split, smem, p.early);
     case GemmOp::kNT:
-      return Tile<GemmOp::kNT, T, OutT>(q.s, p.groups, site, tile_i, tile_j, split, smem, p.early);
+      return Tile<GemmOp::kNT, kStages, T, OutT>(q.s, p.groups, site, tile_i, tile_j, split, smem, p.early);
     default:
-      return Tile<GemmOp::kTN, T, OutT>(q.s, p.groups, site, tile_i, tile_j, split, smem, p.early);
+      return Tile<GemmOp::kTN, kStages, T, OutT>(q.s, p.groups, site, tile_i, tile_j, split, smem, p.early);
   }
 #endif
 }
@@ -515,7 +518,7 @@ bool TiledPathAvailable(std::string* reason) {
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaFuncGetAttributes(&attrs, TiledGemmKernel<__nv_bfloat16, __nv_bfloat16>) != cudaSuccess) {
+      cudaFuncGetAttributes(&attrs, TiledGemmKernel<__nv_bfloat16, __nv_bfloat16, 4>) != cudaSuccess) {
     cudaGetLastError();  // clear it: the call is only a query
     return *reason = "no CUDA device, or the tiled kernel has no code for it", false;
   }
@@ -585,14 +588,29 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
   }
   if (blocks == 0) return ffi::Error::Success();
   if (blocks > 0x7fffffff) return ffi::Error::InvalidArgument("jaxmlp: problem too large for the tiled GEMM");
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   ByType(specs[0]->in_type, [&](auto in) {
     ByType(specs[0]->out_type, [&](auto out) {
       using T = decltype(in);
       if constexpr (!std::is_same_v<T, float>) {  // 16-bit inputs only (TiledGemmSupports)
-        auto kernel = TiledGemmKernel<T, decltype(out)>;
+        using OutT = decltype(out);
+        auto deep = TiledGemmKernel<T, OutT, 4>, shallow = TiledGemmKernel<T, OutT, 3>;
         // Above 48 KiB, dynamic shared memory is opt-in per kernel (and per device: set on every launch).
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-        LaunchOverlapped(kernel, unsigned(blocks), kThreads, kSmemBytes, stream, p);
+        cudaFuncSetAttribute(deep, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<4>);
+        cudaFuncSetAttribute(shallow, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<3>);
+        // A launch of more blocks than fit on the GPU at once with 4 stages takes 3 where that fits more
+        // blocks per SM (on Hopper 4 instead of 3, at the wgmma kernel's 128 registers). Measured on an
+        // H200 (benchmarks/NOTES.md), a stack of E=8, d=256, f=512 layers: fwd+bwd 2-4% faster for M from
+        // 256 to 4096; 3 stages for every launch lose in the forward, whose launches are one wave.
+        int per_sm_deep = 0, per_sm_shallow = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_deep, deep, kThreads, kSmemBytes<4>);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_shallow, shallow, kThreads, kSmemBytes<3>);
+        if (blocks > int64_t(sms) * per_sm_deep && per_sm_shallow > per_sm_deep)
+          LaunchOverlapped(shallow, unsigned(blocks), kThreads, kSmemBytes<3>, stream, p);
+        else
+          LaunchOverlapped(deep, unsigned(blocks), kThreads, kSmemBytes<4>, stream, p);
       }
     });
   });
