@@ -596,21 +596,23 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
       using T = decltype(in);
       if constexpr (!std::is_same_v<T, float>) {  // 16-bit inputs only (TiledGemmSupports)
         using OutT = decltype(out);
-        auto deep = TiledGemmKernel<T, OutT, 4>, shallow = TiledGemmKernel<T, OutT, 3>;
-        // Above 48 KiB, dynamic shared memory is opt-in per kernel (and per device: set on every launch).
-        cudaFuncSetAttribute(deep, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<4>);
-        cudaFuncSetAttribute(shallow, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<3>);
+        // Sets the kernel's shared memory (above 48 KiB, dynamic shared memory is opt-in per kernel, and per
+        // device: set on every launch) and returns how many of its blocks fit on an SM.
+        auto prepare = [](auto kernel, int smem) {
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          int per_sm = 0;
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+          return per_sm;
+        };
         // A launch of more blocks than fit on the GPU at once with 4 stages takes 3 where that fits more
         // blocks per SM (on Hopper 4 instead of 3, at the wgmma kernel's 128 registers). Measured on an
         // H200 (benchmarks/NOTES.md), a stack of E=8, d=256, f=512 layers: fwd+bwd 2-4% faster for M from
         // 256 to 4096; 3 stages for every launch lose in the forward, whose launches are one wave.
-        int per_sm_deep = 0, per_sm_shallow = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_deep, deep, kThreads, kSmemBytes<4>);
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_shallow, shallow, kThreads, kSmemBytes<3>);
-        if (blocks > int64_t(sms) * per_sm_deep && per_sm_shallow > per_sm_deep)
-          LaunchOverlapped(shallow, unsigned(blocks), kThreads, kSmemBytes<3>, stream, p);
+        const int per_sm_deep = prepare(TiledGemmKernel<T, OutT, 4>, kSmemBytes<4>);
+        if (blocks > int64_t(sms) * per_sm_deep && prepare(TiledGemmKernel<T, OutT, 3>, kSmemBytes<3>) > per_sm_deep)
+          LaunchOverlapped(TiledGemmKernel<T, OutT, 3>, unsigned(blocks), kThreads, kSmemBytes<3>, stream, p);
         else
-          LaunchOverlapped(deep, unsigned(blocks), kThreads, kSmemBytes<4>, stream, p);
+          LaunchOverlapped(TiledGemmKernel<T, OutT, 4>, unsigned(blocks), kThreads, kSmemBytes<4>, stream, p);
       }
     });
   });
