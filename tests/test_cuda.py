@@ -47,6 +47,27 @@ def test_bf16_mlp_at_moe_sizes(backend, rng, sizes):
     assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
 
 
+
+def test_more_groups_than_a_warp_scans_at_once(backend, rng):
+  """The device code walks group_sizes 32 groups at a time: 70 groups (three chunks), a third of them
+  empty or negative (the fallback's packed pointer arrays skip them), and padding rows after the last."""
+  if backend == "cpu":
+    pytest.skip("CUDA chunked group scan")
+  E, d, f, M = 70, 64, 96, 512
+  sizes = rng.integers(1, 12, E)
+  sizes[rng.choice(E, E // 3, replace=False)] = rng.integers(-3, 1, E // 3)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  x, w1, w2, b1, b2, dy = bf16(M, d), bf16(E, d, 2 * f), bf16(E, f, d), bf16(E, 2 * f), bf16(E, d), bf16(M, d)
+  gs = jnp.asarray(sizes, jnp.int32)
+  y, vjp = jax.vjp(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2), x, w1, w2, b1, b2)
+  got = vjp(dy)
+  f64 = lambda a: np.asarray(a, np.float64)
+  want_y, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", b1=f64(b1), b2=f64(b2), dy=f64(dy))
+  assert rel_error(y, want_y) < TOLERANCE["bfloat16"]
+  for g, k in zip(got, ("x", "w1", "w2", "b1", "b2")):
+    assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
+
+
 COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np

@@ -1,18 +1,15 @@
 #include "grouped_gemm.h"
 
-#include <cub/block/block_scan.cuh>
-
 #include <map>
 #include <mutex>
 #include <tuple>
 #include <vector>
 
+#include "group_scan.cuh"
 #include "tiled_gemm.h"
 
 namespace jaxmlp {
 namespace {
-
-constexpr int kSetupThreads = 256;
 
 cudaDataType CudaType(ffi::DataType t) {
   switch (t) {
@@ -49,66 +46,46 @@ struct SetupParams {
   GroupArrays out;
 };
 
-// One block: a running scan over group_sizes (in chunks of kSetupThreads), then per group and product
-// the cuBLAS (column-major) A, B and D pointers. Row-major out = lhs @ rhs is column-major
-// out^T = rhs^T @ lhs^T, so cuBLAS A is our rhs and B our lhs (see RunGrouped for the dims).
+// One warp: ScanGroups over group_sizes, then per group and product the cuBLAS (column-major) A, B and D
+// pointers. Row-major out = lhs @ rhs is column-major out^T = rhs^T @ lhs^T, so cuBLAS A is our rhs and
+// B our lhs (see RunGrouped for the dims).
 __global__ void SetupKernel(SetupParams p) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int64_t carry_rows, carry_groups;
-  if (threadIdx.x == 0) carry_rows = carry_groups = 0;
-  __syncthreads();
-  for (int32_t base = 0; base < p.E; base += kSetupThreads) {
-    const int32_t g = base + threadIdx.x;
-    // Each size is capped at M before the sum, so the int64 running total cannot overflow.
-    int64_t size = g < p.E ? min(int64_t(max(p.sizes[g], 0)), p.M) : 0;
-    int64_t end, total;
-    Scan(scan_storage).InclusiveSum(size, end, total);
-    __syncthreads();
-    const int64_t start = min(carry_rows + end - size, p.M);
-    end = min(carry_rows + end, p.M);
-    const int64_t count = end - start;
-    int64_t nonempty = count > 0, rank, groups;
-    Scan(scan_storage).ExclusiveSum(nonempty, rank, groups);
-    if (g < p.E) {
-      p.out.counts[g] = int32_t(count);
-      p.out.offsets[g] = start;
-      if (g == p.E - 1) p.out.offsets[p.E] = end;
-      const int64_t slot = p.compact ? carry_groups + rank : g;
-      if (!p.compact || count > 0) {
-        for (int i = 0; i < p.num_gemms; ++i) {
-          const GemmSpec& s = p.gemms[i];
-          const int64_t K = s.K, N = s.N, ib = p.in_bytes[i], ob = p.out_bytes[i];
-          const char* lhs = static_cast<const char*>(s.lhs);
-          const char* rhs = static_cast<const char*>(s.rhs);
-          char* out = static_cast<char*>(s.out);
-          const void *a, *b;
-          void* d;
-          switch (s.op) {
-            case GemmOp::kNN:  // out[rows] = lhs[rows] @ rhs[g]
-              a = rhs + g * K * N * ib, b = lhs + start * K * ib, d = out + start * N * ob;
-              break;
-            case GemmOp::kNT:  // out[rows] = lhs[rows] @ rhs[g]^T
-              a = rhs + g * K * N * ib, b = lhs + start * N * ib, d = out + start * K * ob;
-              break;
-            default:  // kTN: out[g] = lhs[rows]^T @ rhs[rows]
-              a = rhs + start * N * ib, b = lhs + start * K * ib, d = out + g * K * N * ob;
-          }
-          p.out.dims[(i * 2 + 0) * p.E + slot] = s.K;
-          p.out.dims[(i * 2 + 1) * p.E + slot] = s.N;
-          p.out.ptrs[(i * 3 + 0) * p.E + slot] = const_cast<void*>(a);
-          p.out.ptrs[(i * 3 + 1) * p.E + slot] = const_cast<void*>(b);
-          p.out.ptrs[(i * 3 + 2) * p.E + slot] = d;
-        }
+  int64_t carry_groups = 0;  // compact: slots taken by the non-empty groups so far
+  ScanGroups(p.sizes, p.E, p.M, [&](int64_t g, int64_t start, int64_t count) {
+    const unsigned nonempty = __ballot_sync(~0u, count > 0), lanes_below = (1u << (threadIdx.x % 32)) - 1;
+    const int64_t slot = p.compact ? carry_groups + __popc(nonempty & lanes_below) : g;
+    carry_groups += __popc(nonempty);
+    if (g >= p.E) return;
+    p.out.counts[g] = int32_t(count);
+    p.out.offsets[g] = start;
+    if (g == p.E - 1) p.out.offsets[p.E] = start + count;
+    if (p.compact && count == 0) return;
+    for (int i = 0; i < p.num_gemms; ++i) {
+      const GemmSpec& s = p.gemms[i];
+      const int64_t K = s.K, N = s.N, ib = p.in_bytes[i], ob = p.out_bytes[i];
+      const char* lhs = static_cast<const char*>(s.lhs);
+      const char* rhs = static_cast<const char*>(s.rhs);
+      char* out = static_cast<char*>(s.out);
+      const void *a, *b;
+      void* d;
+      switch (s.op) {
+        case GemmOp::kNN:  // out[rows] = lhs[rows] @ rhs[g]
+          a = rhs + g * K * N * ib, b = lhs + start * K * ib, d = out + start * N * ob;
+          break;
+        case GemmOp::kNT:  // out[rows] = lhs[rows] @ rhs[g]^T
+          a = rhs + g * K * N * ib, b = lhs + start * N * ib, d = out + start * K * ob;
+          break;
+        default:  // kTN: out[g] = lhs[rows]^T @ rhs[rows]
+          a = rhs + start * N * ib, b = lhs + start * K * ib, d = out + g * K * N * ob;
       }
+      const int64_t E = p.E;  // 64-bit slots: E may reach 2^30 (Prepare)
+      p.out.dims[(i * 2 + 0) * E + slot] = s.K;
+      p.out.dims[(i * 2 + 1) * E + slot] = s.N;
+      p.out.ptrs[(i * 3 + 0) * E + slot] = const_cast<void*>(a);
+      p.out.ptrs[(i * 3 + 1) * E + slot] = const_cast<void*>(b);
+      p.out.ptrs[(i * 3 + 2) * E + slot] = d;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      carry_rows += total;
-      carry_groups += groups;
-    }
-    __syncthreads();
-  }
+  });
 }
 
 // Zeros out[g] of product blockIdx.z for the groups g with no rows. Grid (blocks, groups, products).
@@ -246,7 +223,7 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   }
   // Each tiled launch finds its groups itself (and RunTiledGemms checks its products).
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
-  SetupKernel<<<1, kSetupThreads, 0, stream_>>>(p);
+  SetupKernel<<<1, 32, 0, stream_>>>(p);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("setup kernel launch");
   if (path_ == GemmPath::kFallback) {
     // cublasGemmGroupedBatchedEx takes dims from host arrays: the one sync of this path.
