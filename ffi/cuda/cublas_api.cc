@@ -42,6 +42,7 @@ CublasApi Load(const std::vector<std::string>& lib_dirs) {
   Resolve(lt, "cublasLtCreate", &api.LtCreate, &e);
   Resolve(lt, "cublasLtMatmulDescCreate", &api.LtMatmulDescCreate, &e);
   Resolve(lt, "cublasLtMatmulDescSetAttribute", &api.LtMatmulDescSetAttribute, &e);
+  Resolve(lt, "cublasLtMatmulDescDestroy", &api.LtMatmulDescDestroy, &e);
   Resolve(lt, "cublasLtMatrixLayoutDestroy", &api.LtMatrixLayoutDestroy, &e);
   Resolve(lt, "cublasLtMatmulPreferenceCreate", &api.LtMatmulPreferenceCreate, &e);
   Resolve(lt, "cublasLtMatmulPreferenceSetAttribute", &api.LtMatmulPreferenceSetAttribute, &e);

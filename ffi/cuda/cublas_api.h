@@ -31,6 +31,7 @@ struct CublasApi {
   decltype(&::cublasLtCreate) LtCreate = nullptr;
   decltype(&::cublasLtMatmulDescCreate) LtMatmulDescCreate = nullptr;
   decltype(&::cublasLtMatmulDescSetAttribute) LtMatmulDescSetAttribute = nullptr;
+  decltype(&::cublasLtMatmulDescDestroy) LtMatmulDescDestroy = nullptr;
   decltype(&::cublasLtMatrixLayoutDestroy) LtMatrixLayoutDestroy = nullptr;
   decltype(&::cublasLtMatmulPreferenceCreate) LtMatmulPreferenceCreate = nullptr;
   decltype(&::cublasLtMatmulPreferenceSetAttribute) LtMatmulPreferenceSetAttribute = nullptr;

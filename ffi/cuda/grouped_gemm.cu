@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "group_scan.cuh"
@@ -146,6 +147,16 @@ cublasStatus_t SetAverageHint(const CublasApi& api, cublasLtMatmulPreference_t p
   int64_t v64 = std::max<int64_t>(value, 1);
   return api.LtMatmulPreferenceSetAttribute(pref, attr, &v64, sizeof(v64));
 }
+
+// A matmul descriptor, destroyed unless a plan keeps it (release()).
+struct Desc {
+  const CublasApi& api;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatmulDesc_t release() { return std::exchange(desc, nullptr); }
+  ~Desc() {
+    if (desc) api.LtMatmulDescDestroy(desc);
+  }
+};
 
 struct Layouts {
   const CublasApi& api;
@@ -344,12 +355,12 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
       // First call with this problem signature: build the descriptor and ask the heuristic once. (Timing
       // its top 8 on the first call instead was measured: -2% to +4% where later calls had the first
       // call's group sizes, down to -19% where they had others; benchmarks/NOTES.md.)
-      cublasLtMatmulDesc_t desc;
-      JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+      Desc desc{api};
+      JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
       cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;
       cublasOperation_t tb = s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N;
-      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
-      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
+      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
+      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
       cublasLtMatmulPreference_t pref;
       JAXMLP_CUBLAS(api.LtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
       size_t ws_bytes = kLtWorkspaceBytes;
@@ -362,14 +373,14 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
       SetAverageHint(api, pref, kPrefGroupedAvgReductionDim, reduction);
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      cublasStatus_t st = api.LtMatmulAlgoGetHeuristic(handle, desc, l.a, l.b, l.d, l.d, pref, 1, &result, &found);
+      cublasStatus_t st = api.LtMatmulAlgoGetHeuristic(handle, desc.desc, l.a, l.b, l.d, l.d, pref, 1, &result, &found);
       api.LtMatmulPreferenceDestroy(pref);
       if (st != CUBLAS_STATUS_SUCCESS || found == 0)
         return ffi::Error::Internal("jaxmlp: cuBLASLt found no grouped GEMM algorithm for op " +
                                     std::to_string(int(s.op)) + ", K=" + std::to_string(s.K) + ", N=" +
                                     std::to_string(s.N) + " (" + CublasStatusString(st) +
                                     "); set JAXMLP_GEMM_PATH=fallback");
-      it = lt_plans.emplace(key, LtPlan{desc, result.algo}).first;
+      it = lt_plans.emplace(key, LtPlan{desc.release(), result.algo}).first;
     }
     plan = it->second;
   }

@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <utility>
 
 namespace jaxmlp {
@@ -20,11 +22,26 @@ __device__ __forceinline__ void WaitForPrevious() {
 #endif
 }
 
-// Whether the current device takes programmatic launches (asked at each launch).
-inline bool OverlapLaunches() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+// Whether `kernel` may be launched programmatically on the current device: the device takes such launches
+// (compute capability 9.0 and newer) and the kernel's code that runs there was compiled for 9.0 or newer,
+// so that it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on
+// Hopper, and must wait for the kernel ahead as a plain launch does). Asked once per device and kernel.
+inline bool OverlapLaunches(const void* kernel) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError(), false;
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find({device, kernel});
+  if (it == known.end()) {
+    int major = 0;
+    cudaFuncAttributes attrs{};
+    const bool queried = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                         cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess;
+    if (!queried) cudaGetLastError();  // a query: leave no error behind for the launch to report
+    it = known.emplace(std::make_pair(device, kernel), queried && major >= 9 && attrs.ptxVersion >= 90).first;
+  }
+  return it->second;
 }
 
 template <typename... Params, typename... Args>
@@ -39,7 +56,7 @@ cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, s
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = overlap;
-  config.numAttrs = OverlapLaunches() ? 1 : 0;
+  config.numAttrs = OverlapLaunches(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

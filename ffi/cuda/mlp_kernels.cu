@@ -150,7 +150,7 @@ __global__ void ConvertKernel(const float* in, T* out, int64_t count) {
 }
 
 ffi::Error LaunchError(const char* what) {
-  cudaError_t e = cudaPeekAtLastError();
+  cudaError_t e = cudaGetLastError();  // read and cleared: a failed launch must not fail later calls
   if (e == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jaxmlp: launching ") + what + ": " + cudaGetErrorString(e));
 }

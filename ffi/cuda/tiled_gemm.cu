@@ -598,7 +598,7 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
       }
     });
   });
-  const cudaError_t e = cudaPeekAtLastError();
+  const cudaError_t e = cudaGetLastError();  // read and cleared, as in mlp_kernels.cu
   if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxmlp: tiled GEMM launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
