@@ -125,6 +125,26 @@ auto BindActivationAttrs(Binding b) {
   return std::move(b).template Attr<int32_t>("activation").template Attr<float>("alpha").template Attr<float>("limit");
 }
 
+// The sizes the kernels index with: at least 1, as the Python API computes empty problems without a
+// custom call (the GEMM libraries and the tiled kernel's launches assume work), and below 2^31, as GEMM
+// dimensions and per-group row counts are passed as int32.
+inline ffi::Error CheckExtents(std::initializer_list<int64_t> sizes) {
+  for (int64_t v : sizes)
+    if (v < 1 || v > INT32_MAX)
+      return ffi::Error::InvalidArgument("jaxmlp: every dimension (M, d, f and E; m, k, n and groups) must be in "
+                                         "[1, 2^31), got " + std::to_string(v));
+  return ffi::Error::Success();
+}
+
+// Checks that result `buf` has exactly the shape `want` and the dtype t: the handlers write every result
+// in the operands' dtype.
+inline ffi::Error CheckResult(const char* name, const ffi::AnyBuffer& buf, std::initializer_list<int64_t> want,
+                              ffi::DataType t) {
+  JAXMLP_RETURN_IF_ERROR(CheckShape(name, buf, want));
+  if (buf.element_type() != t) return ffi::Error::InvalidArgument(std::string("jaxmlp: ") + name + " must have x's dtype");
+  return ffi::Error::Success();
+}
+
 // Shapes of one grouped MLP call, read off the buffers.
 struct MlpDims {
   int64_t M, d, f, F1, E;  // F1 = 2f for gated activations, f otherwise
@@ -154,6 +174,7 @@ inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, co
                                        std::to_string(m.F1));
   JAXMLP_RETURN_IF_ERROR(CheckShape("w1", w1, {m.E, m.d, m.F1}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("w2", w2, {m.E, m.f, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckExtents({m.M, m.d, m.F1, m.E}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("group_sizes", group_sizes, {m.E}));
   if (group_sizes.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jaxmlp: group_sizes must be int32");
@@ -172,6 +193,13 @@ inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, co
   return ffi::Error::Success();
 }
 
+// The forward's results: y [M, d] and the FC1 output h [M, F1], in x's dtype.
+inline ffi::Error CheckMlpForward(const MlpDims& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
+                                  const ffi::AnyBuffer& h) {
+  JAXMLP_RETURN_IF_ERROR(CheckResult("y", y, {m.M, m.d}, x.element_type()));
+  return CheckResult("h", h, {m.M, m.F1}, x.element_type());
+}
+
 // The backward's extra operands (h [M, F1], dy [M, d], in x's dtype) and its gradients, for dims m
 // from CheckMlp; db1, db2 and dscales only where b1, b2 and scales are present.
 inline ffi::Error CheckMlpBackward(const MlpDims& m, const ffi::AnyBuffer& x, const ffi::AnyBuffer& h,
@@ -182,12 +210,13 @@ inline ffi::Error CheckMlpBackward(const MlpDims& m, const ffi::AnyBuffer& x, co
   JAXMLP_RETURN_IF_ERROR(CheckShape("dy", dy, {m.M, m.d}));
   if (dy.element_type() != x.element_type() || h.element_type() != x.element_type())
     return ffi::Error::InvalidArgument("jaxmlp: h and dy must have x's dtype");
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dx", dx, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dw1", dw1, {m.E, m.d, m.F1}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dw2", dw2, {m.E, m.f, m.d}));
-  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("db1", db1, {m.E, m.F1}));
-  if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("db2", db2, {m.E, m.d}));
-  if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("dscales", dscales, {m.M}));
+  const ffi::DataType t = x.element_type();
+  JAXMLP_RETURN_IF_ERROR(CheckResult("dx", dx, {m.M, m.d}, t));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("dw1", dw1, {m.E, m.d, m.F1}, t));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("dw2", dw2, {m.E, m.f, m.d}, t));
+  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckResult("db1", db1, {m.E, m.F1}, t));
+  if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckResult("db2", db2, {m.E, m.d}, t));
+  if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckResult("dscales", dscales, {m.M}, t));
   return ffi::Error::Success();
 }
 
@@ -232,6 +261,7 @@ inline ffi::Error CheckGemm(GemmOp op, const ffi::AnyBuffer& lhs, const ffi::Any
     default:
       return ffi::Error::InvalidArgument("jaxmlp: unknown grouped GEMM op " + std::to_string(int(op)));
   }
+  JAXMLP_RETURN_IF_ERROR(CheckExtents({g.M, g.K, g.N, g.E}));
   *dims = g;
   return ffi::Error::Success();
 }

@@ -31,6 +31,8 @@ def _fail(name: str, got, expected: str):
 
 
 def check_group_sizes(group_sizes, E: int | None = None, name: str = "group_sizes") -> None:
+  if not hasattr(group_sizes, "dtype"):
+    raise TypeError(f"{name}: expected an integer array ([E] int32, on the device), got {type(group_sizes).__name__}")
   if len(_shape(group_sizes)) != 1 or (E is not None and _shape(group_sizes)[0] != E):
     _fail(name, _shape(group_sizes), f"[{'E' if E is None else E}] (one size per group)")
   if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
@@ -45,6 +47,8 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
   if len(_shape(w1)) != 3:
     _fail("w1", _shape(w1), f"[E, {d}, {'2f' if act.gated else 'f'}]")
   E, _, F1 = _shape(w1)
+  if E == 0:
+    _fail("w1", _shape(w1), f"[E, {d}, {'2f' if act.gated else 'f'}] with E >= 1 (at least one expert)")
   if act.gated and F1 % 2:
     _fail("w1", _shape(w1), f"[E, {d}, 2f] with an even last dimension for the gated {act.name!r}")
   f = F1 // 2 if act.gated else F1
@@ -69,12 +73,20 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
   return MlpShape(M=M, d=d, f=f, F1=F1, E=E)
 
 
+def sizes_as_int32(group_sizes: jax.Array, m: int) -> jax.Array:
+  """group_sizes of any integer dtype as int32, meaning the same under the policy: each size is clamped
+  to [0, m] in its own dtype first (m capped at that dtype's largest value), so that no cast wraps (an
+  int64 2**32 + 5 would become 5, a uint32 2**31 negative) and no bound wraps (m = 300 as an int8)."""
+  dtype = jnp.result_type(group_sizes)
+  return jnp.clip(group_sizes, 0, min(m, jnp.iinfo(dtype).max)).astype(jnp.int32)
+
+
 def clamp_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
   """The group_sizes policy: negative sizes count as 0 and the running total is capped at m.
 
   Returns int32 sizes that sum to at most m, so no backend can index outside the m rows.
   """
-  sizes = jnp.minimum(jnp.maximum(group_sizes, 0), m).astype(jnp.int32)
+  sizes = sizes_as_int32(group_sizes, m)
   # A saturating running sum (associative for non-negative terms): min(a + b, m) never exceeds 2m, so
   # adversarial sizes cannot wrap int32 the way a plain cumsum could.
   ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)

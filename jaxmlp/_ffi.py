@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _cpu
-from ._checks import MlpShape
+from ._checks import MlpShape, sizes_as_int32
 from .activations import Activation
 
 try:
@@ -133,7 +133,7 @@ def _act_attrs(act: Activation) -> dict:
 def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpShape):
   """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
   dt = x.dtype
-  args = (x, w1, w2, group_sizes.astype(jnp.int32), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt))
+  args = (x, w1, w2, sizes_as_int32(group_sizes, s.M), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt))
   outs = [jax.ShapeDtypeStruct((s.M, s.d), dt), jax.ShapeDtypeStruct((s.M, s.F1), dt)]
   attrs = _act_attrs(act)
 
@@ -152,7 +152,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
 def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: MlpShape):
   """One custom call for the whole backward: (dx, dw1, dw2, db1, db2, dscales), None where absent."""
   dt = x.dtype
-  args = (x, w1, w2, group_sizes.astype(jnp.int32), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt),
+  args = (x, w1, w2, sizes_as_int32(group_sizes, s.M), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt),
           h, dy.astype(dt))
   sds = jax.ShapeDtypeStruct
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
@@ -180,7 +180,7 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
 def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   """One grouped product (see GemmOp in ffi/common.h): "nn" lhs @ rhs[g], "nt" lhs @ rhs[g].T,
   "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]."""
-  args = (lhs, rhs, group_sizes.astype(jnp.int32))
+  args = (lhs, rhs, sizes_as_int32(group_sizes, lhs.shape[0]))
   out = jax.ShapeDtypeStruct(out_shape, out_dtype)
   attrs = dict(op=np.int32(GEMM_OPS[op]))
   E = group_sizes.shape[0]

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _ffi
+from . import _checks, _ffi, reference
 from .activations import Activation, resolve
 
 
@@ -35,6 +35,10 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, shape.M)
+  if 0 in (shape.M, shape.d, shape.f):
+    # An empty problem leaves only biases and zeros to compute, and the handlers take no zero-sized
+    # operands (they launch kernels sized by them): the reference, which defines the semantics, does it.
+    return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act)
 
 
@@ -60,22 +64,23 @@ def _mlp_bwd(act, res, dy):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
-               check_group_sizes: bool = False):
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
+               out_sharding=None, *, check_group_sizes: bool = False):
   """Drop-in for jax.lax.ragged_dot: lhs [m, k], rhs [g, k, n], group_sizes [g] -> [m, n].
 
   Rows past sum(group_sizes) are 0. `precision` is accepted for compatibility: float32 inputs are
-  multiplied in float32 and 16-bit inputs accumulate in float32 whatever it says. group_offset is
-  not supported (NotImplementedError).
+  multiplied in float32 and 16-bit inputs accumulate in float32 whatever it says. group_offset and
+  out_sharding are not supported (NotImplementedError).
   """
-  if group_offset is not None:
-    raise NotImplementedError("jaxmlp.ragged_dot: group_offset is not supported; use jax.lax.ragged_dot")
+  for name, value in (("group_offset", group_offset), ("out_sharding", out_sharding)):
+    if value is not None:
+      raise NotImplementedError(f"jaxmlp.ragged_dot: {name} is not supported; use jax.lax.ragged_dot")
   del precision
   if len(np.shape(lhs)) != 2:
     raise ValueError(f"lhs: got shape {np.shape(lhs)}, expected [m, k]")
   m, k = np.shape(lhs)
-  if len(np.shape(rhs)) != 3 or np.shape(rhs)[1] != k:
-    raise ValueError(f"rhs: got shape {np.shape(rhs)}, expected [g, {k}, n] (k from lhs)")
+  if len(np.shape(rhs)) != 3 or np.shape(rhs)[1] != k or np.shape(rhs)[0] == 0:
+    raise ValueError(f"rhs: got shape {np.shape(rhs)}, expected [g, {k}, n] with g >= 1 (k from lhs)")
   _checks.check_group_sizes(group_sizes, np.shape(rhs)[0])
   dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
   if dtype not in _checks.FLOAT_DTYPES:
@@ -85,6 +90,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected a float dtype")
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, m)
+  if 0 in (m, k, np.shape(rhs)[2]):  # an empty product: zeros, without a custom call (see grouped_mlp)
+    return reference.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, preferred_element_type=out_dtype)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
 
 

@@ -62,7 +62,7 @@ class GroupedMLP(nn.Module):
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
-    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes.astype(jnp.int32), activation,
+    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes, activation,
                               b1, b2, scales)
 
 

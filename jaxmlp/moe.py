@@ -10,7 +10,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
-from . import reference
+from . import _checks, reference
 from .api import grouped_mlp
 
 # Logical axis names of the parameters (the MaxText convention).
@@ -38,8 +38,7 @@ def check_impl(impl: str) -> None:
 def rows_of(table: jax.Array, group_sizes: jax.Array, num_rows: int) -> jax.Array:
   """`table[g]` for each row of group g; 0 for padding rows. Follows jaxmlp's group_sizes policy:
   negative sizes count as 0 and rows past the running total are padding."""
-  ends = jnp.cumsum(jnp.clip(group_sizes, 0, num_rows))
-  group = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")
+  group = _checks.row_groups(_checks.clamp_group_sizes(group_sizes, num_rows), num_rows)  # E for padding
   return jnp.take(table, group, axis=0, mode="fill", fill_value=0)
 
 

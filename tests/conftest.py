@@ -65,6 +65,16 @@ def rng(request):
   return np.random.default_rng(seed)
 
 
+def max_error(got, want):
+  """Largest elementwise error relative to the largest reference element: a few wrong elements, which
+  rel_error's Frobenius norm averages away, show here (tests allow twice the dtype's TOLERANCE)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  if not got.size:
+    return 0.0
+  return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
 def rel_error(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert got.shape == want.shape, (got.shape, want.shape)

@@ -164,8 +164,7 @@ Error MlpForward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                  Result<AnyBuffer> h_out) {
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("y", *y, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("h", *h_out, {m.M, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h_out));
   Poison({&*y, &*h_out});
   const DataType t = x.element_type();
   const ActParams p{static_cast<Act>(act), alpha, limit};

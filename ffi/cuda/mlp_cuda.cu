@@ -72,8 +72,7 @@ Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, A
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("y", *y, {m.M, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("h", *h, {m.M, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
@@ -105,7 +104,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
   JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, x, h, dy, *dx, *dw1, *dw2, *db1, *db2, *dscales));
-  JAXMLP_RETURN_IF_ERROR(CheckShape("dh", *dh, {m.M, m.F1}));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("dh", *dh, {m.M, m.F1}, x.element_type()));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,

@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
   const int64_t F1 = kGated ? 2 * f : f;
-  if (row >= offsets[E]) {  // padding
+  if (row >= offsets[E]) {  // padding: zeros in every output (the cuBLAS GEMMs write only group rows)
+    ZeroRow<T, V>(h + row * F1, F1);
     ZeroRow<T, V>(a + row * f, f);
     ZeroRow<T, V>(y + row * d, d);
     return;
