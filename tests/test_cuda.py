@@ -47,7 +47,6 @@ def test_bf16_mlp_at_moe_sizes(backend, rng, sizes):
     assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
 
 
-
 def test_more_groups_than_a_warp_scans_at_once(backend, rng):
   """The device code walks group_sizes 32 groups at a time: 70 groups (three chunks), a third of them
   empty or negative (the fallback's packed pointer arrays skip them), and padding rows after the last."""
