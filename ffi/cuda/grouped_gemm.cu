@@ -52,15 +52,11 @@ struct SetupParams {
 // B our lhs (see RunGrouped for the dims).
 __global__ void SetupKernel(SetupParams p) {
   int64_t carry_groups = 0;  // compact: slots taken by the non-empty groups so far
-  ScanGroups(p.sizes, p.E, p.M, [&](int64_t g, int64_t start, int64_t count) {
+  ScanGroups(p.sizes, p.E, p.M, p.out.counts, p.out.offsets, [&](int64_t g, int64_t start, int64_t count) {
     const unsigned nonempty = __ballot_sync(~0u, count > 0), lanes_below = (1u << (threadIdx.x % 32)) - 1;
     const int64_t slot = p.compact ? carry_groups + __popc(nonempty & lanes_below) : g;
     carry_groups += __popc(nonempty);
-    if (g >= p.E) return;
-    p.out.counts[g] = int32_t(count);
-    p.out.offsets[g] = start;
-    if (g == p.E - 1) p.out.offsets[p.E] = start + count;
-    if (p.compact && count == 0) return;
+    if (g >= p.E || (p.compact && count == 0)) return;
     for (int i = 0; i < p.num_gemms; ++i) {
       const GemmSpec& s = p.gemms[i];
       const int64_t K = s.K, N = s.N, ib = p.in_bytes[i], ob = p.out_bytes[i];

@@ -78,14 +78,10 @@ __device__ Site FindSite(const TiledGroups& gr, bool write_arrays, bool by_row_t
   write_arrays = write_arrays && blockIdx.x == 0 && threadIdx.x < 32;
   Site site{-1, 0, 0, 0, 0, 0};
   int64_t carry_tiles = 0;
-  site.valid_rows = ScanGroups(gr.sizes, gr.E, gr.M, [&](int64_t g, int64_t start, int64_t count) {
+  site.valid_rows = ScanGroups(gr.sizes, gr.E, gr.M, write_arrays ? gr.counts : nullptr,
+                               write_arrays ? gr.offsets : nullptr, [&](int64_t g, int64_t start, int64_t count) {
     const int64_t tiles = (count + kBM - 1) / kBM;
     const int64_t tile_end = carry_tiles + WarpInclusiveSum(tiles), first_tile = tile_end - tiles;
-    if (write_arrays && g < gr.E) {
-      gr.counts[g] = int32_t(count);
-      gr.offsets[g] = start;
-      if (g == gr.E - 1) gr.offsets[gr.E] = start + count;
-    }
     const bool here = g < gr.E && (by_row_tile ? target >= first_tile && target < tile_end : g == target);
     if (const unsigned found = __ballot_sync(~0u, here)) {  // one lane at most: the row tiles are disjoint
       const int src = __ffs(found) - 1;
