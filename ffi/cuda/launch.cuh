@@ -22,26 +22,36 @@ __device__ __forceinline__ void WaitForPrevious() {
 #endif
 }
 
+// Facts about a kernel on a device (the architecture its running code was compiled for, how many of its
+// blocks fit at once) do not change while the process runs, and asking the runtime for them costs host
+// time on every call where XLA launches the handlers itself (no command buffers). So `query(device)` runs
+// once per (device, kernel) and its result is kept.
+template <typename Query>
+auto OncePerDeviceAndKernel(const void* kernel, Query query) -> decltype(query(0)) {
+  using Result = decltype(query(0));
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError(), Result{};
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, Result> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find({device, kernel});
+  if (it == known.end()) it = known.emplace(std::make_pair(device, kernel), query(device)).first;
+  return it->second;
+}
+
 // Whether `kernel` may be launched programmatically on the current device: the device takes such launches
 // (compute capability 9.0 and newer) and the kernel's code that runs there was compiled for 9.0 or newer,
 // so that it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on
-// Hopper, and must wait for the kernel ahead as a plain launch does). Asked once per device and kernel.
+// Hopper, and must wait for the kernel ahead as a plain launch does).
 inline bool OverlapLaunches(const void* kernel) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError(), false;
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, bool> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = known.find({device, kernel});
-  if (it == known.end()) {
+  return OncePerDeviceAndKernel(kernel, [kernel](int device) {
     int major = 0;
     cudaFuncAttributes attrs{};
     const bool queried = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
                          cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess;
     if (!queried) cudaGetLastError();  // a query: leave no error behind for the launch to report
-    it = known.emplace(std::make_pair(device, kernel), queried && major >= 9 && attrs.ptxVersion >= 90).first;
-  }
-  return it->second;
+    return queried && major >= 9 && attrs.ptxVersion >= 90;
+  });
 }
 
 template <typename... Params, typename... Args>

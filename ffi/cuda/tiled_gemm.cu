@@ -566,28 +566,29 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
   }
   if (blocks == 0) return ffi::Error::Success();
   if (blocks > 0x7fffffff) return ffi::Error::InvalidArgument("jaxmlp: problem too large for the tiled GEMM");
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   ByType(specs[0]->in_type, [&](auto in) {
     ByType(specs[0]->out_type, [&](auto out) {
       using T = decltype(in);
       if constexpr (!std::is_same_v<T, float>) {  // 16-bit inputs only (TiledGemmSupports)
         using OutT = decltype(out);
-        // Sets the kernel's shared memory (above 48 KiB, dynamic shared memory is opt-in per kernel, and per
-        // device: set on every launch) and returns how many of its blocks fit on an SM.
-        auto prepare = [](auto kernel, int smem) {
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-          int per_sm = 0;
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-          return per_sm;
+        // How many of the kernel's blocks fit on the GPU at once. Setting its shared memory (above 48 KiB,
+        // dynamic shared memory is opt-in per kernel and device) is part of the first query.
+        auto resident_blocks = [](auto kernel, int smem) {
+          return OncePerDeviceAndKernel(reinterpret_cast<const void*>(kernel), [&](int device) {
+            int sms = 0, per_sm = 0;
+            if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess)
+              return int64_t(0);  // the launch reports the error
+            return int64_t(sms) * per_sm;
+          });
         };
         // A launch of more blocks than fit on the GPU at once with 4 stages takes 3 where that fits more
         // blocks per SM (on Hopper 4 instead of 3, at the wgmma kernel's 128 registers). Measured on an
         // H200 (benchmarks/NOTES.md), a stack of E=8, d=256, f=512 layers: fwd+bwd 2-4% faster for M from
         // 256 to 4096; 3 stages for every launch lose in the forward, whose launches are one wave.
-        const int per_sm_deep = prepare(TiledGemmKernel<T, OutT, 4>, kSmemBytes<4>);
-        if (blocks > int64_t(sms) * per_sm_deep && prepare(TiledGemmKernel<T, OutT, 3>, kSmemBytes<3>) > per_sm_deep)
+        const int64_t resident_deep = resident_blocks(TiledGemmKernel<T, OutT, 4>, kSmemBytes<4>);
+        if (blocks > resident_deep && resident_blocks(TiledGemmKernel<T, OutT, 3>, kSmemBytes<3>) > resident_deep)
           LaunchOverlapped(TiledGemmKernel<T, OutT, 3>, unsigned(blocks), kThreads, kSmemBytes<3>, stream, p);
         else
           LaunchOverlapped(TiledGemmKernel<T, OutT, 4>, unsigned(blocks), kThreads, kSmemBytes<4>, stream, p);
