@@ -122,8 +122,23 @@ def _cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> 
   return gemm_path(dtype, *row_lengths, problem=problem)[0]
 
 
-def _workspace(nbytes: int) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct((max(int(nbytes), 1),), jnp.uint8)
+def _result_types(*args):
+  """The type of a call's results on `args`, as a function of (shape, dtype). Inside jax.shard_map they
+  vary over every mesh axis an operand varies over, as the result of JAX's own ops would (JAX makes the
+  operands vary alike before the call); untyped, JAX would take per-device results for replicated ones
+  and reject the gradients of varying inputs."""
+  varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
+  if not varying:
+    return jax.ShapeDtypeStruct
+  # A type that names manual axes needs the mesh they belong to: the current one, with no dimension
+  # partitioned (P() fits any rank).
+  on_mesh = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), jax.P())
+  mat = jax.sharding.ManualAxisType(varying=varying)
+  return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_mesh, manual_axis_type=mat)
+
+
+def _workspace(nbytes: int, sds) -> jax.ShapeDtypeStruct:
+  return sds((max(int(nbytes), 1),), jnp.uint8)
 
 
 def _act_attrs(act: Activation) -> dict:
@@ -134,7 +149,8 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
   """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
   dt = x.dtype
   args = (x, w1, w2, sizes_as_int32(group_sizes, s.M), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt))
-  outs = [jax.ShapeDtypeStruct((s.M, s.d), dt), jax.ShapeDtypeStruct((s.M, s.F1), dt)]
+  sds = _result_types(*args)
+  outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt)]
   attrs = _act_attrs(act)
 
   def cpu(*a):
@@ -143,7 +159,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
   def cuda(*a):
     path = _cuda_path(dt, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
     ws = _cuda.mlp_workspace_bytes(path, True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
-    call = jax.ffi.ffi_call(f"jaxmlp_mlp_fwd_{path}", outs + [_workspace(ws)], vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"jaxmlp_mlp_fwd_{path}", outs + [_workspace(ws, sds)], vmap_method="sequential")
     return tuple(call(*a, **attrs)[:2])
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
@@ -154,7 +170,7 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
   dt = x.dtype
   args = (x, w1, w2, sizes_as_int32(group_sizes, s.M), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt),
           h, dy.astype(dt))
-  sds = jax.ShapeDtypeStruct
+  sds = _result_types(*args)
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
           sds((s.E, s.F1) if b1 is not None else (0,), dt), sds((s.E, s.d) if b2 is not None else (0,), dt),
           sds((s.M,) if scales is not None else (0,), dt)]
@@ -167,8 +183,8 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     path = _cuda_path(dt, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
     ws = _cuda.mlp_workspace_bytes(path, False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
     # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
-    dh = jax.ShapeDtypeStruct((s.M, s.F1), dt)
-    call = jax.ffi.ffi_call(f"jaxmlp_mlp_bwd_{path}", outs + [dh, _workspace(ws)], vmap_method="sequential",
+    dh = sds((s.M, s.F1), dt)
+    call = jax.ffi.ffi_call(f"jaxmlp_mlp_bwd_{path}", outs + [dh, _workspace(ws, sds)], vmap_method="sequential",
                             input_output_aliases={7: 6})
     return tuple(call(*a, **attrs)[:6])
 
@@ -181,7 +197,8 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   """One grouped product (see GemmOp in ffi/common.h): "nn" lhs @ rhs[g], "nt" lhs @ rhs[g].T,
   "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]."""
   args = (lhs, rhs, sizes_as_int32(group_sizes, lhs.shape[0]))
-  out = jax.ShapeDtypeStruct(out_shape, out_dtype)
+  sds = _result_types(*args)
+  out = sds(out_shape, out_dtype)
   attrs = dict(op=np.int32(GEMM_OPS[op]))
   E = group_sizes.shape[0]
   K, N = (lhs.shape[1], rhs.shape[-1]) if op != "nt" else (rhs.shape[1], lhs.shape[1])
@@ -195,7 +212,7 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
     if path == "fallback" and jnp.dtype(out_dtype) != lhs.dtype:
       # cublasGemmGroupedBatchedEx has no 16-bit-in, float32-out mode: multiply the (exactly) upcast inputs.
       lhs, rhs = lhs.astype(out_dtype), rhs.astype(out_dtype)
-    call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [out, _workspace(ws)], vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [out, _workspace(ws, sds)], vmap_method="sequential")
     return call(lhs, rhs, sizes, **attrs)[0]
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)

@@ -57,7 +57,8 @@ def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act):
 def _mlp_bwd(act, res, dy):
   x, w1, w2, group_sizes, b1, b2, scales, h = res
   shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
-  dx, dw1, dw2, db1, db2, dscales = _ffi.mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
+  grads = _ffi.mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
+  dx, dw1, dw2, db1, db2, dscales = map(_summed_like, grads, (x, w1, w2, b1, b2, scales))
   return dx, dw1, dw2, _integer_cotangent(group_sizes), db1, db2, dscales
 
 
@@ -110,10 +111,20 @@ def _ragged_dot_bwd(out_dtype, res, dout):
   dout = dout.astype(lhs.dtype)
   dlhs = _ffi.grouped_gemm("nt", dout, rhs, group_sizes, lhs.shape, lhs.dtype)
   drhs = _ffi.grouped_gemm("tn", lhs, dout, group_sizes, rhs.shape, rhs.dtype)
-  return dlhs, drhs, _integer_cotangent(group_sizes)
+  return _summed_like(dlhs, lhs), _summed_like(drhs, rhs), _integer_cotangent(group_sizes)
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def _summed_like(grad, primal):
+  """Inside jax.shard_map, the gradient of an operand that is the same on every device along a mesh axis
+  (weights replicated over a data-parallel axis) is the sum of the devices' gradients, as JAX makes it
+  for its own ops; the custom calls' gradients vary over every axis any operand varies over."""
+  if grad is None:
+    return None
+  axes = tuple(jax.typeof(grad).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying)
+  return jax.lax.psum(grad, axes) if axes else grad
 
 
 def _integer_cotangent(a):

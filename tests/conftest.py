@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("JAXMLP_POISON_OUTPUTS", "1")
 
 import jax
+
+# Several CPU devices for the shard_map tests (set before JAX starts its backends).
+jax.config.update("jax_num_cpu_devices", 4)
+
 import numpy as np
 import pytest
 from hypothesis import strategies as st
