@@ -4,7 +4,7 @@
   python benchmarks/bench.py --shapes qwen3,dsv3 --routing skewed --impls jaxmlp,ragged_dot,torch
   python benchmarks/bench.py --write-results    # also update benchmarks/RESULTS.md and RESULTS.png
 
-Measures the SwiGLU expert MLP (forward, and fwd+bwd through jax.grad) with jaxmlp.grouped_mlp,
+Measures the SwiGLU expert MLP (forward, and fwd+bwd through jax.vjp) with jaxmlp.grouped_mlp,
 jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm and a dense GEMM of
 equal FLOPs; the host overhead of a stack of small layers with XLA command buffers off and on; and
 the peak memory of fwd+bwd. Without a GPU it runs tiny shapes on the CPU backend and says so.
@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -68,8 +69,13 @@ def parse_args():
   p.add_argument("--write-results", action="store_true",
                  help="also write benchmarks/RESULTS.md and benchmarks/RESULTS.png")
   a = p.parse_args()
+  a.shapes = _choices("--shapes", a.shapes, cases.ALL_SHAPES) if a.shapes else None
   a.routing = _choices("--routing", a.routing, cases.ROUTINGS)
   a.impls = _choices("--impls", a.impls, IMPLS) if a.impls else None
+  for flag, value, least in (("--repeats", a.repeats, 1), ("--sets", a.sets, 1), ("--layers", a.layers, 1),
+                             ("--budget-s", a.budget_s, 0), ("--max-call-s", a.max_call_s, 0)):
+    if value is not None and value < least:
+      p.error(f"{flag} must be at least {least}, got {value}")
   return a
 
 
@@ -101,14 +107,17 @@ class Progress:
   def __init__(self, total: int, unit: str, scale: float):
     self.done, self.total, self.unit, self.scale = 0, total, unit, scale
 
-  def __call__(self, label: str, impl: str, mode: str, t: dict, flops: float) -> None:
+  def step(self, text: str) -> None:
     self.done += 1
-    line = f"[{self.done:3d}/{self.total}] {label:<18} {impl:<10} {mode:<7}"
+    log(f"[{self.done:3d}/{self.total}] {text}")
+
+  def __call__(self, label: str, impl: str, mode: str, t: dict, flops: float) -> None:
+    line = f"{label:<18} {impl:<10} {mode:<7}"
     if "error" in t:
-      log(f"{line} error: {t['error'][:200]}")
+      self.step(f"{line} error: {t['error'][:200]}")
       return
     note = "  (1 call, too slow)" if t.get("status") == "too slow" else ""
-    log(f"{line} {t['s'] * 1e3:10.3f} ms {report.num(flops / t['s'] / self.scale):>9} {self.unit}{note}")
+    self.step(f"{line} {t['s'] * 1e3:10.3f} ms {report.num(flops / t['s'] / self.scale):>9} {self.unit}{note}")
 
 
 def main():
@@ -122,13 +131,11 @@ def main():
     log("No GPU visible to JAX: running tiny shapes on the CPU backend. These are CPU numbers, useful only "
         "to check that the benchmark works.")
   device = probe["device"] if mode == "gpu" else _cpu_name()
-  shape_table = cases.GPU_SHAPES if mode == "gpu" else cases.CPU_SHAPES
-  shape_names = args.shapes.split(",") if args.shapes else list(shape_table)
-  unknown = [s for s in shape_names if s not in cases.ALL_SHAPES]
-  if unknown:
-    sys.exit(f"--shapes: unknown {', '.join(unknown)}; expected some of {', '.join(cases.ALL_SHAPES)}")
-  timing = dict(repeats=args.repeats or (10 if mode == "gpu" else 5), max_call_s=args.max_call_s,
-                budget_s=args.budget_s or (10.0 if mode == "gpu" else 2.0), sets=args.sets)
+  shape_names = args.shapes or list(cases.GPU_SHAPES if mode == "gpu" else cases.CPU_SHAPES)
+  defaults = dict(repeats=10, budget_s=10.0) if mode == "gpu" else dict(repeats=5, budget_s=2.0)
+  timing = dict(repeats=defaults["repeats"] if args.repeats is None else args.repeats,
+                max_call_s=args.max_call_s, sets=args.sets,
+                budget_s=defaults["budget_s"] if args.budget_s is None else args.budget_s)
   dtype = "bfloat16" if mode == "gpu" else "float32"
 
   case_list = make_cases(shape_names, args.routing)
@@ -137,11 +144,13 @@ def main():
   runnable = [i for i in impls if i not in skipped]
   for case in case_list:
     case["impls"].update({i: {"status": "skipped", "reason": why} for i, why in skipped.items()})
-  progress = Progress(2 * len(case_list) * len(runnable), *report.flop_unit(mode))
+  overhead_variants = (COMMAND_BUFFER_FLAGS if mode == "gpu" else {"n/a (CPU)": None}) if args.overhead else {}
+  progress = Progress(2 * len(case_list) * len(runnable) + len(overhead_variants), *report.flop_unit(mode))
 
   # Subprocesses first: once JAX starts in this process it holds most of the GPU memory.
   torch_meta = run_torch(case_list, mode, dtype, timing, progress) if "torch" in runnable else {}
-  overhead = run_overhead(args.layers, mode, timing["repeats"], child_env) if args.overhead else None
+  overhead = (run_overhead(args.layers, mode, overhead_variants, timing, child_env, progress)
+              if args.overhead else None)
 
   # Only now may this process initialise JAX.
   import jax
@@ -161,7 +170,7 @@ def main():
       "meta": {
           "date": wall_start.astimezone().isoformat(timespec="seconds"),
           "mode": mode, "platform": probe["platform"], "device": device, "dtype": dtype,
-          "command": " ".join([Path(sys.executable).name] + sys.argv),
+          "command": shlex.join([Path(sys.executable).name] + sys.argv),
           "versions": {"python": platform.python_version(), "jax": jax.__version__,
                        "jaxlib": jaxlib.__version__, "jaxmlp": jaxmlp.__version__,
                        "tokamax": _version("tokamax"), "torch": _version("torch"), **torch_meta},
@@ -235,15 +244,15 @@ def run_torch(case_list: list[dict], mode: str, dtype: str, timing: dict, progre
   return meta
 
 
-def run_overhead(layers: int, mode: str, repeats: int, child_env: dict) -> dict:
-  """overhead.py once per command-buffer setting (GPU) or once (CPU)."""
+def run_overhead(layers: int, mode: str, variants: dict, timing: dict, child_env: dict, progress) -> dict:
+  """overhead.py once per command-buffer setting in `variants` (name: XLA flag, or None for none)."""
   layer = OVERHEAD_LAYER[mode]
-  variants = COMMAND_BUFFER_FLAGS if mode == "gpu" else {"n/a (CPU)": None}
   out = {"config": {"layers": layers, **layer}, "variants": {}}
   user_flags = os.environ.get("XLA_FLAGS", "")
   for name, flag in variants.items():
     xla_flags = f"{user_flags} {flag}".strip() if flag is not None else user_flags
-    cmd = [sys.executable, str(HERE / "overhead.py"), "--layers", str(layers), "--repeats", str(repeats)]
+    cmd = [sys.executable, str(HERE / "overhead.py"), "--layers", str(layers),
+           "--repeats", str(timing["repeats"]), "--budget-s", str(timing["budget_s"])]
     cmd += [arg for k, v in layer.items() for arg in (f"--{k}", str(v))]
     try:
       # The overhead runs alone, so it may preallocate: without XLA's preallocated pool buffer addresses
@@ -251,10 +260,10 @@ def run_overhead(layers: int, mode: str, repeats: int, child_env: dict) -> dict:
       r = run_json(cmd, {**child_env, "XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_FLAGS": xla_flags})
     except Exception as e:
       out["variants"][name] = {"flag": flag, "xla_flags": xla_flags, "error": str(e)}
-      log(f"overhead, command buffers {name}: error: {e}")
+      progress.step(f"overhead, command buffers {name}: error: {e}")
       continue
     out["variants"][name] = {"flag": flag, "xla_flags": xla_flags, **r}
-    log(f"overhead, command buffers {name:<9}: " + ", ".join(
+    progress.step(f"overhead, command buffers {name:<9}: " + ", ".join(
         f"{impl} fwd+bwd {report.num(r[impl]['fwd_bwd']['us_per_layer'])} µs/layer"
         for impl in ("jaxmlp", "ragged_dot")))
   return out

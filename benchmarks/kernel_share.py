@@ -24,22 +24,18 @@ def run(shape_name):
   """shape_name: one of cases.ALL_SHAPES, or "E,d,f,M"."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import jaxmlp
+  import jax_impls
   s = cases.ALL_SHAPES.get(shape_name) or cases.Shape(shape_name, *map(int, shape_name.split(",")))
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((s.M, s.d)), jnp.bfloat16)
-  w1 = jnp.asarray(rng.standard_normal((s.E, s.d, 2 * s.f)) * 0.02, jnp.bfloat16)
-  w2 = jnp.asarray(rng.standard_normal((s.E, s.f, s.d)) * 0.02, jnp.bfloat16)
+  inputs = jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0)
   gs = jnp.asarray(cases.group_sizes("balanced", s.E, s.M))
-  step = jax.jit(jax.grad(lambda x, w1, w2: jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32)),
-                          argnums=(0, 1, 2)))
+  step = jax.jit(jax_impls.forward_backward(jaxmlp.grouped_mlp))  # the step bench.py times
   for _ in range(2):
-    jax.block_until_ready(step(x, w1, w2))
+    jax.block_until_ready(step(*inputs, gs))
   cuda = ctypes.CDLL("libcuda.so.1")  # the profiled window: ncu --profile-from-start off
   cuda.cuProfilerStart()
   for _ in range(2):
-    jax.block_until_ready(step(x, w1, w2))
+    jax.block_until_ready(step(*inputs, gs))
   cuda.cuProfilerStop()
 
 

@@ -16,7 +16,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jax_impls import forward
+from jax_impls import forward, forward_backward
 from timing import measure
 
 IMPLS = ("jaxmlp", "ragged_dot")
@@ -43,25 +43,26 @@ def main():
   p.add_argument("--M", type=int, default=256)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--budget-s", type=float, default=10.0)
   a = p.parse_args()
 
   dtype = jnp.dtype(a.dtype)
-  keys = jax.random.split(jax.random.key(0), 2 * a.layers + 1)
+  keys = jax.random.split(jax.random.key(0), 2 * a.layers + 2)
   x = jax.random.normal(keys[0], (a.M, a.d), dtype)
-  w1s = [(jax.random.normal(k, (a.E, a.d, 2 * a.f)) / a.d ** 0.5).astype(dtype) for k in keys[1:a.layers + 1]]
-  w2s = [(jax.random.normal(k, (a.E, a.f, a.d)) / a.f ** 0.5).astype(dtype) for k in keys[a.layers + 1:]]
+  dy = jax.random.normal(keys[1], (a.M, a.d), dtype)
+  w1s = [(jax.random.normal(k, (a.E, a.d, 2 * a.f)) / a.d ** 0.5).astype(dtype) for k in keys[2:a.layers + 2]]
+  w2s = [(jax.random.normal(k, (a.E, a.f, a.d)) / a.f ** 0.5).astype(dtype) for k in keys[a.layers + 2:]]
   gs = jnp.full((a.E,), a.M // a.E, jnp.int32).at[: a.M % a.E].add(1)
 
   result = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend()}
   for impl in IMPLS:
     fwd = stack(impl)
-    loss = lambda x, w1s, w2s, gs: jnp.sum(fwd(x, w1s, w2s, gs).astype(jnp.float32))  # noqa: E731
-    variants = {"fwd": fwd, "fwd_bwd": jax.grad(loss, argnums=(0, 1, 2))}
+    calls = {"fwd": (fwd, (x, w1s, w2s, gs)), "fwd_bwd": (forward_backward(fwd), (x, w1s, w2s, dy, gs))}
     result[impl] = {}
-    for mode, fn in variants.items():
-      compiled = jax.jit(fn).lower(x, w1s, w2s, gs).compile()
-      t = measure(lambda i: compiled(x, w1s, w2s, gs), jax.block_until_ready,
-                  repeats=a.repeats, max_call_s=10.0, budget_s=10.0, sample_s=0.05)
+    for mode, (fn, args) in calls.items():
+      compiled = jax.jit(fn).lower(*args).compile()
+      t = measure(lambda i: compiled(*args), jax.block_until_ready,
+                  repeats=a.repeats, max_call_s=10.0, budget_s=a.budget_s, sample_s=0.05)
       result[impl][mode] = {"us_per_layer": t["s"] / a.layers * 1e6, "timing": t}
   print(json.dumps(result))
 

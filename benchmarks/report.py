@@ -12,6 +12,7 @@ import json
 import math
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +87,12 @@ def header(results: dict) -> str:
   lines.append(f"- Timing: median of up to {m['timing']['repeats']} device-synchronised samples after "
                f"warm-up, rotating {m['timing']['sets']} input sets; a call slower than "
                f"{m['timing']['max_call_s']} s is timed once and marked too slow.")
+  runs = m.get("runs") or [{"command": m["command"], "date": m["date"]}]
+  if len(runs) == 1:
+    lines.append(f"- Command: `{runs[0]['command']}`")
+  else:
+    lines.append(f"- Merged from {len(runs)} runs (later runs win for the same shape and routing):")
+    lines += [f"  - {r['date']}: `{r['command']}`" for r in runs]
   return "\n".join(lines)
 
 
@@ -250,10 +257,13 @@ def plot(results: dict, path) -> tuple[bool, str]:
     return False, "matplotlib is not installed: no plot (pip install matplotlib)"
   unit, scale = flop_unit(results["meta"]["mode"])
   impls = _impls_present(results)
+  if not impls:
+    return False, "no implementation produced a time: no plot"
   routings = list(dict.fromkeys(c["routing"] for c in results["cases"]))
   shapes = {c["shape"]: f"{c['shape']}\nE={c['E']} d={c['d']}\nf={c['f']} M={c['M']}" for c in results["cases"]}
   # One panel per routing, stacked, so five shapes still fit the width of a README.
-  fig, axes = plt.subplots(len(routings), 1, figsize=(max(6.0, 2.2 * len(shapes)), 1.0 + 4.2 * len(routings)),
+  width_in = max(6.0, 2.2 * len(shapes))
+  fig, axes = plt.subplots(len(routings), 1, figsize=(width_in, 1.0 + 4.2 * len(routings)),
                            squeeze=False, sharey=True)
   axes = axes[:, 0]
   width = 0.8 / len(impls)
@@ -286,7 +296,8 @@ def plot(results: dict, path) -> tuple[bool, str]:
     title += "\nCPU numbers: tiny shapes, only a check that the benchmark runs"
   if any_too_slow:
     title += "\n* timed once: slower than the per-call limit"
-  fig.suptitle(title, fontsize=10)
+  # Wrapped to the figure's width (about 13 characters per inch at 10 pt), so a narrow plot keeps it all.
+  fig.suptitle("\n".join(textwrap.fill(line, int(13 * width_in)) for line in title.split("\n")), fontsize=10)
   fig.tight_layout(rect=(0, 0.04, 1, 1))
   fig.savefig(path, dpi=130)
   plt.close(fig)
@@ -300,6 +311,8 @@ def write_outputs(results: dict, out: Path, write_results: bool) -> None:
   (out / "bench.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
   png = out / "bench.png"
   plotted, plot_msg = plot(results, png)
+  if not plotted:
+    png.unlink(missing_ok=True)  # an older run's plot must not pass for this one's
   md = markdown(results, png.name if plotted else None)
   (out / "bench.md").write_text(md)
   print(md)
@@ -309,16 +322,22 @@ def write_outputs(results: dict, out: Path, write_results: bool) -> None:
     if plotted:
       shutil.copyfile(png, HERE / "RESULTS.png")
       image = "RESULTS.png"
+    else:
+      (HERE / "RESULTS.png").unlink(missing_ok=True)
     (HERE / "RESULTS.md").write_text(markdown(results, image))
     print(f"wrote {HERE / 'RESULTS.md'}" + (f" and {HERE / 'RESULTS.png'}" if image else ""), file=sys.stderr)
 
 
 def merge(runs: list[dict]) -> dict:
-  """One results dict from several runs on the same device."""
-  devices = {r["meta"]["device"] for r in runs}
-  if len(devices) > 1:
-    sys.exit(f"refusing to merge runs from different devices: {', '.join(sorted(devices))}")
+  """One results dict from several runs on the same device, measured the same way; the metadata
+  lists each run's command and date."""
+  for what in ("device", "dtype", "timing"):
+    values = {json.dumps(r["meta"][what], sort_keys=True) for r in runs}
+    if len(values) > 1:
+      sys.exit(f"refusing to merge runs with different {what}: {', '.join(sorted(values))}")
   meta = dict(runs[-1]["meta"])
+  meta["runs"] = [run for r in runs for run in r["meta"].get("runs") or
+                  [{"command": r["meta"]["command"], "date": r["meta"]["date"]}]]
   meta["versions"] = {k: v for r in runs for k, v in r["meta"]["versions"].items() if v}
   cases = {(c["shape"], c["routing"]): c for r in runs for c in r["cases"]}
   overhead = [r["overhead"] for r in runs if r.get("overhead")]

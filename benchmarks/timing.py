@@ -16,9 +16,9 @@ def measure(call, sync, *, repeats: int, max_call_s: float, budget_s: float, sam
   both warms up and sizes the samples. Each sample launches k calls back to back, rotating input sets,
   and waits once: k is chosen so a sample lasts about `sample_s`, so short calls are measured at the
   rate a training loop would see rather than at Python's launch latency. Sampling stops after
-  `repeats` samples or once `budget_s` is spent (at least 3 samples). A call slower than `max_call_s`
-  is reported from that single call and marked "too slow", so one pathological implementation cannot
-  stall the whole run.
+  `repeats` samples, or once `budget_s` is spent and min(3, `repeats`) samples are taken. A call
+  slower than `max_call_s` is reported from that single call and marked "too slow", so one
+  pathological implementation cannot stall the whole run.
   """
   start = time.perf_counter()
   sync(call(0))

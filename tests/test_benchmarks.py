@@ -23,4 +23,13 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
   assert case["impls"]["jaxmlp"]["check"]["ok"]
   (overhead,) = results["overhead"]["variants"].values()
   assert all(overhead[impl]["fwd_bwd"]["us_per_layer"] > 0 for impl in ("jaxmlp", "ragged_dot"))
-  assert "## Host overhead" in (tmp_path / "bench.md").read_text()
+  md = (tmp_path / "bench.md").read_text()
+  assert "## Host overhead" in md and "- Command: `" in md
+
+
+def test_benchmark_rejects_bad_arguments(tmp_path):
+  for args, message in ((["--sets", "0"], "--sets must be at least 1"),
+                        (["--shapes", "qwen3,nope"], "--shapes: nope")):
+    proc = subprocess.run([sys.executable, str(BENCH), *args, "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
