@@ -2,9 +2,9 @@
 
 Run under Nsight Compute, which times each kernel on the device:
   ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
-      python benchmarks/kernel_share.py qwen3 > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
-The first form runs fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing) and
-profiles two of them, after warm-up steps (compilation, cuBLAS's first-call setup); the second sums kernel
+      python benchmarks/kernel_share.py qwen3 [skewed] > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
+The first form runs fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing
+unless named) and profiles two of them, after warm-up steps (compilation, cuBLAS's first-call setup); the second sums kernel
 times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
 """
 import ctypes
@@ -20,15 +20,15 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
 TILED_GEMM = "TiledGemmKernel"
 
 
-def run(shape_name):
-  """shape_name: one of cases.ALL_SHAPES, or "E,d,f,M"."""
+def run(shape_name, routing="balanced"):
+  """shape_name: one of cases.ALL_SHAPES, or "E,d,f,M"; routing: one of cases.ROUTINGS."""
   import jax
   import jax.numpy as jnp
   import jaxmlp
   import jax_impls
   s = cases.ALL_SHAPES.get(shape_name) or cases.Shape(shape_name, *map(int, shape_name.split(",")))
   inputs = jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0)
-  gs = jnp.asarray(cases.group_sizes("balanced", s.E, s.M))
+  gs = jnp.asarray(cases.group_sizes(routing, s.E, s.M))
   step = jax.jit(jax_impls.forward_backward(jaxmlp.grouped_mlp))  # the step bench.py times
   for _ in range(2):
     jax.block_until_ready(step(*inputs, gs))
@@ -58,4 +58,4 @@ def summarize(path):
 
 
 if __name__ == "__main__":
-  summarize(sys.argv[2]) if sys.argv[1] == "--summarize" else run(sys.argv[1])
+  summarize(sys.argv[2]) if sys.argv[1] == "--summarize" else run(*sys.argv[1:3])
