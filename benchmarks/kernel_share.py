@@ -4,8 +4,8 @@ Run under Nsight Compute, which times each kernel on the device:
   ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
       python benchmarks/kernel_share.py qwen3 [skewed] > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
 The first form runs fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing
-unless named) and profiles two of them, after warm-up steps (compilation, cuBLAS's first-call setup); the second sums kernel
-times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
+unless named) and profiles two of them, after warm-up steps (compilation, cuBLAS's first-call setup); the
+second sums kernel times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
 """
 import ctypes
 import csv
