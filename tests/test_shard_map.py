@@ -21,6 +21,24 @@ def mesh_for(backend):
   return jax.make_mesh((len(devices),), ("dev",), devices=devices)
 
 
+def dtype_for(backend):
+  return jnp.float32 if backend == "cpu" else jnp.bfloat16  # on CUDA, the paths other than the fallback
+
+
+def device_sizes(n):
+  """group_sizes of n devices, concatenated: device i routes its rows by SIZES[i % 4]."""
+  return np.asarray([SIZES[i % len(SIZES)] for i in range(n)], np.int32).reshape(-1)
+
+
+def put(mesh, a, spec, dtype):
+  return jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, spec))
+
+
+def as_seen(a, dtype):
+  """`a` in float64 as the op saw it: rounded to the op's dtype first."""
+  return np.asarray(jnp.asarray(a, dtype), np.float64)
+
+
 def check(got, want, tol):
   assert rel_error(got, want) < tol and max_error(got, want) < 2 * tol
 
@@ -33,33 +51,31 @@ def test_grouped_mlp(backend, rng, parallel):
   n = mesh.devices.size
   E = len(SIZES[0])
   wE = E if parallel == "data" else n * E
-  dtype = jnp.float32 if backend == "cpu" else jnp.bfloat16  # the CUDA paths other than the fallback
+  dtype = dtype_for(backend)
   host = dict(x=rng.standard_normal((n * M, d)), w1=rng.standard_normal((wE, d, 2 * f)) / np.sqrt(d),
               w2=rng.standard_normal((wE, f, d)) / np.sqrt(f), b1=rng.standard_normal((wE, 2 * f)) * 0.5,
               b2=rng.standard_normal((wE, d)) * 0.5, scales=rng.uniform(0.1, 1.0, n * M))
   dy = rng.standard_normal((n * M, d))
-  sizes = np.asarray([SIZES[i % len(SIZES)] for i in range(n)], np.int32).reshape(-1)
+  sizes = device_sizes(n)
   weights = P() if parallel == "data" else P("dev")
   specs = dict(x=P("dev"), w1=weights, w2=weights, b1=weights, b2=weights, scales=P("dev"))
-  put = lambda a, spec, dt=dtype: jax.device_put(jnp.asarray(a, dt), NamedSharding(mesh, spec))  # noqa: E731
-  args = {k: put(v, specs[k]) for k, v in host.items()}
-  gs = put(sizes, P("dev"), jnp.int32)
+  args = {k: put(mesh, v, specs[k], dtype) for k, v in host.items()}
+  gs = put(mesh, sizes, P("dev"), jnp.int32)
 
   def mlp(x, w1, w2, b1, b2, scales, gs):
     return jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=scales)
 
   sharded = jax.shard_map(mlp, mesh=mesh, in_specs=(*specs.values(), P("dev")), out_specs=P("dev"))
   y, vjp = jax.vjp(jax.jit(lambda *a: sharded(*a, gs)), *args.values())
-  grads = dict(zip(host, vjp(put(dy, P("dev")))))
+  grads = dict(zip(host, vjp(put(mesh, dy, P("dev"), dtype))))
 
   # The reference, device by device: its slices of the inputs, gradients summed for replicated operands.
-  cast = lambda a: np.asarray(jnp.asarray(a, dtype), np.float64)  # noqa: E731  the inputs as the op saw them
   want_y, want = np.zeros((n * M, d)), {k: np.zeros(v.shape) for k, v in host.items()}
   for i in range(n):
     rows, experts = slice(i * M, (i + 1) * M), slice(None) if parallel == "data" else slice(i * E, (i + 1) * E)
-    part = {k: cast(v)[rows if k in ("x", "scales") else experts] for k, v in host.items()}
+    part = {k: as_seen(v, dtype)[rows if k in ("x", "scales") else experts] for k, v in host.items()}
     y_i, g_i = ref.grouped_mlp(part["x"], part["w1"], part["w2"], sizes[i * E:(i + 1) * E], "swiglu", part["b1"],
-                               part["b2"], part["scales"], dy=cast(dy)[rows])
+                               part["b2"], part["scales"], dy=as_seen(dy, dtype)[rows])
     want_y[rows] = y_i
     for k in host:
       want[k][rows if k in ("x", "scales") else experts] += g_i[k]
@@ -73,22 +89,22 @@ def test_ragged_dot_data_parallel(backend, rng):
   mesh = mesh_for(backend)
   n = mesh.devices.size
   E, k, m = len(SIZES[0]), 16, 24
-  dtype = jnp.float32 if backend == "cpu" else jnp.bfloat16
+  dtype = dtype_for(backend)
   lhs, rhs, dout = rng.standard_normal((n * M, k)), rng.standard_normal((E, k, m)), rng.standard_normal((n * M, m))
-  sizes = np.asarray([SIZES[i % len(SIZES)] for i in range(n)], np.int32).reshape(-1)
-  put = lambda a, spec, dt=dtype: jax.device_put(jnp.asarray(a, dt), NamedSharding(mesh, spec))  # noqa: E731
-  gs = put(sizes, P("dev"), jnp.int32)
+  sizes = device_sizes(n)
+  gs = put(mesh, sizes, P("dev"), jnp.int32)
   sharded = jax.shard_map(jaxmlp.ragged_dot, mesh=mesh, in_specs=(P("dev"), P(), P("dev")), out_specs=P("dev"))
-  out, vjp = jax.vjp(jax.jit(lambda a, b: sharded(a, b, gs)), put(lhs, P("dev")), put(rhs, P()))
-  dlhs, drhs = vjp(put(dout, P("dev")))
+  out, vjp = jax.vjp(jax.jit(lambda a, b: sharded(a, b, gs)), put(mesh, lhs, P("dev"), dtype),
+                     put(mesh, rhs, P(), dtype))
+  dlhs, drhs = vjp(put(mesh, dout, P("dev"), dtype))
 
-  cast = lambda a: np.asarray(jnp.asarray(a, dtype), np.float64)  # noqa: E731
+  lhs, rhs, dout = (as_seen(a, dtype) for a in (lhs, rhs, dout))
   want_out, want_dlhs, want_drhs = np.zeros(out.shape), np.zeros(lhs.shape), np.zeros(rhs.shape)
   for i in range(n):
     rows, s = slice(i * M, (i + 1) * M), sizes[i * E:(i + 1) * E]
-    want_out[rows] = ref.ragged_dot(cast(lhs)[rows], cast(rhs), s)
-    want_dlhs[rows] = ref.ragged_dot(cast(dout)[rows], cast(rhs).transpose(0, 2, 1), s)
-    want_drhs += ref.ragged_dot_rhs_grad(cast(lhs)[rows], cast(dout)[rows], s)
+    want_out[rows] = ref.ragged_dot(lhs[rows], rhs, s)
+    want_dlhs[rows] = ref.ragged_dot(dout[rows], rhs.transpose(0, 2, 1), s)
+    want_drhs += ref.ragged_dot_rhs_grad(lhs[rows], dout[rows], s)
   tol = TOLERANCE[jnp.dtype(dtype).name]
   for got, want in ((out, want_out), (dlhs, want_dlhs), (drhs, want_drhs)):
     check(got, want, tol)
