@@ -69,11 +69,34 @@ def per_expert(sizes):
   return fwd
 
 
-def compile_pair(fwd, inputs, gs):
-  """(forward, fwd+bwd) of the MLP `fwd`, compiled for these input shapes; `inputs` is (x, w1, w2, dy)."""
+NO_AUTOTUNING = {"xla_gpu_autotune_level": 0}
+
+
+def compile_pair(fwd, inputs, gs, limit_bytes: int | None = None, autotune: bool = True):
+  """(forward, fwd+bwd) of the MLP `fwd`, compiled for these input shapes; `inputs` is (x, w1, w2, dy).
+
+  With `limit_bytes`, each program is first compiled without autotuning, and one that plans more device
+  memory than that raises MemoryError before the real compile: XLA's autotuner would otherwise try, and
+  fail for lack of memory, every kernel config of it (jax.lax.ragged_dot at qwen3 on an 80 GB H100 took
+  ~3 minutes to fail that way). autotune=False is for programs that are never timed.
+  """
   x, w1, w2, dy = inputs
-  return (jax.jit(fwd).lower(x, w1, w2, gs).compile(),
-          jax.jit(forward_backward(fwd)).lower(x, w1, w2, dy, gs).compile())
+  lowered = {"fwd": jax.jit(fwd).lower(x, w1, w2, gs),
+             "fwd+bwd": jax.jit(forward_backward(fwd)).lower(x, w1, w2, dy, gs)}
+  if limit_bytes is not None:
+    for mode, program in lowered.items():
+      need = peak_bytes(program.compile(compiler_options=NO_AUTOTUNING))
+      if need is not None and need > limit_bytes:
+        raise MemoryError(f"{mode} needs {need / 2**30:.1f} GiB of device memory; JAX may use "
+                          f"{limit_bytes / 2**30:.1f} GiB here")
+  options = None if autotune else NO_AUTOTUNING
+  return tuple(program.compile(compiler_options=options) for program in lowered.values())
+
+
+def device_memory_limit() -> int | None:
+  """Bytes JAX's allocator may hand out on the default device (None where it does not say, e.g. the CPU)."""
+  stats = jax.devices()[0].memory_stats()
+  return stats.get("bytes_limit") if stats else None
 
 
 def make_inputs(E: int, d: int, f: int, M: int, dtype, seed: int):
@@ -113,9 +136,21 @@ def peak_bytes(compiled) -> int | None:
              - stats.alias_size_in_bytes)
 
 
-# Executables per (implementation, dtype, shape): group sizes are an argument, so the routings of one
-# shape share them, which halves the compile time of a full run.
+# Executables per (implementation, dtype, shape), or why compiling them failed: group sizes are an
+# argument, so the routings of one shape share them (and a failure is not paid for twice).
 _COMPILED: dict = {}
+
+
+def _compiled(impl: str, dtype, shape, inputs, gs):
+  """(fwd, fwd_bwd) executables, or the error message of the compile that failed. The message, not the
+  exception: its traceback would keep the failing case's input arrays alive on the device."""
+  key = (impl, dtype, shape)
+  if key not in _COMPILED:
+    try:
+      _COMPILED[key] = compile_pair(forward(impl), inputs, gs, device_memory_limit())
+    except Exception as e:  # an implementation that cannot handle this shape must not stop the run
+      _COMPILED[key] = f"{type(e).__name__}: {e}"
+  return _COMPILED[key]
 
 
 def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
@@ -130,16 +165,14 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
   results, compiled, inputs = {}, {}, {}
   for impl in impls:
     inputs[impl] = [dense_inputs(s) for s in sets] if impl == "dense" else sets
-    key = (impl, dtype, shape)
-    try:
-      if key not in _COMPILED:
-        _COMPILED[key] = compile_pair(forward(impl), inputs[impl][0], gs)
-      compiled[impl] = _COMPILED[key]
-    except Exception as e:  # an implementation that cannot handle this shape must not stop the run
-      results[impl] = _error(e, progress, impl)
+    pair = _compiled(impl, dtype, shape, inputs[impl][0], gs)
+    if isinstance(pair, str):
+      results[impl] = _error(pair, progress, impl)
+    else:
+      compiled[impl] = pair
 
   kw = dict(repeats=timing["repeats"], max_call_s=timing["max_call_s"], budget_s=timing["budget_s"])
-  checks = _checks(compiled, sets[0], gs, sizes, jnp.dtype(dtype).name)
+  checks = _checks(compiled, sets[0], gs, sizes, dtype, shape)
   for impl in compiled:
     check = checks[impl]
     if "error" in check:
@@ -161,7 +194,7 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
   return results
 
 
-def _checks(compiled: dict, inputs, gs, sizes, dtype_name: str) -> dict:
+def _checks(compiled: dict, inputs, gs, sizes, dtype, shape) -> dict:
   """Forward output and gradients of each implementation against the reference, on the same inputs,
   before anything is timed."""
   checked = [i for i in compiled if i not in ("ragged_dot", "dense")]
@@ -170,7 +203,7 @@ def _checks(compiled: dict, inputs, gs, sizes, dtype_name: str) -> dict:
   if not checked:
     return out
   try:
-    against, want = _reference_outputs(compiled, inputs, gs, sizes)
+    against, want = _reference_outputs(inputs, gs, sizes, dtype, shape)
   except Exception as e:  # still time the others, but say loudly that nothing vouches for them
     return {**out, **{i: {"note": f"NOT CHECKED: reference failed ({type(e).__name__})"} for i in checked}}
   x, w1, w2, dy = inputs
@@ -179,24 +212,32 @@ def _checks(compiled: dict, inputs, gs, sizes, dtype_name: str) -> dict:
     try:
       got = (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
       errs = {name: rel_err(g, w) for name, g, w in zip(("y", "dx", "dw1", "dw2"), got, want)}
-      out[impl] = {**errs, "max": max(errs.values()), "tolerance": TOLERANCE[dtype_name],
-                   "ok": max(errs.values()) <= TOLERANCE[dtype_name], "against": against}
+      tolerance = TOLERANCE[jnp.dtype(dtype).name]
+      out[impl] = {**errs, "max": max(errs.values()), "tolerance": tolerance,
+                   "ok": max(errs.values()) <= tolerance, "against": against}
     except Exception as e:
       out[impl] = {"error": f"{type(e).__name__}: {e}"}
   return out
 
 
-def _reference_outputs(compiled: dict, inputs, gs, sizes):
+def _reference_outputs(inputs, gs, sizes, dtype, shape):
   """(name, (y, dx, dw1, dw2)) from jaxmlp.reference, or from the per-expert loop where XLA cannot
   run the reference (its ragged_dot may materialise [E, M, k] operands and run out of memory)."""
   x, w1, w2, dy = inputs
-  try:
-    fwd, fwd_bwd = compiled.get("ragged_dot") or compile_pair(forward("ragged_dot"), inputs, gs)
-    return "jaxmlp.reference", (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
-  except Exception as e:
-    fwd, fwd_bwd = compile_pair(per_expert(sizes), inputs, gs)
-    return (f"per-expert jnp.dot loop (jaxmlp.reference failed: {type(e).__name__})",
-            (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs)))
+  pair = _compiled("ragged_dot", dtype, shape, inputs, gs)
+  if isinstance(pair, str):
+    failure = pair.split(":")[0]  # the exception's name
+  else:
+    try:
+      fwd, fwd_bwd = pair
+      return "jaxmlp.reference", (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
+    except Exception as e:
+      failure = type(e).__name__
+  # Not autotuned: a reference is never timed, and with skewed routing each expert's row count is a
+  # shape of its own (at qwen3, hundreds of GEMMs to autotune: minutes on an H100).
+  fwd, fwd_bwd = compile_pair(per_expert(sizes), inputs, gs, autotune=False)
+  return (f"per-expert jnp.dot loop (jaxmlp.reference failed: {failure})",
+          (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs)))
 
 
 def _error(e, progress, impl: str, modes=("fwd", "fwd_bwd")) -> dict:

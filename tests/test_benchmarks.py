@@ -33,3 +33,61 @@ def test_benchmark_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH), *args, "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_benchmark_refuses_programs_larger_than_the_device_once(monkeypatch):
+  """A program that plans more memory than the device has is refused before XLA's autotuner runs, and
+  the refusal is remembered: the second routing of a shape and the reference check do not compile it again."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import gc
+  import jax
+  import cases
+  import jax_impls
+
+  gated = []
+  compile_pair = jax_impls.compile_pair
+  def counting_compile_pair(fwd, inputs, gs, limit_bytes=None):
+    if limit_bytes is not None:
+      gated.append(fwd)
+    return compile_pair(fwd, inputs, gs, limit_bytes)
+  monkeypatch.setattr(jax_impls, "compile_pair", counting_compile_pair)
+  monkeypatch.setattr(jax_impls, "device_memory_limit", lambda: 1)  # one byte: nothing fits
+  monkeypatch.setattr(jax_impls, "_COMPILED", {})
+
+  shape = cases.ALL_SHAPES["tiny"]
+  timing = dict(repeats=1, max_call_s=1.0, budget_s=0.1, sets=1)
+  reported = []
+  arrays_before = {id(a) for a in jax.live_arrays()}
+  for routing in cases.ROUTINGS:
+    results = jax_impls.run_case(shape, cases.group_sizes(routing, shape.E, shape.M), ["jaxmlp", "ragged_dot"],
+                                 "float32", timing, lambda impl, mode, t: reported.append((impl, mode, t)))
+    for impl in ("jaxmlp", "ragged_dot"):
+      assert results[impl]["status"] == "error"
+      assert "MemoryError: fwd needs" in results[impl]["error"] and "JAX may use 0.0 GiB" in results[impl]["error"]
+  assert len(gated) == 2, gated  # jaxmlp and ragged_dot, once each over both routings
+  assert len(reported) == 2 * 2 * 2 and all("error" in t for _, _, t in reported)
+  # What is remembered of a failure must not keep the case's inputs on the device (an exception's
+  # traceback would: on an 80 GB H100 that ran the last shapes out of memory).
+  del results
+  gc.collect()
+  kept = [a.shape for a in jax.live_arrays() if id(a) not in arrays_before]
+  assert (shape.E, shape.d, 2 * shape.f) not in kept, kept
+
+
+def test_benchmark_compiles_programs_that_fit(monkeypatch):
+  """Under the memory gate the programs are the benchmark's MLP: checked against the float64 reference."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import jax.numpy as jnp
+  import numpy as np
+  import jax_impls
+  import numpy_reference as ref
+
+  inputs = jax_impls.make_inputs(4, 64, 128, 256, jnp.float32, seed=int(np.random.default_rng().integers(1 << 30)))
+  sizes = [100, 0, 56, 90]  # an empty group and 10 padding rows
+  gs = jnp.asarray(sizes, jnp.int32)
+  fwd, fwd_bwd = jax_impls.compile_pair(jax_impls.forward("jaxmlp"), inputs, gs, limit_bytes=1 << 40)
+  x, w1, w2, dy = inputs
+  want_y, want = ref.grouped_mlp(x, w1, w2, sizes, "swiglu", dy=dy)
+  np.testing.assert_allclose(fwd(x, w1, w2, gs), want_y, rtol=1e-4, atol=1e-4)
+  for got, name in zip(fwd_bwd(x, w1, w2, dy, gs), ("x", "w1", "w2")):
+    np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-4)
