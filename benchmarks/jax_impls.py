@@ -207,12 +207,12 @@ def _checks(compiled: dict, inputs, gs, sizes, dtype, shape) -> dict:
   except Exception as e:  # still time the others, but say loudly that nothing vouches for them
     return {**out, **{i: {"note": f"NOT CHECKED: reference failed ({type(e).__name__})"} for i in checked}}
   x, w1, w2, dy = inputs
+  tolerance = TOLERANCE[jnp.dtype(dtype).name]
   for impl in checked:
     fwd, fwd_bwd = compiled[impl]
     try:
       got = (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
       errs = {name: rel_err(g, w) for name, g, w in zip(("y", "dx", "dw1", "dw2"), got, want)}
-      tolerance = TOLERANCE[jnp.dtype(dtype).name]
       out[impl] = {**errs, "max": max(errs.values()), "tolerance": tolerance,
                    "ok": max(errs.values()) <= tolerance, "against": against}
     except Exception as e:

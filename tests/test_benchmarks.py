@@ -46,10 +46,10 @@ def test_benchmark_refuses_programs_larger_than_the_device_once(monkeypatch):
 
   gated = []
   compile_pair = jax_impls.compile_pair
-  def counting_compile_pair(fwd, inputs, gs, limit_bytes=None):
+  def counting_compile_pair(fwd, inputs, gs, limit_bytes=None, **kw):
     if limit_bytes is not None:
       gated.append(fwd)
-    return compile_pair(fwd, inputs, gs, limit_bytes)
+    return compile_pair(fwd, inputs, gs, limit_bytes, **kw)
   monkeypatch.setattr(jax_impls, "compile_pair", counting_compile_pair)
   monkeypatch.setattr(jax_impls, "device_memory_limit", lambda: 1)  # one byte: nothing fits
   monkeypatch.setattr(jax_impls, "_COMPILED", {})
