@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import os
 import sys
 
@@ -27,11 +28,15 @@ from ._checks import MlpShape, sizes_as_int32
 from .activations import Activation
 
 try:
-  from . import _cuda
+  _cuda = importlib.import_module("._cuda", __package__)
   CUDA_BUILD_ERROR = None
-except ImportError as e:  # built without nvcc or the cuBLAS headers (or a broken build): CPU only
+except ImportError as e:  # CPU only. `from . import` would word a missing module as a circular import.
   _cuda = None
-  CUDA_BUILD_ERROR = f"jaxmlp's CUDA handlers are not available ({e}); they are built when nvcc and the cuBLAS headers are found"
+  if isinstance(e, ModuleNotFoundError) and e.name == f"{__package__}._cuda":
+    CUDA_BUILD_ERROR = ("the jaxmlp._cuda extension was not built (it is built when nvcc and the cuBLAS headers "
+                        "are found at install time)")
+  else:  # a broken build or a missing shared library
+    CUDA_BUILD_ERROR = f"the jaxmlp._cuda extension failed to load: {e}"
 
 for _name, _capsule in _cpu.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
@@ -117,8 +122,8 @@ def _cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> 
     # platform_dependent traces the CUDA branch everywhere; without a CUDA device it is never lowered.
     return "fallback"
   if _cuda is None:
-    raise RuntimeError(f"jaxmlp was built without its CUDA handlers ({CUDA_BUILD_ERROR}); reinstall with "
-                       "nvcc and the cuBLAS headers available (see README, Install)")
+    raise RuntimeError(f"jaxmlp's CUDA handlers are unavailable: {CUDA_BUILD_ERROR}. Reinstall with nvcc and the "
+                       "cuBLAS headers available (see README, Install)")
   return gemm_path(dtype, *row_lengths, problem=problem)[0]
 
 

@@ -20,7 +20,7 @@ def backend_info() -> dict:
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "loops"}}
   cuda = {"built": _ffi._cuda is not None, "devices": [str(d) for d in _ffi.cuda_devices()]}
   if _ffi._cuda is None:
-    cuda["why"] = f"CUDA handlers not built: {_ffi.CUDA_BUILD_ERROR}"
+    cuda["why"] = _ffi.CUDA_BUILD_ERROR
   elif cuda["devices"]:
     cuda.update(_ffi.cuda_status())
     path, why = _ffi.gemm_path(jnp.bfloat16, 8)

@@ -1,4 +1,8 @@
 """jaxmlp.grouped_mlp against the float64 NumPy reference, on every backend the machine has."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,3 +251,31 @@ def test_backend_info_reports_each_platform():
     assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
     assert info["cuda"]["small_gemm_path"] in ("tiled", "grouped", "fallback") and info["cuda"]["small_why"]
     assert info["cuda"]["cublaslt_version"] > 0
+
+
+# Imports jaxmlp with its CUDA extension hidden (None in sys.modules: what Python does for a module that
+# is not there) or failing to load (a finder that raises, as a shared library with a missing symbol does).
+HIDDEN_CUDA_SCRIPT = """
+import importlib.abc, sys
+if sys.argv[1] == "missing":
+  sys.modules["jaxmlp._cuda"] = None
+else:
+  class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+      if name == "jaxmlp._cuda":
+        raise ImportError("libcublasLt.so.13: cannot open shared object file")
+  sys.meta_path.insert(0, Broken())
+import jaxmlp
+print(jaxmlp.backend_info()["cuda"]["why"])
+"""
+
+
+@pytest.mark.parametrize("how, says", [
+    ("missing", "the jaxmlp._cuda extension was not built (it is built when nvcc and the cuBLAS headers"),
+    ("broken", "the jaxmlp._cuda extension failed to load: libcublasLt.so.13: cannot open shared object file"),
+])
+def test_backend_info_says_why_the_cuda_handlers_are_missing(how, says):
+  out = subprocess.run([sys.executable, "-P", "-c", HIDDEN_CUDA_SCRIPT, how], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr
+  assert says in out.stdout
