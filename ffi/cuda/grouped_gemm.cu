@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "group_scan.cuh"
+#include "launch.cuh"
 #include "tiled_gemm.h"
 
 namespace jaxmlp {
@@ -281,10 +282,16 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
     largest = std::max(largest, t.group_bytes[n++]);
   }
   if (largest == 0) return ffi::Error::Success();
-  // Blocks enough for the largest group (at most 512 of 256 threads, ~4 per SM on an H100 or H200), not
-  // blocks per group: nearly always no group is empty, and then every block only reads the counts (17
-  // blocks per group, 4352 at qwen3 shapes, took 19 us a step doing nothing).
-  const dim3 grid(unsigned(std::min<int64_t>((largest + 4095) / 4096, 512)), unsigned(n));  // 16 bytes a thread
+  // Blocks enough for the largest group, at most one per SM and product, not blocks per group: nearly
+  // always no group is empty, and then every block only reads the counts, so the launch costs what its
+  // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
+  // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (benchmarks/NOTES.md).
+  const int64_t sms = OncePerDeviceAndKernel(reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) {
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) cudaGetLastError();
+    return int64_t(std::max(count, 1));
+  });
+  const dim3 grid(unsigned(std::min<int64_t>((largest + 4095) / 4096, sms)), unsigned(n));  // 16 bytes a thread
   ZeroEmptyGroupsKernel<<<grid, 256, 0, stream_>>>(arrays_.counts, E_, t);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing empty groups");
   return ffi::Error::Success();
