@@ -263,7 +263,7 @@ else:
   class Broken(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
       if name == "jaxmlp._cuda":
-        raise ImportError("libcublasLt.so.13: cannot open shared object file")
+        raise ImportError("_cuda.so: undefined symbol: cudaGetDevice")
   sys.meta_path.insert(0, Broken())
 import jaxmlp
 print(jaxmlp.backend_info()["cuda"]["why"])
@@ -272,7 +272,7 @@ print(jaxmlp.backend_info()["cuda"]["why"])
 
 @pytest.mark.parametrize("how, says", [
     ("missing", "the jaxmlp._cuda extension was not built (it is built when nvcc and the cuBLAS headers"),
-    ("broken", "the jaxmlp._cuda extension failed to load: libcublasLt.so.13: cannot open shared object file"),
+    ("broken", "the jaxmlp._cuda extension failed to load: _cuda.so: undefined symbol: cudaGetDevice"),
 ])
 def test_backend_info_says_why_the_cuda_handlers_are_missing(how, says):
   out = subprocess.run([sys.executable, "-P", "-c", HIDDEN_CUDA_SCRIPT, how], capture_output=True, text=True,
