@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU lease in one call: build, GPU tests, memcheck, benchmark; a short summary last.
-#   bash benchmarks/gpu_session.sh test        build + GPU tests + compute-sanitizer memcheck
+# One GPU lease in one call: build, tests, memcheck, benchmark; a short summary last.
+#   bash benchmarks/gpu_session.sh test        build + every test (the README's command) + compute-sanitizer memcheck
 #   bash benchmarks/gpu_session.sh bench ARGS  build + benchmarks/bench.py ARGS
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
 set -uo pipefail
@@ -21,7 +21,8 @@ if [ "$what" = test ]; then
   # Tests start JAX in subprocesses too: leave them GPU memory. (Not for the benchmark, where
   # jax.lax.ragged_dot's autotuning then runs out of memory.)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  python3 -P -m pytest -q -m gpu -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  # Every test, not only the GPU ones: the CPU tests meet a GPU's defaults here (XLA's TF32 products).
+  python3 -P -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
   # memcheck: every path, adversarial and skewed group sizes, forward and backward.
   for path in fallback grouped tiled; do
     JAXMLP_GEMM_PATH=$path XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \

@@ -400,8 +400,10 @@ def test_train_example_runs_and_both_paths_agree(capsys):
   assert result["match"]
   for name, (value, tolerance) in result["checks"].items():
     assert value <= tolerance, name
-  # On the CPU both paths multiply in the same float32, so here even the curves coincide.
-  assert result["max_loss_diff"] <= 1e-4
+  # On the CPU both paths multiply in the same float32, so there even the curves coincide (on a GPU the
+  # example trains in bfloat16, where they drift apart within the checks above).
+  if jax.default_backend() == "cpu":
+    assert result["max_loss_diff"] <= 1e-4
   assert "speedup" in capsys.readouterr().out
 
 
