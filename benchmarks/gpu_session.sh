@@ -29,9 +29,10 @@ if [ "$what" = test ]; then
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
 import jax, jax.numpy as jnp, numpy as np, jaxmlp
 rng = np.random.default_rng(1)
-# The last case is the host-overhead layer, which takes the tiled path by itself.
+# The fourth case spans two passes of the block scans (256 groups each); the last is the host-overhead
+# layer, which takes the tiled path by itself.
 for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (64, 96, [50, 0, 20, 1]),
-                    (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
+                    (64, 96, [*rng.integers(-5, 3, 300), 2**31 - 1, 7]), (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
   M, E = 256, len(sizes)
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
   w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)

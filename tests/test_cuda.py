@@ -47,12 +47,16 @@ def test_bf16_mlp_at_moe_sizes(backend, rng, sizes):
     assert rel_error(g, want[k]) < TOLERANCE["bfloat16"], k
 
 
-def test_more_groups_than_a_warp_scans_at_once(backend, rng):
-  """The device code walks group_sizes 32 groups at a time: 70 groups (three chunks), a third of them
-  empty or negative (the fallback's packed pointer arrays skip them), and padding rows after the last."""
+@pytest.mark.parametrize("E, M", [(70, 512), (1100, 8192)])
+def test_more_groups_than_one_pass_of_the_scans(backend, rng, E, M):
+  """The device code walks group_sizes in passes: 32 groups on one warp (the tiled kernel; the setup
+  kernel up to 32 groups), 256 on a block (the setup kernel beyond, and the zeroing kernel). 70 groups
+  take three warp passes or one block pass, 1100 five block passes. A third of the groups are empty or
+  negative (the fallback's packed pointer arrays skip them, their weight gradients are zeros), and
+  padding rows follow the last group."""
   if backend == "cpu":
-    pytest.skip("CUDA chunked group scan")
-  E, d, f, M = 70, 64, 96, 512
+    pytest.skip("CUDA group scans")
+  d, f = 64, 96
   sizes = rng.integers(1, 12, E)
   sizes[rng.choice(E, E // 3, replace=False)] = rng.integers(-3, 1, E // 3)
   bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)

@@ -48,15 +48,19 @@ struct SetupParams {
   GroupArrays out;
 };
 
-// One warp: ScanGroups over group_sizes, then per group and product the cuBLAS (column-major) A, B and D
-// pointers. Row-major out = lhs @ rhs is column-major out^T = rhs^T @ lhs^T, so cuBLAS A is our rhs and
-// B our lhs (see RunGrouped for the dims).
-__global__ void SetupKernel(SetupParams p) {
+// One block of kWarps warps: ScanGroups over group_sizes, then per group and product the cuBLAS
+// (column-major) A, B and D pointers. Row-major out = lhs @ rhs is column-major out^T = rhs^T @ lhs^T, so
+// cuBLAS A is our rhs and B our lhs (see RunGrouped for the dims).
+template <int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
   int64_t carry_groups = 0;  // compact: slots taken by the non-empty groups so far
-  ScanGroups(p.sizes, p.E, p.M, p.out.counts, p.out.offsets, [&](int64_t g, int64_t start, int64_t count) {
-    const unsigned nonempty = __ballot_sync(~0u, count > 0), lanes_below = (1u << (threadIdx.x % 32)) - 1;
-    const int64_t slot = p.compact ? carry_groups + __popc(nonempty & lanes_below) : g;
-    carry_groups += __popc(nonempty);
+  ScanGroups<kWarps>(p.sizes, p.E, p.M, p.out.counts, p.out.offsets, [&](int64_t g, int64_t start, int64_t count) {
+    int64_t slot = g;
+    if (p.compact) {  // the same on every thread: the block-wide sum runs on all of them
+      int64_t nonempty;
+      slot = carry_groups + BlockInclusiveSum<kWarps>(count > 0, &nonempty) - (count > 0);
+      carry_groups += nonempty;
+    }
     if (g >= p.E || (p.compact && count == 0)) return;
     for (int i = 0; i < p.num_gemms; ++i) {
       const GemmSpec& s = p.gemms[i];
@@ -87,26 +91,35 @@ __global__ void SetupKernel(SetupParams p) {
 }
 
 // Zeros out[g] of product blockIdx.y for the groups g with no rows. Grid (blocks, products): each block
-// reads the counts 32 at a time and takes its share of every empty group, so a launch costs a few loads
-// per block however many groups there are, and an empty group is zeroed by all the blocks.
+// reads the counts, kZeroThreads at a time with one load per thread, and takes its share of every empty
+// group, so a launch costs a load per thread and pass however many groups there are, and an empty group
+// is zeroed by all the blocks.
 struct ZeroTargets {
   char* out[kMaxGemms];
   int64_t group_bytes[kMaxGemms];  // K * N elements of the product's output type
 };
-__global__ void ZeroEmptyGroupsKernel(const int32_t* counts, int64_t E, ZeroTargets t) {
+constexpr int kZeroThreads = 256;
+__global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(const int32_t* counts, int64_t E,
+                                                                      ZeroTargets t) {
+  __shared__ unsigned empty_in_warp[kZeroThreads / 32];
   const int64_t group_bytes = t.group_bytes[blockIdx.y];
   const int64_t start = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
-  const int lane = threadIdx.x % 32;
-  for (int64_t first = 0; first < E; first += 32) {
-    for (unsigned empty = __ballot_sync(~0u, first + lane < E && counts[first + lane] == 0); empty;
-         empty &= empty - 1) {
-      char* dst = t.out[blockIdx.y] + (first + __ffs(empty) - 1) * group_bytes;
-      if (group_bytes % 16 == 0) {  // XLA buffers are at least 16-byte aligned
-        for (int64_t i = start; i < group_bytes / 16; i += step) reinterpret_cast<int4*>(dst)[i] = int4{0, 0, 0, 0};
-      } else {
-        for (int64_t i = start; i < group_bytes; i += step) dst[i] = 0;
+  for (int64_t first = 0; first < E; first += kZeroThreads) {
+    const bool empty = first + threadIdx.x < E && counts[first + threadIdx.x] == 0;
+    const unsigned ballot = __ballot_sync(~0u, empty);
+    if (threadIdx.x % 32 == 0) empty_in_warp[threadIdx.x / 32] = ballot;
+    if (!__syncthreads_or(empty)) continue;  // nearly always: no group of this pass is empty
+    for (int w = 0; w < kZeroThreads / 32; ++w) {
+      for (unsigned m = empty_in_warp[w]; m; m &= m - 1) {
+        char* dst = t.out[blockIdx.y] + (first + 32 * w + __ffs(m) - 1) * group_bytes;
+        if (group_bytes % 16 == 0) {  // XLA buffers are at least 16-byte aligned
+          for (int64_t i = start; i < group_bytes / 16; i += step) reinterpret_cast<int4*>(dst)[i] = int4{0, 0, 0, 0};
+        } else {
+          for (int64_t i = start; i < group_bytes; i += step) dst[i] = 0;
+        }
       }
     }
+    __syncthreads();  // before the next pass writes empty_in_warp again
   }
 }
 
@@ -236,7 +249,13 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   }
   // Each tiled launch finds its groups itself (and RunTiledGemms checks its products).
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
-  SetupKernel<<<1, 32, 0, stream_>>>(p);
+  // One warp walks 32 groups a pass; more groups take a block of 8 warps, 256 a pass. Each pass waits
+  // for a load of group_sizes: one warp took ~1 us per 32 groups, 8 warps 3.6-4.2 us per launch at
+  // E = 256 and E = 128 alike, and 32 warps (1024 a pass) ~2 us more (H100, benchmarks/NOTES.md).
+  if (E_ <= 32)
+    SetupKernel<1><<<1, 32, 0, stream_>>>(p);
+  else
+    SetupKernel<8><<<1, 256, 0, stream_>>>(p);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("setup kernel launch");
   if (path_ == GemmPath::kFallback) {
     // cublasGemmGroupedBatchedEx takes dims from host arrays: the one sync of this path.
@@ -291,8 +310,9 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
     if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) cudaGetLastError();
     return int64_t(std::max(count, 1));
   });
-  const dim3 grid(unsigned(std::min<int64_t>((largest + 4095) / 4096, sms)), unsigned(n));  // 16 bytes a thread
-  ZeroEmptyGroupsKernel<<<grid, 256, 0, stream_>>>(arrays_.counts, E_, t);
+  const int64_t bytes_per_block = int64_t(kZeroThreads) * 16;  // 16 bytes a thread
+  const dim3 grid(unsigned(std::min<int64_t>((largest + bytes_per_block - 1) / bytes_per_block, sms)), unsigned(n));
+  ZeroEmptyGroupsKernel<<<grid, kZeroThreads, 0, stream_>>>(arrays_.counts, E_, t);
   if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing empty groups");
   return ffi::Error::Success();
 }
