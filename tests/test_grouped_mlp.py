@@ -117,6 +117,22 @@ def test_group_sizes_of_other_integer_dtypes(backend, rng, dtype, sizes):
   assert rel_error(out, ref.ragged_dot(n["x"], n["w1"], n["group_sizes"])) < TOLERANCE["float32"]
 
 
+def test_int32_group_sizes_reach_the_handlers_as_they_are():
+  """The handlers clamp int32 sizes themselves (test_adversarial_group_sizes_are_clamped checks that they
+  get it right), so no XLA op runs ahead of the custom calls; on a GPU it was a kernel launch per step.
+  Other dtypes are clamped in their own dtype first (the test above checks the values)."""
+  M, d, f, E = 64, 16, 32, 4
+  x, w1, w2 = jnp.ones((M, d)), jnp.ones((E, d, 2 * f)), jnp.ones((E, f, d))
+
+  def step(x, w1, w2, gs):
+    return jax.grad(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, gs).sum(), argnums=(0, 1, 2))(x, w1, w2)
+
+  for dtype, clamped in ((jnp.int32, False), (jnp.int16, True)):
+    hlo = jax.jit(step).lower(x, w1, w2, jnp.full((E,), M // E, dtype)).as_text()
+    ops = {op for op in ("clamp", "maximum", "minimum", "convert") if f"stablehlo.{op}" in hlo}
+    assert bool(ops) == clamped, (dtype, ops)
+
+
 def test_saved_fc1_output_is_written_in_every_row(backend, rng):
   """The forward's residual h, which the backward reads: x @ w1[g] + b1[g] in the group rows and zeros
   in the padding rows, so no poisoned element is left in it."""
