@@ -250,8 +250,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   // Each tiled launch finds its groups itself (and RunTiledGemms checks its products).
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   // One warp walks 32 groups a pass; more groups take a block of 8 warps, 256 a pass. Each pass waits
-  // for a load of group_sizes: one warp took ~1 us per 32 groups, 8 warps 3.6-4.2 us per launch at
-  // E = 256 and E = 128 alike, and 32 warps (1024 a pass) ~2 us more (H100, benchmarks/NOTES.md).
+  // for a load of group_sizes: one warp took ~1 us per 32 groups, 8 warps 3.4-4.2 us per launch at
+  // E = 128 and 256 alike, and 32 warps (1024 a pass) ~2 us more (H100, benchmarks/NOTES.md).
   if (E_ <= 32)
     SetupKernel<1><<<1, 32, 0, stream_>>>(p);
   else
