@@ -45,9 +45,9 @@ __device__ __forceinline__ int64_t BlockInclusiveSum(int64_t v, int64_t* total) 
 // Walks the groups 32 * kWarps at a time, on one full warp (kWarps = 1: every warp of a block may walk
 // them on its own) or on a whole block of kWarps warps: each size clamped to [0, M] before the int64
 // running sum, offsets capped at M, so every row index derived here lies in [0, M] whatever the sizes
-// hold. Thread t calls visit(g, start, count) for group g = base + t, rows [start, start + count), on
-// every thread (g >= E past the last group, with count 0), so visit may use warp collectives (and block
-// ones where kWarps > 1). Where counts and offsets are given, it also writes the group arrays that the
+// hold. Thread t (threadIdx.x % (32 * kWarps)) calls visit(g, start, count) for group g = base + t, rows
+// [start, start + count), on every thread (g >= E past the last group, with count 0), so visit may use
+// warp collectives (and block ones where kWarps > 1). Where counts and offsets are given, it also writes the group arrays that the
 // other kernels of a call read: counts[g], offsets[g] = start, and offsets[E] = the rows in groups.
 // Returns the rows in groups (the rest of the M rows is padding). One warp's shuffles and no block-wide
 // barrier: 0.85 us per tiled block instead of 1.2 with cub's block scans (H200, E = 8). A whole block
