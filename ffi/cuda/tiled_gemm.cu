@@ -81,7 +81,8 @@ __device__ Site FindSite(const TiledGroups& gr, bool write_arrays, bool by_row_t
   site.valid_rows = ScanGroups(gr.sizes, gr.E, gr.M, write_arrays ? gr.counts : nullptr,
                                write_arrays ? gr.offsets : nullptr, [&](int64_t g, int64_t start, int64_t count) {
     const int64_t tiles = (count + kBM - 1) / kBM;
-    const int64_t tile_end = carry_tiles + WarpInclusiveSum(tiles), first_tile = tile_end - tiles;
+    int64_t pass_tiles;
+    const int64_t tile_end = carry_tiles + BlockInclusiveSum<1>(tiles, &pass_tiles), first_tile = tile_end - tiles;
     const bool here = g < gr.E && (by_row_tile ? target >= first_tile && target < tile_end : g == target);
     if (const unsigned found = __ballot_sync(~0u, here)) {  // one lane at most: the row tiles are disjoint
       const int src = __ffs(found) - 1;
@@ -90,7 +91,7 @@ __device__ Site FindSite(const TiledGroups& gr, bool write_arrays, bool by_row_t
       site.count = __shfl_sync(~0u, count, src);
       site.tile = target - __shfl_sync(~0u, first_tile, src);
     }
-    carry_tiles = __shfl_sync(~0u, tile_end, 31);
+    carry_tiles += pass_tiles;
   });
   site.used_row_tiles = carry_tiles;
   return site;
