@@ -73,6 +73,23 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
   return MlpShape(M=M, d=d, f=f, F1=F1, E=E)
 
 
+def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
+  """Validates jaxmlp.ragged_dot's operands; returns (the dtype they are multiplied in, the output dtype)."""
+  if len(_shape(lhs)) != 2:
+    _fail("lhs", _shape(lhs), "[m, k]")
+  k = _shape(lhs)[1]
+  if len(_shape(rhs)) != 3 or _shape(rhs)[1] != k or _shape(rhs)[0] == 0:
+    _fail("rhs", _shape(rhs), f"[g, {k}, n] with g >= 1 (k from lhs)")
+  check_group_sizes(group_sizes, _shape(rhs)[0])
+  dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
+  if dtype not in FLOAT_DTYPES:
+    raise TypeError(f"lhs, rhs: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
+  out_dtype = jnp.dtype(preferred_element_type or dtype)
+  if out_dtype not in FLOAT_DTYPES:
+    raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected a float dtype")
+  return dtype, out_dtype
+
+
 def sizes_as_int32(group_sizes: jax.Array, m: int) -> jax.Array:
   """group_sizes of any integer dtype as int32, meaning the same under the policy: each size is clamped
   to [0, m] in its own dtype first (m capped at that dtype's largest value), so that no cast wraps (an
@@ -87,9 +104,10 @@ def clamp_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
   Returns int32 sizes that sum to at most m, so no backend can index outside the m rows.
   """
   sizes = sizes_as_int32(group_sizes, m)
-  # A saturating running sum (associative for non-negative terms): min(a + b, m) never exceeds 2m, so
-  # adversarial sizes cannot wrap int32 the way a plain cumsum could.
-  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)
+  # A saturating running sum, min(a + b, m), associative for non-negative terms. Written a + min(b, m - a)
+  # so that no intermediate exceeds m: adversarial sizes cannot wrap int32 the way a plain cumsum (or
+  # a + b, up to 2m, once m > 2^30) could.
+  ends = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, m - a), sizes)
   starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
   return (ends - starts).astype(jnp.int32)
 

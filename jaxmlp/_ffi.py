@@ -79,33 +79,40 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
   """Which CUDA GEMM path a call takes, and why: ("grouped" | "tiled" | "fallback", reason).
 
   row_lengths: the K and N of the call's products (the tiled and grouped paths need multiples of 8);
-  problem: (E, M, K, N) of its largest product (None: a large one).
+  problem: (E, M, K, N) of its largest product (None: a large one). JAXMLP_GEMM_PATH=grouped|tiled
+  forces that path for every call it can serve (`unservable`); the others take the fallback.
   """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
-  status = cuda_status()
   if forced not in ("auto", "grouped", "tiled", "fallback"):
     raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, tiled or fallback")
   if forced == "fallback":
     return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
-  sixteen_bit = jnp.dtype(dtype) != jnp.float32
-  aligned = not any(n % 8 for n in row_lengths)
+  status = cuda_status()
   if forced == "tiled" and not status.get("tiled_available"):
     raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: {status.get('tiled_reason')}")
-  if sixteen_bit and aligned and status.get("tiled_available"):
-    if forced == "tiled":
-      return "tiled", "forced by JAXMLP_GEMM_PATH=tiled"
-    if forced == "auto" and problem is not None and _small(*problem):
-      return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
+  if forced == "grouped" and not status.get("grouped_available"):
+    raise RuntimeError("JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: "
+                       f"{status.get('grouped_reason')}")
+  why_not = unservable(dtype, *row_lengths)
+  if why_not:
+    return "fallback", f"{why_not}: cublasGemmGroupedBatchedEx serves it"
+  if forced != "auto":
+    return forced, f"forced by JAXMLP_GEMM_PATH={forced}"
+  if status.get("tiled_available") and problem is not None and _small(*problem):
+    return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
   if not status.get("grouped_available"):
-    why = status.get("grouped_reason", "no CUDA device")
-    if forced == "grouped":
-      raise RuntimeError(f"JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: {why}")
-    return "fallback", why
-  if not sixteen_bit:
-    return "fallback", "float32 runs on cublasGemmGroupedBatchedEx (the grouped path is used for 16-bit inputs)"
-  if not aligned:
-    return "fallback", f"row lengths {row_lengths} are not all multiples of 8 (16-byte aligned group pointers)"
+    return "fallback", status.get("grouped_reason", "no CUDA device")
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
+
+
+def unservable(dtype, *row_lengths: int) -> str | None:
+  """Why the grouped and tiled paths cannot serve a call, or None: both take 16-bit inputs, with row
+  lengths that are multiples of 8 (16-byte aligned group pointers)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return "float32 inputs"
+  if any(n % 8 for n in row_lengths):
+    return f"row lengths {row_lengths} not all multiples of 8"
+  return None
 
 
 def _small(E: int, M: int, K: int, N: int) -> bool:
@@ -223,8 +230,12 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
     path = _cuda_path(lhs.dtype, K, N, problem=(E, lhs.shape[0], K, N))
     ws = _cuda.gemm_workspace_bytes(path, E) if _cuda else 0
     if path == "fallback" and jnp.dtype(out_dtype) != lhs.dtype:
-      # cublasGemmGroupedBatchedEx has no 16-bit-in, float32-out mode: multiply the (exactly) upcast inputs.
-      lhs, rhs = lhs.astype(out_dtype), rhs.astype(out_dtype)
+      # cublasGemmGroupedBatchedEx takes one dtype in and out: multiply in the wider of the two (an exact
+      # upcast of the inputs), then round the products once to out_dtype.
+      wide = jnp.promote_types(lhs.dtype, out_dtype)
+      call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [sds(out_shape, wide), _workspace(ws, sds)],
+                              vmap_method="sequential")
+      return call(lhs.astype(wide), rhs.astype(wide), sizes, **attrs)[0].astype(out_dtype)
     call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [out, _workspace(ws, sds)], vmap_method="sequential")
     return call(lhs, rhs, sizes, **attrs)[0]
 

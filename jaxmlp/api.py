@@ -77,21 +77,11 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     if value is not None:
       raise NotImplementedError(f"jaxmlp.ragged_dot: {name} is not supported; use jax.lax.ragged_dot")
   del precision
-  if len(np.shape(lhs)) != 2:
-    raise ValueError(f"lhs: got shape {np.shape(lhs)}, expected [m, k]")
-  m, k = np.shape(lhs)
-  if len(np.shape(rhs)) != 3 or np.shape(rhs)[1] != k or np.shape(rhs)[0] == 0:
-    raise ValueError(f"rhs: got shape {np.shape(rhs)}, expected [g, {k}, n] with g >= 1 (k from lhs)")
-  _checks.check_group_sizes(group_sizes, np.shape(rhs)[0])
-  dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
-  if dtype not in _checks.FLOAT_DTYPES:
-    raise TypeError(f"lhs, rhs: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
-  out_dtype = jnp.dtype(preferred_element_type or dtype)
-  if out_dtype not in _checks.FLOAT_DTYPES:
-    raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected a float dtype")
+  dtype, out_dtype = _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
+  m, k, n = *np.shape(lhs), np.shape(rhs)[2]
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, m)
-  if 0 in (m, k, np.shape(rhs)[2]):  # an empty product: zeros, without a custom call (see grouped_mlp)
+  if 0 in (m, k, n):  # an empty product: zeros, without a custom call (see grouped_mlp)
     return reference.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, preferred_element_type=out_dtype)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
 
@@ -134,8 +124,12 @@ def _integer_cotangent(a):
 def _check_group_sizes_at_run_time(group_sizes, m: int) -> None:
   def check(sizes):
     sizes = np.asarray(sizes, dtype=np.int64)
-    if (sizes < 0).any() or sizes.sum() > m:
-      raise ValueError(f"group_sizes {sizes.tolist()} has negative entries or sums to {sizes.sum()} > M = {m} "
-                       "(check_group_sizes=True)")
+    wrong = []
+    if (sizes < 0).any():
+      wrong.append("negative entries")
+    if sizes.sum() > m:
+      wrong.append(f"sum {sizes.sum()} > M = {m}")
+    if wrong:
+      raise ValueError(f"group_sizes {sizes.tolist()}: {' and '.join(wrong)} (check_group_sizes=True)")
 
   jax.debug.callback(check, group_sizes)

@@ -1,5 +1,5 @@
 """Flax Linen versions of jaxmlp.nnx.GroupedMLP and jaxmlp.nnx.MoE: same arguments, same computation
-(the routing functions of jaxmlp.nnx) and the same parameter layout:
+(the routing functions of jaxmlp.moe) and the same parameter layout:
 
   GroupedMLP: {"w1": [E, d, 2f or f], "w2": [E, f, d], "b1": [E, 2f or f], "b2": [E, d]}
   MoE:        {"router": {"kernel": [d, E]}, "experts": {GroupedMLP's params}}

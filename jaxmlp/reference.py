@@ -42,6 +42,6 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   """Reference for jaxmlp.ragged_dot: jax.lax.ragged_dot under jaxmlp's group_sizes policy."""
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported by jaxmlp.ragged_dot")
-  _checks.check_group_sizes(group_sizes)
+  _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
   sizes = _checks.clamp_group_sizes(group_sizes, lhs.shape[0])
   return jax.lax.ragged_dot(lhs, rhs, sizes, precision=precision, preferred_element_type=preferred_element_type)

@@ -45,23 +45,47 @@ BACKENDS = [
     pytest.param("cuda-tiled", id="cuda-tiled", marks=pytest.mark.gpu),
     pytest.param("cuda-fallback", id="cuda-fallback", marks=pytest.mark.gpu),
 ]
+# float32 always runs on the fallback (`_ffi.unservable`): a float32-only test takes these.
+float32_backends = pytest.mark.parametrize(
+    "backend", [p for p in BACKENDS if p.values[0] in ("cpu", "cuda-fallback")], indirect=True)
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-  """Runs the test's jaxmlp calls on one platform (and, on CUDA, one GEMM path)."""
+  """Runs the test's jaxmlp calls on one platform (and, on CUDA, one GEMM path).
+
+  On the grouped or tiled path, a test none of whose calls took that path fails: it would test the
+  fallback under another name. Float32-only tests take `float32_backends`; `skip_unless_served` skips
+  single cases."""
   name = request.param
   if name == "cpu":
-    device = jax.devices("cpu")[0]
-  else:
-    path = name.split("-")[1]
-    reason = cuda_reason(path)
-    if reason:
-      pytest.skip(reason)
-    monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
-    device = _ffi.cuda_devices()[0]
-  with jax.default_device(device):
+    with jax.default_device(jax.devices("cpu")[0]):
+      yield name
+    return
+  path = name.split("-")[1]
+  reason = cuda_reason(path)
+  if reason:
+    pytest.skip(reason)
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
+  taken = []
+  choose = _ffi._cuda_path
+
+  def recorded(*args, **kwargs):
+    taken.append(choose(*args, **kwargs))
+    return taken[-1]
+
+  monkeypatch.setattr(_ffi, "_cuda_path", recorded)
+  with jax.default_device(_ffi.cuda_devices()[0]):
     yield name
+  assert not taken or path in taken, f"no call took the {path} path (took {set(taken)})"
+
+
+def skip_unless_served(backend, dtype, *row_lengths):
+  """Skips a case the forced grouped or tiled path cannot serve (float32, unaligned rows), which the
+  cuda-fallback case runs."""
+  why_not = _ffi.unservable(dtype, *row_lengths)
+  if backend in ("cuda-grouped", "cuda-tiled") and why_not:
+    pytest.skip(f"{why_not}: the fallback serves it (see cuda-fallback)")
 
 
 @pytest.fixture

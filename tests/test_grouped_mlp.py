@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, max_error, rel_error
+from conftest import TOLERANCE, float32_backends, max_error, rel_error, skip_unless_served
 
 import jaxmlp
 import numpy_reference as ref
@@ -71,6 +71,7 @@ def check_forward_and_grads(args, act, dtype, rng, alpha=1.702, limit=7.0):
   assert not np.asarray(grads["x"][total:], np.float64).any()
 
 
+@float32_backends
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("act", jaxmlp.ACTIVATIONS)
 def test_every_activation_float32(backend, rng, case, act):
@@ -85,12 +86,14 @@ def test_every_activation_float32(backend, rng, case, act):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("act", [a for a in jaxmlp.ACTIVATIONS if a not in ("relu", "reglu")])
 def test_dtypes_with_biases_and_scales(backend, rng, dtype, act):
+  skip_unless_served(backend, dtype)
   # Row lengths that are multiples of 8 so the CUDA grouped and tiled paths take these too; f = 40 and
   # d = 32 end the tiled kernel's 64-wide tiles part-way.
   args = make_inputs(rng, 96, 32, 40, [30, 0, 50, 8], act, dtype, bias=True, scales=True)
   check_forward_and_grads(args, act, dtype, rng)
 
 
+@float32_backends
 def test_clamped_swiglu_clamps(backend, rng):
   # A small limit so that a large share of the gate and linear values sit outside it.
   args = make_inputs(rng, 64, 16, 32, [30, 30], "clamped_swiglu", jnp.float32, bias=True, scales=True)
@@ -98,6 +101,7 @@ def test_clamped_swiglu_clamps(backend, rng):
 
 
 # No rows, no model width or no hidden width: what is left (biases, zeros) is still right, on every backend.
+@float32_backends
 @pytest.mark.parametrize("M, d, f", [(0, 16, 8), (24, 0, 8), (24, 16, 0)])
 def test_empty_dimensions(backend, rng, M, d, f):
   args = make_inputs(rng, M, d, f, [10, 0, 9], "swiglu", jnp.float32, bias=True, scales=True)
@@ -106,6 +110,7 @@ def test_empty_dimensions(backend, rng, M, d, f):
 
 # Sizes of any integer dtype mean what their values say: no wrap in the cast to int32 (uint32 2**31 + 1)
 # or in the cap at M (300 rows against int8 and uint8 sizes).
+@float32_backends
 @pytest.mark.parametrize("dtype, sizes", [(np.uint32, [2**31 + 1, 0, 7]), (np.int8, [-5, 100, 120]),
                                           (np.uint8, [100, 100, 100]), (np.int16, [-300, 200, 30000])])
 def test_group_sizes_of_other_integer_dtypes(backend, rng, dtype, sizes):
@@ -115,6 +120,18 @@ def test_group_sizes_of_other_integer_dtypes(backend, rng, dtype, sizes):
   n = numpy_args(args)
   out = jaxmlp.ragged_dot(args["x"], args["w1"], args["group_sizes"])
   assert rel_error(out, ref.ragged_dot(n["x"], n["w1"], n["group_sizes"])) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("m, sizes, want", [
+    (2**30 + 5, [2**30, 2**30, 7], [2**30, 5, 0]),  # the running total passes 2^31 before the cap
+    (2**31 - 1, [2**31 - 1, 2**31 - 1, -(2**31), 1], [2**31 - 1, 0, 0, 0]),
+    (100, [-1, 60, 30, 2**31 - 1, 4], [0, 60, 30, 10, 0]),
+])
+def test_clamped_group_sizes_at_the_int32_limit(m, sizes, want):
+  """The policy's running total is capped at M without wrapping int32, however large M is."""
+  got = _checks.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), m)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.diff(ref.clamp_sizes(sizes, m)), want)
 
 
 def test_int32_group_sizes_reach_the_handlers_as_they_are():
@@ -149,9 +166,11 @@ def test_saved_fc1_output_is_written_in_every_row(backend, rng):
 
 
 @pytest.mark.parametrize("sizes", [[-5, 40, 100], [70, 70], [2**31 - 1, 3], [-(2**31), 2**31 - 1, 5]])
-def test_adversarial_group_sizes_are_clamped(backend, rng, sizes):
-  args = make_inputs(rng, 48, 16, 16, sizes, "swiglu", jnp.float32, bias=True, scales=True)
-  check_forward_and_grads(args, "swiglu", jnp.float32, rng)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_adversarial_group_sizes_are_clamped(backend, rng, sizes, dtype):
+  skip_unless_served(backend, dtype)
+  args = make_inputs(rng, 48, 16, 16, sizes, "swiglu", dtype, bias=True, scales=True)
+  check_forward_and_grads(args, "swiglu", dtype, rng)
 
 
 def test_reference_matches_numpy(rng):
@@ -177,6 +196,7 @@ def test_activation_derivatives_match_jax_autodiff(rng):
       np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=name)
 
 
+@float32_backends
 def test_jit_grad_value_and_grad_checkpoint(backend, rng):
   args = make_inputs(rng, 64, 16, 32, [20, 30, 14], "swiglu", jnp.float32, scales=True)
   gs = args["group_sizes"]
@@ -196,6 +216,7 @@ def test_jit_grad_value_and_grad_checkpoint(backend, rng):
       assert rel_error(a, want[k]) < 1e-4, k
 
 
+@float32_backends
 def test_vmap_over_a_batch_of_calls(backend, rng):
   args = [make_inputs(rng, 32, 8, 16, sizes, "silu", jnp.float32) for sizes in ([10, 22], [0, 30], [5, 5])]
   stack = {k: jnp.stack([a[k] for a in args]) for k in args[0]}
@@ -226,8 +247,12 @@ def test_cpu_unaffected_by_a_forced_cuda_gemm_path(rng, monkeypatch):
 
 def test_check_group_sizes_raises_at_run_time(rng):
   args = make_inputs(rng, 16, 8, 8, [10, 10], "relu", jnp.float32)
-  with pytest.raises(Exception, match="check_group_sizes"):
-    jax.block_until_ready(jaxmlp.grouped_mlp(**args, activation="relu", check_group_sizes=True))
+  for sizes, says in (([10, 10], r"\[10, 10\]: sum 20 > M = 16 \(check_group_sizes=True\)"),
+                      ([-1, 10], r"\[-1, 10\]: negative entries \(check"),
+                      ([-1, 20], r"\[-1, 20\]: negative entries and sum 19 > M = 16")):
+    with pytest.raises(Exception, match=says):
+      bad = dict(args, group_sizes=jnp.asarray(sizes, jnp.int32))
+      jax.block_until_ready(jaxmlp.grouped_mlp(**bad, activation="relu", check_group_sizes=True))
   ok = dict(args, group_sizes=jnp.asarray([6, 10], jnp.int32))
   jax.block_until_ready(jaxmlp.grouped_mlp(**ok, activation="relu", check_group_sizes=True))
 

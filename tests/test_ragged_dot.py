@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GROUP_SIZE, TOLERANCE, max_error, rel_error
+from conftest import GROUP_SIZE, TOLERANCE, float32_backends, max_error, rel_error, skip_unless_served
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +28,7 @@ CASES = [
 @pytest.mark.parametrize("m, k, n, sizes", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matches_lax_ragged_dot_and_its_gradients(backend, rng, m, k, n, sizes, dtype):
+  skip_unless_served(backend, dtype, k, n)
   lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
   rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
   gs = jnp.asarray(sizes, jnp.int32)
@@ -55,21 +56,42 @@ def test_preferred_element_type(backend, rng):
   assert rel_error(out, ref.ragged_dot(lhs, rhs, [12, 20])) < 1e-5  # float32 output: no bf16 rounding
 
 
+@float32_backends
+def test_float32_inputs_to_a_16bit_output_are_rounded_once(backend, rng):
+  """float32 inputs, preferred_element_type bfloat16: the products are computed in float32 and rounded
+  once, so each element is within bfloat16's rounding error (2^-8 relative) of the exact value;
+  rounding the inputs first would be off by far more where the sum cancels."""
+  lhs = rng.standard_normal((64, 32)).astype(np.float32)
+  rhs = rng.standard_normal((3, 32, 16)).astype(np.float32)
+  sizes = [20, 0, 40]
+  out = jaxmlp.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.bfloat16)
+  assert out.dtype == jnp.bfloat16
+  want = ref.ragged_dot(lhs, rhs, sizes)
+  err = np.abs(np.asarray(out, np.float64) - want)
+  assert (err <= 2.0**-8 * np.abs(want) + 1e-5).all(), err.max()
+
+
 def test_group_offset_is_not_implemented():
   with pytest.raises(NotImplementedError, match="group_offset"):
     jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4], jnp.int32),
                       group_offset=jnp.asarray([0], jnp.int32))
 
 
-def test_bad_shapes_name_the_argument():
+@pytest.mark.parametrize("op", [jaxmlp.ragged_dot, jaxmlp.reference.ragged_dot], ids=["jaxmlp", "reference"])
+def test_bad_shapes_name_the_argument(op):
+  with pytest.raises(ValueError, match=r"lhs: got shape \(4,\), expected \[m, k\]"):
+    op(jnp.ones((4,)), jnp.ones((1, 3, 3)), jnp.asarray([4], jnp.int32))
   with pytest.raises(ValueError, match=r"rhs: got shape \(1, 3, 3\), expected \[g, 2, n\]"):
-    jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 3, 3)), jnp.asarray([4], jnp.int32))
+    op(jnp.ones((4, 2)), jnp.ones((1, 3, 3)), jnp.asarray([4], jnp.int32))
   with pytest.raises(ValueError, match=r"rhs: got shape \(0, 2, 3\), expected \[g, 2, n\] with g >= 1"):
-    jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((0, 2, 3)), jnp.zeros((0,), jnp.int32))
+    op(jnp.ones((4, 2)), jnp.ones((0, 2, 3)), jnp.zeros((0,), jnp.int32))
   with pytest.raises(ValueError, match=r"group_sizes: got shape \(2,\), expected \[1\]"):
-    jaxmlp.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4, 0], jnp.int32))
+    op(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4, 0], jnp.int32))
+  with pytest.raises(TypeError, match=r"lhs, rhs: dtype int32 is not supported"):
+    op(jnp.ones((4, 2), jnp.int32), jnp.ones((1, 2, 3), jnp.int32), jnp.asarray([4], jnp.int32))
 
 
+@float32_backends
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(1, 48), d=st.integers(1, 12), f=st.integers(1, 12),
        sizes=st.lists(GROUP_SIZE, min_size=1, max_size=5),
@@ -92,6 +114,7 @@ def test_fuzz_grouped_mlp(backend, m, d, f, sizes, act, seed):
   assert not np.asarray(y[total:]).any() and not np.asarray(dx[total:]).any()
 
 
+@float32_backends
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(1, 40), k=st.integers(1, 10), n=st.integers(1, 10),
        sizes=st.lists(GROUP_SIZE, min_size=1, max_size=5),
@@ -111,3 +134,38 @@ def test_fuzz_ragged_dot(backend, m, k, n, sizes, seed):
   want_dr = ref.ragged_dot_rhs_grad(lhs, dout, gs)
   assert rel_error(dr, want_dr) < 1e-4 if np.any(want_dr) else not np.asarray(dr).any()
   assert not np.asarray(dl[off[-1]:]).any()
+
+
+# The float32 fuzz tests above run on the fallback only (the grouped and tiled paths are 16-bit): this
+# one reaches every path, with row lengths in multiples of 8, sizes from the whole int32 range, and up
+# to 300 groups (the device code scans group_sizes in chunks of 32 and 256). At f = 520 the tiled
+# kernel splits the FC1 dgrad's 17 k-steps over two blocks, of 9 and 8.
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 300), d=st.sampled_from([8, 16, 72]), f=st.sampled_from([8, 24, 136, 520]),
+       sizes=st.one_of(st.lists(GROUP_SIZE, min_size=1, max_size=6),
+                       st.lists(st.integers(-1, 3), min_size=129, max_size=300)),
+       seed=st.integers(0, 2**31))
+def test_fuzz_bfloat16(backend, m, d, f, sizes, seed):
+  rng = np.random.default_rng(seed)
+  E = len(sizes)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+  x, w1, w2, dy, dout = bf16(m, d), bf16(E, d, 2 * f), bf16(E, f, d), bf16(m, d), bf16(m, 2 * f)
+  gs = jnp.asarray(sizes, jnp.int32)
+  y, vjp = jax.vjp(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, gs), x, w1, w2)
+  got = vjp(dy)
+  dot, dot_vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, gs), x, w1)
+  dlhs, drhs = dot_vjp(dout)
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  want_y, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", dy=f64(dy))
+  total = ref.clamp_sizes(sizes, m)[-1]
+  if total == 0:  # no rows: everything is exactly zero
+    assert not any(f64(a).any() for a in (y, *got, dot, dlhs, drhs))
+    return
+  tol = TOLERANCE["bfloat16"]
+  for a, w, name in ((y, want_y, "y"), *zip(got, (want["x"], want["w1"], want["w2"]), ("dx", "dw1", "dw2")),
+                     (dot, ref.ragged_dot(f64(x), f64(w1), sizes), "dot"),
+                     (dlhs, ref.ragged_dot(f64(dout), f64(w1).transpose(0, 2, 1), sizes), "dlhs"),
+                     (drhs, ref.ragged_dot_rhs_grad(f64(x), f64(dout), sizes), "drhs")):
+    assert rel_error(a, w) < tol and max_error(a, w) < 2 * tol, name
+  for a in (y, got[0], dot, dlhs):
+    assert not f64(a[total:]).any()
