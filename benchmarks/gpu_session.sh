@@ -41,8 +41,9 @@ for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (
   gs = jnp.asarray(sizes, jnp.int32)
   g = jax.grad(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=x[:, 0])
                .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
+  plain = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
   r = jax.grad(lambda a, b: jaxmlp.ragged_dot(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
-  jax.block_until_ready((g, r))
+  jax.block_until_ready((g, plain, r))
 print("memcheck run done")
 PY
     echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"

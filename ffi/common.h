@@ -76,8 +76,7 @@ inline std::string Dims(ffi::AnyBuffer::Dimensions d) {
   return s + "]";
 }
 
-// Checks that `buf` has exactly the shape `want`; an empty `want` with optional=true accepts a 0-element
-// buffer as "absent".
+// Checks that `buf` has exactly the shape `want`.
 inline ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buf, std::initializer_list<int64_t> want) {
   auto d = buf.dimensions();
   bool ok = d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());

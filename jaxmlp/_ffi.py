@@ -165,6 +165,12 @@ def _handler_sizes(group_sizes, m: int):
   return group_sizes if jnp.result_type(group_sizes) == jnp.int32 else sizes_as_int32(group_sizes, m)
 
 
+def _mlp_path_and_workspace(dtype, s: MlpShape, forward: bool, biases: bool) -> tuple[str, int]:
+  path = _cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
+  ws = _cuda.mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dtype], biases) if _cuda else 0
+  return path, ws
+
+
 def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpShape):
   """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
   dt = x.dtype
@@ -177,8 +183,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
     return tuple(jax.ffi.ffi_call("jaxmlp_mlp_fwd", outs, vmap_method="sequential")(*a, **attrs))
 
   def cuda(*a):
-    path = _cuda_path(dt, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
-    ws = _cuda.mlp_workspace_bytes(path, True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+    path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None)
     call = jax.ffi.ffi_call(f"jaxmlp_mlp_fwd_{path}", outs + [_workspace(ws, sds)], vmap_method="sequential")
     return tuple(call(*a, **attrs)[:2])
 
@@ -200,8 +205,7 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     return tuple(jax.ffi.ffi_call("jaxmlp_mlp_bwd", outs, vmap_method="sequential")(*a, **attrs))
 
   def cuda(*a):
-    path = _cuda_path(dt, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
-    ws = _cuda.mlp_workspace_bytes(path, False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+    path, ws = _mlp_path_and_workspace(dt, s, forward=False, biases=b1 is not None or b2 is not None)
     # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
     dh = sds((s.M, s.F1), dt)
     call = jax.ffi.ffi_call(f"jaxmlp_mlp_bwd_{path}", outs + [dh, _workspace(ws, sds)], vmap_method="sequential",

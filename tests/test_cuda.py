@@ -146,10 +146,13 @@ def test_workspace_sizes_reject_an_unknown_gemm_path():
   assert cuda.gemm_workspace_bytes("tiled", 8) < cuda.gemm_workspace_bytes("grouped", 8)  # no cuBLAS workspace
   # A ragged_dot call is one tiled launch, which never splits: the group arrays only, no split-K scratch.
   assert cuda.gemm_workspace_bytes("tiled", 8) <= 1024
+  # The bias gradients' float sums, E * max(F1, d) of them, only where there are biases.
+  assert (cuda.mlp_workspace_bytes("grouped", False, 256, 256, 512, 1024, 8, 1, True) -
+          cuda.mlp_workspace_bytes("grouped", False, 256, 256, 512, 1024, 8, 1, False)) >= 8 * 1024 * 4
   with pytest.raises(ValueError, match="unknown GEMM path 'cublas'"):
     cuda.gemm_workspace_bytes("cublas", 8)
   with pytest.raises(ValueError, match="unknown GEMM path ''"):
-    cuda.mlp_workspace_bytes("", True, 256, 256, 512, 1024, 8, 1)
+    cuda.mlp_workspace_bytes("", True, 256, 256, 512, 1024, 8, 1, False)
 
 
 def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):

@@ -24,11 +24,6 @@ cudaDataType CudaType(ffi::DataType t) {
   }
 }
 
-ffi::Error CudaError(const char* what) {
-  cudaError_t e = cudaGetLastError();
-  return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + cudaGetErrorString(e));
-}
-
 #define JAXMLP_CUBLAS(expr, what)                                                                   \
   do {                                                                                              \
     cublasStatus_t st_ = (expr);                                                                    \
@@ -232,7 +227,7 @@ size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
 
 ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   if (specs.size() > size_t(kMaxGemms)) return ffi::Error::Internal("jaxmlp: too many grouped GEMMs in one call");
-  if (E_ <= 0 || E_ > (int64_t(1) << 30)) return ffi::Error::InvalidArgument("jaxmlp: need 1 <= E < 2^30 groups");
+  if (E_ <= 0 || E_ >= (int64_t(1) << 30)) return ffi::Error::InvalidArgument("jaxmlp: need 1 <= E < 2^30 groups");
   SetupParams p{};
   p.sizes = group_sizes_;
   p.E = int32_t(E_);
@@ -256,15 +251,14 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
     SetupKernel<1><<<1, 32, 0, stream_>>>(p);
   else
     SetupKernel<8><<<1, 256, 0, stream_>>>(p);
-  if (cudaPeekAtLastError() != cudaSuccess) return CudaError("setup kernel launch");
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaGetLastError(), "launching the setup kernel"));
   if (path_ == GemmPath::kFallback) {
     // cublasGemmGroupedBatchedEx takes dims from host arrays: the one sync of this path.
     std::vector<int32_t> sizes(E_);
     host_offsets_.resize(E_ + 1);
-    if (cudaMemcpyAsync(sizes.data(), group_sizes_, E_ * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(stream_) != cudaSuccess)
-      return CudaError("copying group_sizes to the host");
+    cudaError_t e = cudaMemcpyAsync(sizes.data(), group_sizes_, E_ * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    JAXMLP_RETURN_IF_ERROR(CheckCuda(e, "copying group_sizes to the host"));
     GroupOffsets(sizes.data(), E_, M_, host_offsets_.data());
   }
   return ffi::Error::Success();
@@ -300,7 +294,6 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
     t.group_bytes[n] = int64_t(s.K) * s.N * int64_t(ffi::ByteWidth(s.out_type));
     largest = std::max(largest, t.group_bytes[n++]);
   }
-  if (largest == 0) return ffi::Error::Success();
   // Blocks enough for the largest group, at most one per SM and product, not blocks per group: nearly
   // always no group is empty, and then every block only reads the counts, so the launch costs what its
   // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
@@ -313,8 +306,7 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   const int64_t bytes_per_block = int64_t(kZeroThreads) * 16;  // 16 bytes a thread
   const dim3 grid(unsigned(std::min<int64_t>((largest + bytes_per_block - 1) / bytes_per_block, sms)), unsigned(n));
   ZeroEmptyGroupsKernel<<<grid, kZeroThreads, 0, stream_>>>(arrays_.counts, E_, t);
-  if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing empty groups");
-  return ffi::Error::Success();
+  return CheckCuda(cudaGetLastError(), "launching the kernel that zeroes empty groups");
 }
 
 ffi::Error GroupedGemms::ZeroPaddingRows(int i) {
@@ -323,11 +315,9 @@ ffi::Error GroupedGemms::ZeroPaddingRows(int i) {
     return ffi::Error::Internal("jaxmlp: padding rows of a product that is not kNN/kNT");
   const GemmSpec& s = specs_[i];
   const int64_t row_bytes = (s.op == GemmOp::kNN ? s.N : s.K) * int64_t(ffi::ByteWidth(s.out_type));
-  if (M_ == 0 || row_bytes == 0) return ffi::Error::Success();
   ZeroRowsKernel<<<unsigned(std::min<int64_t>(M_, 1024)), 256, 0, stream_>>>(arrays_.offsets, E_, M_, row_bytes,
                                                                               static_cast<char*>(s.out));
-  if (cudaPeekAtLastError() != cudaSuccess) return CudaError("zeroing padding rows");
-  return ffi::Error::Success();
+  return CheckCuda(cudaGetLastError(), "launching the kernel that zeroes padding rows");
 }
 
 // Column-major cuBLAS view of each op (c = rows of the group, the varying dim):

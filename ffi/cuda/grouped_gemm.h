@@ -6,7 +6,8 @@
 //   kGrouped  cuBLASLt grouped GEMM (CUBLASLT_BATCH_MODE_GROUPED): dims and pointers stay on the device,
 //             so the call never syncs and can be captured in a CUDA graph.
 //   kFallback cublasGemmGroupedBatchedEx: dims come from host arrays, so the group sizes are copied to
-//             the host (one sync per call). For cuBLAS < 13.4, float32, and unaligned shapes.
+//             the host (one sync per call). For a cuBLAS without the grouped GEMM (before 13.4 on Hopper,
+//             13.3 on Blackwell; any on other GPUs), float32, and row lengths not multiples of 8.
 //   kTiled    jaxmlp's own kernel (tiled_gemm.h) for small problems, where cuBLAS's fixed cost per
 //             product dominates: no setup kernel, no sync, no zeroing kernel, independent products in
 //             one launch.
@@ -95,7 +96,6 @@ class GroupedGemms {
 
   // Device pointer; valid once Prepare (cuBLAS paths) or the first Run (tiled path) is enqueued.
   const int64_t* offsets() const { return arrays_.offsets; }
-  int64_t E() const { return E_; }
 
  private:
   ffi::Error RunGrouped(const GemmSpec& s, int i);

@@ -10,9 +10,20 @@
 
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
+#include "../common.h"
+
 namespace jaxmlp {
+
+// `e` (a CUDA call's result, or cudaGetLastError() after kernel launches) as the FFI error of `what`. The
+// thread's last error is cleared: a failure must not fail the next call too.
+inline ffi::Error CheckCuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  cudaGetLastError();
+  return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + cudaGetErrorString(e));
+}
 
 __device__ __forceinline__ void WaitForPrevious() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

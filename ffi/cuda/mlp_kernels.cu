@@ -150,12 +150,6 @@ __global__ void ConvertKernel(const float* in, T* out, int64_t count) {
     out[i] = Conv<T>::From(in[i]);
 }
 
-ffi::Error LaunchError(const char* what) {
-  cudaError_t e = cudaGetLastError();  // read and cleared: a failed launch must not fail later calls
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jaxmlp: launching ") + what + ": " + cudaGetErrorString(e));
-}
-
 // 16-byte accesses when every row length allows them, scalar ones otherwise.
 template <typename T>
 bool Vectorizable(std::initializer_list<int64_t> row_lengths) {
@@ -168,7 +162,6 @@ bool Vectorizable(std::initializer_list<int64_t> row_lengths) {
 ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                              int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1,
                              const void* scales, void* a, void* y, const void* b2) {
-  if (M == 0) return ffi::Error::Success();
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
@@ -181,13 +174,12 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
       std::apply([&](auto... xs) { LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, xs...); }, args);
     });
   });
-  return LaunchError("the activation forward kernel");
+  return CheckCuda(cudaGetLastError(), "launching the activation forward kernel");
 }
 
 ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                               const void* scales, void* a_s, void* dh, void* dscales, void* dx) {
-  if (M == 0) return ffi::Error::Success();
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
@@ -200,12 +192,12 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
       std::apply([&](auto... xs) { LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, xs...); }, args);
     });
   });
-  return LaunchError("the activation backward kernel");
+  return CheckCuda(cudaGetLastError(), "launching the activation backward kernel");
 }
 
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
                            int64_t n, const void* v, float* acc, void* out) {
-  if (cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream) != cudaSuccess) return LaunchError("memset");
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream), "zeroing bias sums"));
   const int64_t rows_per_block = std::max<int64_t>(64, (M + 65534) / 65535);
   dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::max<int64_t>((M + rows_per_block - 1) / rows_per_block, 1)));
   ByType(t, [&](auto tag) {
@@ -214,7 +206,7 @@ ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* 
     ConvertKernel<T><<<unsigned(std::min<int64_t>((E * n + 255) / 256, 4096)), 256, 0, stream>>>(
         acc, static_cast<T*>(out), E * n);
   });
-  return LaunchError("the bias gradient kernels");
+  return CheckCuda(cudaGetLastError(), "launching the bias gradient kernels");
 }
 
 }  // namespace jaxmlp

@@ -12,7 +12,7 @@
 namespace jaxmlp {
 
 // Per row r < M: h[r] += b1[g] (written back, when b1 is given), a[r] = act(h[r]) * scales[r];
-// y[r] = b2[g] for valid rows when b2 is given (FC2 then accumulates onto it); padding rows: a = y = 0.
+// y[r] = b2[g] for valid rows when b2 is given (FC2 then accumulates onto it); padding rows: h = a = y = 0.
 ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                              int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1,
                              const void* scales, void* a, void* y, const void* b2);

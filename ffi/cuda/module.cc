@@ -90,11 +90,12 @@ NB_MODULE(_cuda, m) {
   m.def(
       "mlp_workspace_bytes",
       [](const std::string& path, bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E,
-         int dtype_code) {
-        jaxmlp::MlpDims dims{M, d, f, F1, E, true, true, true};
+         int dtype_code, bool biases) {
+        jaxmlp::MlpDims dims{M, d, f, F1, E, biases, biases, false};
         return jaxmlp::MlpWorkspaceBytes(PathOf(path), forward, dims, dtype_code == 0 ? 4 : 2);
       },
-      "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16).");
+      "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16; "
+      "biases: b1 or b2 given).");
   m.def(
       "gemm_workspace_bytes",
       [](const std::string& path, int64_t E) {

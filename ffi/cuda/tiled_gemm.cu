@@ -488,6 +488,11 @@ __device__ const bool kTiledUsesWgmma =
     false;
 #endif
 
+// Whether `s` can run here: 16-bit inputs, any float output, K and N multiples of 8.
+bool TiledGemmSupports(const GemmSpec& s) {
+  const bool sixteen_bit = s.in_type == ffi::DataType::BF16 || s.in_type == ffi::DataType::F16;
+  return sixteen_bit && IsFloat(s.out_type) && s.K % kVec == 0 && s.N % kVec == 0;
+}
 
 }  // namespace
 
@@ -513,11 +518,6 @@ bool TiledPathAvailable(std::string* reason) {
   bool wgmma = false;
   if (cudaMemcpyFromSymbol(&wgmma, kTiledUsesWgmma, sizeof(wgmma)) != cudaSuccess) cudaGetLastError();
   return *reason = std::string("jaxmlp's tiled tensor-core kernel (") + (wgmma ? "wgmma" : "mma.sync") + ")", true;
-}
-
-bool TiledGemmSupports(const GemmSpec& s) {
-  const bool sixteen_bit = s.in_type == ffi::DataType::BF16 || s.in_type == ffi::DataType::F16;
-  return sixteen_bit && IsFloat(s.out_type) && s.K % kVec == 0 && s.N % kVec == 0;
 }
 
 ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const GemmSpec* const* specs, int n,
@@ -565,7 +565,6 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
     }
     blocks += tiles * q.splits;
   }
-  if (blocks == 0) return ffi::Error::Success();
   if (blocks > 0x7fffffff) return ffi::Error::InvalidArgument("jaxmlp: problem too large for the tiled GEMM");
   ByType(specs[0]->in_type, [&](auto in) {
     ByType(specs[0]->out_type, [&](auto out) {
@@ -596,9 +595,7 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
       }
     });
   });
-  const cudaError_t e = cudaGetLastError();  // read and cleared, as in mlp_kernels.cu
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxmlp: tiled GEMM launch: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return CheckCuda(cudaGetLastError(), "launching the tiled GEMM");
 }
 
 }  // namespace jaxmlp
