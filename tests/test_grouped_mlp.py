@@ -235,12 +235,19 @@ def test_vmap_over_a_batch_of_calls(backend, rng):
       assert rel_error(g[i], want[k]) < 1e-5, k
 
 
-def test_cpu_unaffected_by_a_forced_cuda_gemm_path(rng, monkeypatch):
-  """The CUDA branch is traced on every machine; forcing its GEMM path must not break CPU calls."""
-  monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
+@pytest.mark.parametrize("path", ["grouped", "tiled"])
+def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
+  """The CUDA branch is traced on every machine. Forcing its GEMM path leaves CPU calls alone, except
+  where CUDA devices cannot run the forced path: there the setting is an error, for every call, at trace
+  time."""
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
   args = make_inputs(rng, 40, 16, 16, [15, 25], "swiglu", jnp.float32)
   n = numpy_args(args)
   with jax.default_device(jax.devices("cpu")[0]):
+    if _ffi.cuda_devices() and not _ffi.cuda_status().get(f"{path}_available"):
+      with pytest.raises(RuntimeError, match=f"JAXMLP_GEMM_PATH={path}, but"):
+        jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
+      return
     got = jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
   assert rel_error(got, ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu")) < 1e-5
 
