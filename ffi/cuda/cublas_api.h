@@ -2,8 +2,9 @@
 //
 // jaxmlp links no cuBLAS: it uses the copy JAX's CUDA plugin loaded (or the nvidia-cublas wheel's), so
 // one library is mapped and one binary runs with cuBLAS 13.1 (fallback path only) and with the releases
-// that have the grouped GEMM (13.4+ on Hopper, 13.3+ on Blackwell). The grouped-GEMM entry points are experimental and absent from older releases: they are
-// optional here, declared by hand with their ABI constants so that older headers also compile.
+// that have the grouped GEMM (13.4+ on Hopper, 13.3+ on Blackwell). The grouped-GEMM entry points are
+// experimental and absent from older releases: they are optional here, declared by hand with their ABI
+// constants so that older headers also compile.
 #pragma once
 
 #include <cstddef>

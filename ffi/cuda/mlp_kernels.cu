@@ -197,7 +197,7 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
 
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
                            int64_t n, const void* v, float* acc, void* out) {
-  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream), "zeroing bias sums"));
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream), "zeroing sums"));
   const int64_t rows_per_block = std::max<int64_t>(64, (M + 65534) / 65535);
   dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::max<int64_t>((M + rows_per_block - 1) / rows_per_block, 1)));
   ByType(t, [&](auto tag) {
