@@ -51,7 +51,7 @@ print(json.dumps({"platform": d.platform, "device": d.device_kind}))
 
 def parse_args():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--shapes", help=f"comma-separated, from {', '.join(cases.ALL_SHAPES)} "
+  p.add_argument("--shapes", help=f"comma-separated, from {', '.join(cases.ALL_SHAPES)}, or {cases.CUSTOM_SHAPE} "
                  f"(default: {', '.join(cases.GPU_SHAPES)} on a GPU, {', '.join(cases.CPU_SHAPES)} on the CPU)")
   p.add_argument("--routing", default=",".join(cases.ROUTINGS), help="balanced, skewed or both")
   p.add_argument("--impls", help=f"comma-separated, from {', '.join(IMPLS)} (default: all that are installed; "
@@ -69,7 +69,13 @@ def parse_args():
   p.add_argument("--write-results", action="store_true",
                  help="also write benchmarks/RESULTS.md and benchmarks/RESULTS.png")
   a = p.parse_args()
-  a.shapes = _choices("--shapes", a.shapes, cases.ALL_SHAPES) if a.shapes else None
+  if a.shapes:
+    a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    for name in a.shapes or [""]:
+      try:
+        cases.shape_named(name)
+      except ValueError as e:
+        p.error(f"--shapes: {e}")
   a.routing = _choices("--routing", a.routing, cases.ROUTINGS)
   a.impls = _choices("--impls", a.impls, IMPLS) if a.impls else None
   for flag, value, least in (("--repeats", a.repeats, 1), ("--sets", a.sets, 1), ("--layers", a.layers, 1),
@@ -161,7 +167,7 @@ def main():
   for case in case_list:
     label = f"{case['shape']}/{case['routing']}"
     case["impls"].update(jax_impls.run_case(
-        cases.ALL_SHAPES[case["shape"]], case["group_sizes"], [i for i in runnable if i != "torch"],
+        cases.shape_named(case["shape"]), case["group_sizes"], [i for i in runnable if i != "torch"],
         dtype, timing, lambda impl, m, t: progress(label, impl, m, t, case["flops"][m])))
 
   info = jaxmlp.backend_info()
@@ -195,7 +201,7 @@ def make_cases(shape_names: list[str], routings: list[str]) -> list[dict]:
   """One record per shape and routing; measurements are added under "impls"."""
   out = []
   for name in shape_names:
-    shape = cases.ALL_SHAPES[name]
+    shape = cases.shape_named(name)
     for routing in routings:
       sizes = cases.group_sizes(routing, shape.E, shape.M)
       out.append({"shape": name, "routing": routing, "E": shape.E, "d": shape.d, "f": shape.f, "M": shape.M,

@@ -33,6 +33,17 @@ CPU_SHAPES = {s.name: s for s in (
     Shape("tiny-wide", 8, 128, 256, 256),
 )}
 ALL_SHAPES = {**GPU_SHAPES, **CPU_SHAPES}
+CUSTOM_SHAPE = "ExdxfxM (e.g. 128x2048x768x1024: your own E, d, f and M)"
+
+
+def shape_named(name: str) -> Shape:
+  """One of ALL_SHAPES, or a shape of your own written ExdxfxM; ValueError for anything else."""
+  if name in ALL_SHAPES:
+    return ALL_SHAPES[name]
+  sizes = name.split("x")
+  if len(sizes) == 4 and all(n.isdigit() and int(n) > 0 for n in sizes):
+    return Shape(name, *map(int, sizes))
+  raise ValueError(f"{name!r}: expected one of {', '.join(ALL_SHAPES)} or {CUSTOM_SHAPE}")
 ROUTINGS = ("balanced", "skewed")
 # Largest acceptable relative error against a reference, per dtype: rounding the stored intermediates
 # to bf16 gives ~4e-3; a wrong group offset or a missing term gives O(1).

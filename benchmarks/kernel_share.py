@@ -3,7 +3,7 @@
 Run under Nsight Compute, which times each kernel on the device:
   ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
       python benchmarks/kernel_share.py qwen3 [skewed] > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
-The first form runs fwd+bwd steps of the SwiGLU MLP at a reference shape or "E,d,f,M" (balanced routing
+The first form runs fwd+bwd steps of the SwiGLU MLP at a reference shape or ExdxfxM (balanced routing
 unless named) and profiles two of them, after warm-up steps (compilation, cuBLAS's first-call setup); the
 second sums kernel times per kind and prints jaxmlp's own kernels as a share of all GPU time of a step.
 """
@@ -21,12 +21,12 @@ TILED_GEMM = "TiledGemmKernel"
 
 
 def run(shape_name, routing="balanced"):
-  """shape_name: one of cases.ALL_SHAPES, or "E,d,f,M"; routing: one of cases.ROUTINGS."""
+  """shape_name: one of cases.ALL_SHAPES, or ExdxfxM; routing: one of cases.ROUTINGS."""
   import jax
   import jax.numpy as jnp
   import jaxmlp
   import jax_impls
-  s = cases.ALL_SHAPES.get(shape_name) or cases.Shape(shape_name, *map(int, shape_name.split(",")))
+  s = cases.shape_named(shape_name)
   inputs = jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0)
   gs = jnp.asarray(cases.group_sizes(routing, s.E, s.M))
   step = jax.jit(jax_impls.forward_backward(jaxmlp.grouped_mlp))  # the step bench.py times

@@ -10,13 +10,15 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 def test_benchmark_runs_on_the_cpu(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, str(BENCH), "--shapes", "tiny", "--routing", "balanced", "--impls", "jaxmlp,ragged_dot",
+  # A shape of the user's own, written ExdxfxM.
+  cmd = [sys.executable, str(BENCH), "--shapes", "4x64x128x200", "--routing", "balanced", "--impls", "jaxmlp,ragged_dot",
          "--repeats", "1", "--budget-s", "0.1", "--layers", "2", "--out", str(tmp_path)]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   results = json.loads((tmp_path / "bench.json").read_text())
   assert results["meta"]["mode"] == "cpu"
   (case,) = results["cases"]
+  assert (case["shape"], case["E"], case["d"], case["f"], case["M"]) == ("4x64x128x200", 4, 64, 128, 200)
   for impl in ("jaxmlp", "ragged_dot"):
     for mode in ("fwd", "fwd_bwd"):
       assert case["impls"][impl][mode]["s"] > 0
@@ -29,7 +31,8 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
 
 def test_benchmark_rejects_bad_arguments(tmp_path):
   for args, message in ((["--sets", "0"], "--sets must be at least 1"),
-                        (["--shapes", "qwen3,nope"], "--shapes: nope")):
+                        (["--shapes", "qwen3,nope"], "--shapes: 'nope': expected one of small"),
+                        (["--shapes", "8x64x0x256"], "or ExdxfxM (e.g. 128x2048x768x1024")):
     proc = subprocess.run([sys.executable, str(BENCH), *args, "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
