@@ -33,6 +33,11 @@ CPU_SHAPES = {s.name: s for s in (
     Shape("tiny-wide", 8, 128, 256, 256),
 )}
 ALL_SHAPES = {**GPU_SHAPES, **CPU_SHAPES}
+ROUTINGS = ("balanced", "skewed")
+# Largest acceptable relative error against a reference, per dtype: rounding the stored intermediates
+# to bf16 gives ~4e-3; a wrong group offset or a missing term gives O(1).
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
+
 CUSTOM_SHAPE = "ExdxfxM (e.g. 128x2048x768x1024: your own E, d, f and M)"
 
 
@@ -41,13 +46,9 @@ def shape_named(name: str) -> Shape:
   if name in ALL_SHAPES:
     return ALL_SHAPES[name]
   sizes = name.split("x")
-  if len(sizes) == 4 and all(n.isdigit() and int(n) > 0 for n in sizes):
+  if len(sizes) == 4 and all(n.isascii() and n.isdigit() and int(n) > 0 for n in sizes):
     return Shape(name, *map(int, sizes))
   raise ValueError(f"{name!r}: expected one of {', '.join(ALL_SHAPES)} or {CUSTOM_SHAPE}")
-ROUTINGS = ("balanced", "skewed")
-# Largest acceptable relative error against a reference, per dtype: rounding the stored intermediates
-# to bf16 gives ~4e-3; a wrong group offset or a missing term gives O(1).
-TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 
 
 def group_sizes(routing: str, E: int, M: int) -> np.ndarray:

@@ -89,10 +89,11 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
     return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
   status = cuda_status()
   if forced == "tiled" and not status.get("tiled_available"):
-    raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: {status.get('tiled_reason')}")
+    raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: "
+                       f"{status.get('tiled_reason', 'no CUDA device')}")
   if forced == "grouped" and not status.get("grouped_available"):
     raise RuntimeError("JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: "
-                       f"{status.get('grouped_reason')}")
+                       f"{status.get('grouped_reason', 'no CUDA device')}")
   why_not = unservable(dtype, *row_lengths)
   if why_not:
     return "fallback", f"{why_not}: cublasGemmGroupedBatchedEx serves it"
@@ -217,6 +218,21 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
           ds if scales is not None else None)
 
 
+def _gemm_dtypes(path: str, dtype, out_dtype) -> tuple:
+  """(input, output) dtypes of a CUDA GEMM handler asked for `dtype` inputs' product in out_dtype. Where
+  the path cannot write out_dtype from those inputs, the handler multiplies in a wider dtype (an exact
+  upcast) and the caller rounds its result once to out_dtype: cublasGemmGroupedBatchedEx takes one dtype
+  in and out, and cuBLASLt's grouped GEMM writes a 16-bit product only in its own dtype or float32
+  (float16 to bfloat16 "is not supported", measured on an H200 with cuBLAS 13.10)."""
+  dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
+  if path == "fallback":
+    wide = jnp.promote_types(dtype, out_dtype)
+    return wide, wide
+  if path == "grouped" and out_dtype not in (dtype, jnp.float32):
+    return dtype, jnp.dtype(jnp.float32)
+  return dtype, out_dtype
+
+
 def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   """One grouped product (see GemmOp in ffi/common.h): "nn" lhs @ rhs[g], "nt" lhs @ rhs[g].T,
   "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]."""
@@ -233,14 +249,9 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   def cuda(lhs, rhs, sizes):
     path = _cuda_path(lhs.dtype, K, N, problem=(E, lhs.shape[0], K, N))
     ws = _cuda.gemm_workspace_bytes(path, E) if _cuda else 0
-    if path == "fallback" and jnp.dtype(out_dtype) != lhs.dtype:
-      # cublasGemmGroupedBatchedEx takes one dtype in and out: multiply in the wider of the two (an exact
-      # upcast of the inputs), then round the products once to out_dtype.
-      wide = jnp.promote_types(lhs.dtype, out_dtype)
-      call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [sds(out_shape, wide), _workspace(ws, sds)],
-                              vmap_method="sequential")
-      return call(lhs.astype(wide), rhs.astype(wide), sizes, **attrs)[0].astype(out_dtype)
-    call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [out, _workspace(ws, sds)], vmap_method="sequential")
-    return call(lhs, rhs, sizes, **attrs)[0]
+    in_dtype, handler_out = _gemm_dtypes(path, lhs.dtype, out_dtype)
+    call = jax.ffi.ffi_call(f"jaxmlp_gemm_{path}", [sds(out_shape, handler_out), _workspace(ws, sds)],
+                            vmap_method="sequential")
+    return call(lhs.astype(in_dtype), rhs.astype(in_dtype), sizes, **attrs)[0].astype(out_dtype)
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)

@@ -127,8 +127,8 @@ def _check_group_sizes_at_run_time(group_sizes, m: int) -> None:
     wrong = []
     if (sizes < 0).any():
       wrong.append("negative entries")
-    if sizes.sum() > m:
-      wrong.append(f"sum {sizes.sum()} > M = {m}")
+    if sizes.clip(0).sum() > m:  # what the policy would cap
+      wrong.append(f"sizes sum to {sizes.clip(0).sum()} > M = {m}")
     if wrong:
       raise ValueError(f"group_sizes {sizes.tolist()}: {' and '.join(wrong)} (check_group_sizes=True)")
 

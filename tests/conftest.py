@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+import numpy_reference as ref
 from jaxmlp import _ffi
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative Frobenius error
@@ -55,8 +56,8 @@ def backend(request, monkeypatch):
   """Runs the test's jaxmlp calls on one platform (and, on CUDA, one GEMM path).
 
   On the grouped or tiled path, a test none of whose calls took that path fails: it would test the
-  fallback under another name. Float32-only tests take `float32_backends`; `skip_unless_served` skips
-  single cases."""
+  fallback (or, with no custom call, nothing) under another name. Float32-only tests take
+  `float32_backends`; `skip_unless_served` skips single cases."""
   name = request.param
   if name == "cpu":
     with jax.default_device(jax.devices("cpu")[0]):
@@ -77,15 +78,28 @@ def backend(request, monkeypatch):
   monkeypatch.setattr(_ffi, "_cuda_path", recorded)
   with jax.default_device(_ffi.cuda_devices()[0]):
     yield name
-  assert not taken or path in taken, f"no call took the {path} path (took {set(taken)})"
+  report = getattr(request.node, "call_report", None)
+  if report is not None and report.passed:
+    assert path == "fallback" or path in taken, f"no call took the {path} path (took {set(taken)})"
 
 
-def skip_unless_served(backend, dtype, *row_lengths):
-  """Skips a case the forced grouped or tiled path cannot serve (float32, unaligned rows), which the
-  cuda-fallback case runs."""
-  why_not = _ffi.unservable(dtype, *row_lengths)
-  if backend in ("cuda-grouped", "cuda-tiled") and why_not:
-    pytest.skip(f"{why_not}: the fallback serves it (see cuda-fallback)")
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Keeps the test's own outcome on the item, for the backend fixture's teardown."""
+  report = yield
+  if report.when == "call":
+    item.call_report = report
+  return report
+
+
+def skip_unless_served(backend, dtype, *row_lengths, empty=False):
+  """Skips a case the forced grouped or tiled path does not run, which cpu and cuda-fallback do: float32
+  or unaligned rows (the fallback serves them), or an empty problem (no custom call at all)."""
+  if backend not in ("cuda-grouped", "cuda-tiled"):
+    return
+  why_not = "an empty problem makes no custom call" if empty else _ffi.unservable(dtype, *row_lengths)
+  if why_not:
+    pytest.skip(f"{why_not} (see cuda-fallback)")
 
 
 @pytest.fixture
@@ -105,6 +119,18 @@ def max_error(got, want):
   if not got.size:
     return 0.0
   return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+def check_close(got, want, tol, name=""):
+  """Frobenius and largest elementwise error against the reference: within tol and 2 tol."""
+  assert rel_error(got, want) < tol and max_error(got, want) < 2 * tol, name
+
+
+def check_padding_rows_zero(m, sizes, *row_outputs):
+  """Rows past the clamped total of sizes: zero output and zero gradient."""
+  total = ref.clamp_sizes(sizes, m)[-1]
+  for a in row_outputs:
+    assert not np.asarray(a[total:], np.float64).any()
 
 
 def rel_error(got, want):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, cuda_reason, max_error, rel_error
+from conftest import TOLERANCE, check_close, check_padding_rows_zero, cuda_reason
 
 import jaxmlp
 import numpy_reference as ref
@@ -22,15 +22,7 @@ f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
 
 
 def check_bf16(got, want, name=""):
-  tol = TOLERANCE["bfloat16"]
-  assert rel_error(got, want) < tol and max_error(got, want) < 2 * tol, name
-
-
-def check_padding_rows_zero(m, sizes, *row_outputs):
-  """Rows past the clamped total: zero output and zero gradient."""
-  total = ref.clamp_sizes(sizes, m)[-1]
-  for a in row_outputs:
-    assert not f64(a[total:]).any()
+  check_close(got, want, TOLERANCE["bfloat16"], name)
 
 
 @pytest.mark.parametrize("sizes", [

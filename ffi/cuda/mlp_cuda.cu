@@ -8,6 +8,7 @@
 
 #include "../common.h"
 #include "grouped_gemm.h"
+#include "launch.cuh"
 #include "mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -58,8 +59,8 @@ Error CheckWorkspace(const Carver& c, const AnyBuffer& ws) {
 Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
   if (!PoisonOutputs()) return Error::Success();
   for (AnyBuffer* b : outs)
-    if (cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream) != cudaSuccess)
-      return Error::Internal("jaxmlp: poisoning outputs failed");
+    JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
+                                     "poisoning outputs"));
   return Error::Success();
 }
 

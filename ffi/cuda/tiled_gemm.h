@@ -38,8 +38,8 @@ struct TiledGroups {
 // Whether the tiled kernel can run on the current device, and if not, why.
 bool TiledPathAvailable(std::string* reason);
 
-// Runs products specs[0..n) (no one reading another's output; 16-bit inputs of one dtype, K and N
-// multiples of 8, else an InvalidArgument error) in one launch. The rows of a kNN/kNT product's output
+// Runs products specs[0..n) (no one reading another's output; 16-bit inputs, one input and one output
+// dtype for all, K and N multiples of 8, else an InvalidArgument error) in one launch. The rows of a kNN/kNT product's output
 // past the groups (padding) get zeros. A call's first launch writes the group arrays.
 // The later ones (follows_own_kernel: the kernel ahead on the stream is one of the call's own, launched
 // after the first) read group_sizes and the operands that are call inputs before waiting for that kernel,
