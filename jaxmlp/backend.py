@@ -28,7 +28,7 @@ def backend_info() -> dict:
       small_path, small_why = _ffi.gemm_path(jnp.bfloat16, 8, problem=(8, 256, 256, 1024))
       cuda.update(gemm_path=path, why=why, small_gemm_path=small_path, small_why=small_why,
                   float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
-    except RuntimeError as e:  # JAXMLP_GEMM_PATH forces a path this GPU cannot run: every call raises so
+    except RuntimeError as e:  # JAXMLP_GEMM_PATH forces a path this GPU cannot run: every call would raise
       cuda.update(gemm_path=None, why=str(e))
     cuda.update(tiled_max_weights=_ffi.TILED_MAX_WEIGHTS, tiled_max_macs=_ffi.TILED_MAX_MACS)
   else:
