@@ -45,9 +45,11 @@ JAXMLP_HD ValGrad GeluTanh(float x) {
   return {x * s, s + 2.0f * x * s * (1.0f - s) * kC * (1.0f + 3.0f * kA * x * x)};
 }
 
-JAXMLP_HD ValGrad Relu(float x) { return {x > 0.0f ? x : 0.0f, x > 0.0f ? 1.0f : 0.0f}; }
+// Comparisons written so that NaN passes through (x <= 0 is false for NaN), as in jax.nn.relu: a NaN
+// must reach the loss, where a finiteness check can see it, not turn into a finite output.
+JAXMLP_HD ValGrad Relu(float x) { return {x <= 0.0f ? 0.0f : x, x > 0.0f ? 1.0f : 0.0f}; }
 
-JAXMLP_HD ValGrad SquaredRelu(float x) { return {x > 0.0f ? x * x : 0.0f, x > 0.0f ? 2.0f * x : 0.0f}; }
+JAXMLP_HD ValGrad SquaredRelu(float x) { return {x <= 0.0f ? 0.0f : x * x, x > 0.0f ? 2.0f * x : 0.0f}; }
 
 // A gated activation's output and its partial derivatives; for ungated ones `up` is unused, dup = 0.
 struct ActGrad {
@@ -69,9 +71,9 @@ JAXMLP_HD ActGrad ActivationGradOf(const ActParams& p, float gate, float up) {
     return {g.val * up, g.grad * up, g.val};
   } else if constexpr (kAct == Act::kClampedSwiglu) {
     // GPT-OSS: the gate is clamped above, the linear part to [-limit, limit] and shifted by +1. The
-    // gradient passes at the limit itself (as jnp.where(x > limit, limit, x) does).
-    bool gate_free = gate <= p.limit;
-    bool up_free = up >= -p.limit && up <= p.limit;
+    // gradient passes at the limit itself (as jnp.where(x > limit, limit, x) does), and so does NaN.
+    bool gate_free = !(gate > p.limit);
+    bool up_free = !(up < -p.limit || up > p.limit);
     float g = gate_free ? gate : p.limit;
     float u = (up_free ? up : (up > 0.0f ? p.limit : -p.limit)) + 1.0f;
     float s = Sigmoid(p.alpha * g);

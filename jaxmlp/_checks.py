@@ -55,7 +55,8 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
   if _shape(w1) != (E, d, F1):
     _fail("w1", _shape(w1), f"[E, d, {'2f' if act.gated else 'f'}] = [{E}, {d}, {F1}] (d from x)")
   if _shape(w2) != (E, f, d):
-    _fail("w2", _shape(w2), f"[E, f, d] = [{E}, {f}, {d}]")
+    gated = f" (f = {F1} / 2: w1 holds gate and linear part for the gated {act.name!r})" if act.gated else ""
+    _fail("w2", _shape(w2), f"[E, f, d] = [{E}, {f}, {d}]{gated}")
   check_group_sizes(group_sizes, E)
   if b1 is not None and _shape(b1) != (E, F1):
     _fail("b1", _shape(b1), f"[E, {'2f' if act.gated else 'f'}] = [{E}, {F1}]")
@@ -86,8 +87,18 @@ def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
     raise TypeError(f"lhs, rhs: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
   out_dtype = jnp.dtype(preferred_element_type or dtype)
   if out_dtype not in FLOAT_DTYPES:
-    raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected a float dtype")
+    raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected float32, bfloat16 or "
+                    "float16")
   return dtype, out_dtype
+
+
+def host_sizes_as_int32(group_sizes, m: int):
+  """NumPy group_sizes clamped to [0, m] and narrowed to int32 on the host, meaning the same under the
+  policy; anything else unchanged. Without x64, JAX would narrow an int64 array itself, by wrapping
+  (2**32 + 5 becomes 5), before sizes_as_int32 could clamp it."""
+  if isinstance(group_sizes, (np.ndarray, np.generic)):
+    return np.clip(group_sizes, 0, m).astype(np.int32)
+  return group_sizes
 
 
 def sizes_as_int32(group_sizes: jax.Array, m: int) -> jax.Array:

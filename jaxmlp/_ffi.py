@@ -85,9 +85,9 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
   if forced not in ("auto", "grouped", "tiled", "fallback"):
     raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, tiled or fallback")
+  status = cuda_status()  # first, even for the fallback: it loads cuBLAS, searching the wheel's folder
   if forced == "fallback":
     return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
-  status = cuda_status()
   if forced == "tiled" and not status.get("tiled_available"):
     raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: "
                        f"{status.get('tiled_reason', 'no CUDA device')}")

@@ -35,6 +35,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, shape.M)
+  group_sizes = _checks.host_sizes_as_int32(group_sizes, shape.M)
   if 0 in (shape.M, shape.d, shape.f):
     # An empty problem leaves only biases and zeros to compute, and the handlers take no zero-sized
     # operands (they launch kernels sized by them): the reference, which defines the semantics, does it.
@@ -70,8 +71,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   """Drop-in for jax.lax.ragged_dot: lhs [m, k], rhs [g, k, n], group_sizes [g] -> [m, n].
 
   Rows past sum(group_sizes) are 0. `precision` is accepted for compatibility: float32 inputs are
-  multiplied in float32 and 16-bit inputs accumulate in float32 whatever it says. group_offset and
-  out_sharding are not supported (NotImplementedError).
+  multiplied in float32 and 16-bit inputs accumulate in float32 whatever it says. The backward
+  multiplies in the operands' dtype, so a float32 output gradient of 16-bit operands is rounded to
+  their dtype first. group_offset and out_sharding are not supported (NotImplementedError).
   """
   for name, value in (("group_offset", group_offset), ("out_sharding", out_sharding)):
     if value is not None:
@@ -81,6 +83,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   m, k, n = *np.shape(lhs), np.shape(rhs)[2]
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, m)
+  group_sizes = _checks.host_sizes_as_int32(group_sizes, m)
   if 0 in (m, k, n):  # an empty product: zeros, without a custom call (see grouped_mlp)
     return reference.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, preferred_element_type=out_dtype)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
@@ -132,4 +135,7 @@ def _check_group_sizes_at_run_time(group_sizes, m: int) -> None:
     if wrong:
       raise ValueError(f"group_sizes {sizes.tolist()}: {' and '.join(wrong)} (check_group_sizes=True)")
 
-  jax.debug.callback(check, group_sizes)
+  if isinstance(group_sizes, (np.ndarray, np.generic)):
+    check(group_sizes)  # already on the host, and before JAX could narrow an int64 array by wrapping
+  else:
+    jax.debug.callback(check, group_sizes)

@@ -17,7 +17,8 @@ from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp)
+                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
+                  tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -99,7 +100,7 @@ class MoE(nn.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
-    tokens = x.reshape(-1, self.d_model)
+    tokens = tokens_of(x, self.d_model)
     # The router computes in float32, as in jaxmlp.nnx.MoE: top-k choices are sensitive to rounding.
     logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
                       kernel_init=nn.with_logical_partitioning(default_router_init, ROUTER_AXES),

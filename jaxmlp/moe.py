@@ -64,6 +64,14 @@ def check_moe_args(num_experts: int, top_k: int, score_func: str, capacity_facto
     raise ValueError(f"capacity_factor: got {capacity_factor}, expected None or > 0")
 
 
+def tokens_of(x: jax.Array, d_model: int) -> jax.Array:
+  """x [..., d_model] as tokens [T, d_model]; a width that is not d_model is an error, not a reshape
+  that would mix features of neighbouring tokens."""
+  if x.ndim == 0 or x.shape[-1] != d_model:
+    raise ValueError(f"x: got shape {tuple(x.shape)}, expected [..., d_model] = [..., {d_model}]")
+  return x.reshape(-1, d_model)
+
+
 def route(logits: jax.Array, top_k: int, score_func: str = "softmax", renormalize: bool = True):
   """Picks each token's experts from its router logits [T, E].
 
@@ -118,6 +126,9 @@ def router_losses(logits: jax.Array, probs: jax.Array, counts: jax.Array, top_k:
   router_z_loss (ST-MoE): the mean over tokens of `logsumexp(logits)**2`; keeps the logits small.
   """
   num_tokens, num_experts = logits.shape
+  if num_tokens == 0:  # no tokens, no loss (a mean over none would be NaN and poison the training loss)
+    zero = jnp.zeros((), jnp.float32)
+    return {"load_balancing_loss": zero, "router_z_loss": zero, "aux_loss": zero}
   fraction_routed = counts.astype(jnp.float32) / (num_tokens * top_k)
   load_balancing = num_experts * jnp.sum(fraction_routed * jnp.mean(probs, axis=0))
   z = jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))

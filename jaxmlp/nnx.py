@@ -21,7 +21,8 @@ from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp)
+                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
+                  tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -203,7 +204,7 @@ class MoE(nnx.Module):
       (y, aux): y with the shape of x, in the computation dtype; aux holds "load_balancing_loss" and
       "router_z_loss", already multiplied by their coefficients, and their sum "aux_loss".
     """
-    tokens = x.reshape(-1, self.d_model)
+    tokens = tokens_of(x, self.d_model)
     y, aux = moe(tokens, self.router(tokens), self.experts, top_k=self.top_k, score_func=self.score_func,
                  renormalize=self.renormalize, capacity_factor=self.capacity_factor,
                  aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)

@@ -19,7 +19,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   """Reference for jaxmlp.grouped_mlp (same arguments and semantics)."""
   act = resolve(activation)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
-  sizes = _checks.clamp_group_sizes(group_sizes, s.M)
+  sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, s.M), s.M)
   rows = _checks.row_groups(sizes, s.M)  # E for padding rows
   valid = (rows < s.E)[:, None]
   expert = jnp.minimum(rows, s.E - 1)
@@ -43,5 +43,5 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported by jaxmlp.ragged_dot")
   _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
-  sizes = _checks.clamp_group_sizes(group_sizes, lhs.shape[0])
+  sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, lhs.shape[0]), lhs.shape[0])
   return jax.lax.ragged_dot(lhs, rhs, sizes, precision=precision, preferred_element_type=preferred_element_type)

@@ -44,8 +44,8 @@ def activation(name, h, alpha=1.702, limit=7.0):
     f = h.shape[1] // 2
     gate, up = h[:, :f], h[:, f:]
     if name == "clamped_swiglu":
-      gate_free = gate <= limit
-      up_free = (up >= -limit) & (up <= limit)
+      gate_free = ~(gate > limit)  # NaN passes through, as in the formula min(gate, limit)
+      up_free = ~((up < -limit) | (up > limit))
       g = np.where(gate_free, gate, limit)
       u = np.clip(up, -limit, limit) + 1
       s = _sigmoid(alpha * g)

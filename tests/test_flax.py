@@ -350,6 +350,26 @@ def test_moe_rejects_bad_arguments():
     jaxmlp.nnx.MoE(E, D, F, 2, score_func="relu", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="capacity_factor"):
     jaxmlp.nnx.MoE(E, D, F, 2, capacity_factor=0.0, rngs=nnx.Rngs(0))
+  # An input of another width must not be reshaped into tokens of width D (mixing neighbours' features).
+  x = jnp.ones((3, 2 * D))
+  expected = rf"x: got shape \(3, {2 * D}\), expected \[\.\.\., d_model\] = \[\.\.\., {D}\]"
+  with pytest.raises(ValueError, match=expected):
+    jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(0))(x)
+  with pytest.raises(ValueError, match=expected):
+    jaxmlp.linen.MoE(E, D, F, 2).init(jax.random.key(0), x)
+
+
+def test_moe_of_no_tokens_has_zero_losses():
+  """An empty batch (say, an empty last shard) gives no output rows and zero losses, not NaN."""
+  x = jnp.ones((0, D))
+  moe = jaxmlp.nnx.MoE(E, D, F, 2, aux_loss_coef=0.1, z_loss_coef=0.01, rngs=nnx.Rngs(0))
+  y, aux = moe(x)
+  linen_moe = jaxmlp.linen.MoE(E, D, F, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+  y_linen, aux_linen = linen_moe.apply(linen_moe.init(jax.random.key(0), x), x)
+  assert y.shape == y_linen.shape == (0, D)
+  for losses in (aux, aux_linen):
+    assert {k: float(v) for k, v in losses.items()} == {"load_balancing_loss": 0.0, "router_z_loss": 0.0,
+                                                         "aux_loss": 0.0}
 
 
 # ---- Save and restore ---------------------------------------------------------------------------------

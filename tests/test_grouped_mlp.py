@@ -120,6 +120,33 @@ def test_group_sizes_of_other_integer_dtypes(backend, rng, dtype, sizes):
   assert rel_error(out, ref.ragged_dot(n["x"], n["w1"], n["group_sizes"])) < TOLERANCE["float32"]
 
 
+# A NaN in a row reaches that row's output on every path, as in the reference (jax.nn.relu(nan) is nan):
+# the activations' comparisons must not turn it into a finite value that a check on the loss cannot see.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("act", jaxmlp.ACTIVATIONS)
+def test_nan_rows_stay_nan(backend, rng, dtype, act):
+  skip_unless_served(backend, dtype)
+  args = make_inputs(rng, 48, 16, 24, [20, 0, 28], act, dtype, bias=True)
+  args["x"] = args["x"].at[np.array([5, 30])].set(jnp.nan)
+  for y in (jaxmlp.grouped_mlp(**args, activation=act), jaxmlp.reference.grouped_mlp(**args, activation=act)):
+    y = np.asarray(y, np.float32)
+    assert np.isnan(y[[5, 30]]).all() and np.isfinite(np.delete(y, [5, 30], axis=0)).all()
+
+
+# NumPy's default integer is int64. Without x64 JAX would narrow such an array to int32 by wrapping
+# (2**32 + 5 to 5, -2**40 to 0) before any clamp on the device ran: jaxmlp clamps NumPy sizes on the host.
+@float32_backends
+def test_numpy_int64_group_sizes_keep_their_values(backend, rng):
+  args = make_inputs(rng, 40, 16, 16, [0, 0, 0], "swiglu", jnp.float32, bias=True, scales=True)
+  args["group_sizes"] = np.array([3, 2**32 + 5, -2**40], np.int64)  # rows 3.. all in group 1
+  check_forward_and_grads(args, "swiglu", jnp.float32, rng)
+  n = numpy_args(args)
+  out = jaxmlp.ragged_dot(args["x"], args["w1"], args["group_sizes"])
+  assert rel_error(out, ref.ragged_dot(n["x"], n["w1"], n["group_sizes"])) < TOLERANCE["float32"]
+  with pytest.raises(ValueError, match=r"sizes sum to 4294967304 > M = 40"):
+    jaxmlp.grouped_mlp(args["x"], args["w1"], args["w2"], args["group_sizes"], check_group_sizes=True)
+
+
 @pytest.mark.parametrize("m, sizes, want", [
     (2**30 + 5, [2**30, 2**30, 7], [2**30, 5, 0]),  # the running total passes 2^31 before the cap
     (2**31 - 1, [2**31 - 1, 2**31 - 1, -(2**31), 1], [2**31 - 1, 0, 0, 0]),
@@ -276,6 +303,9 @@ def test_check_group_sizes_raises_at_run_time(rng):
     (dict(w1=jnp.ones((0, 8, 16)), w2=jnp.ones((0, 8, 8)), group_sizes=jnp.ones((0,), jnp.int32)),
      r"w1: got shape \(0, 8, 16\), expected \[E, 8, 2f\] with E >= 1"),
     (dict(w2=jnp.ones((2, 8, 9))), r"w2: got shape \(2, 8, 9\), expected \[E, f, d\] = \[2, 8, 8\]"),
+    (dict(w1=jnp.ones((2, 8, 8))),  # ungated weights with the default, gated, activation
+     r"w2: got shape \(2, 8, 8\), expected \[E, f, d\] = \[2, 4, 8\] \(f = 8 / 2: w1 holds gate and linear "
+     r"part for the gated 'swiglu'\)"),
     (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes: got shape \(3,\), expected \[2\]"),
     (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes: expected an integer dtype"),
     (dict(group_sizes=[8, 8]), r"group_sizes: expected an integer array \(\[E\] int32, on the device\), got list"),

@@ -27,7 +27,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("m, k, n, sizes", CASES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_matches_lax_ragged_dot_and_its_gradients(backend, rng, m, k, n, sizes, dtype):
   skip_unless_served(backend, dtype, k, n, empty=0 in (m, k, n))
   lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)

@@ -8,14 +8,19 @@ namespace jaxmlp {
 namespace {
 
 // An already-mapped copy first (JAX's plugin loads cuBLAS from the nvidia-cublas wheel), then lib_dirs,
-// then the loader's search path.
-void* Open(const char* soname, const std::vector<std::string>& lib_dirs, std::string* path) {
+// then the loader's search path. On failure `error` holds the loader's message for the last try (taken
+// at once: a later successful dlopen clears it).
+void* Open(const char* soname, const std::vector<std::string>& lib_dirs, std::string* path, std::string* error) {
   void* h = dlopen(soname, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
   for (size_t i = 0; !h && i < lib_dirs.size(); ++i) {
     std::string p = lib_dirs[i] + "/" + soname;
     if ((h = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL))) *path = p;
   }
   if (!h) h = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* why = dlerror();
+    *error = why ? why : std::string(soname) + " not found";
+  }
   if (h && path->empty()) *path = soname;
   return h;
 }
@@ -29,11 +34,11 @@ bool Resolve(void* lib, const char* name, Fn* fn, std::string* error) {
 
 CublasApi Load(const std::vector<std::string>& lib_dirs) {
   CublasApi api;
-  std::string blas_path;
-  void* lt = Open("libcublasLt.so.13", lib_dirs, &api.lt_path);
-  void* blas = Open("libcublas.so.13", lib_dirs, &blas_path);
+  std::string blas_path, why;
+  void* lt = Open("libcublasLt.so.13", lib_dirs, &api.lt_path, &why);
+  void* blas = lt ? Open("libcublas.so.13", lib_dirs, &blas_path, &why) : nullptr;
   if (!lt || !blas) {
-    api.error = std::string("cannot open cuBLAS 13 (libcublasLt.so.13 / libcublas.so.13): ") + dlerror();
+    api.error = "cannot open cuBLAS 13 (libcublasLt.so.13 / libcublas.so.13): " + why;
     return api;
   }
   std::string& e = api.error;

@@ -188,11 +188,12 @@ bool GroupedPathAvailable(std::string* reason) {
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  // Grouped GEMM kernels exist for Hopper from cuBLAS 13.4 and for Blackwell from 13.3.
-  size_t need = major >= 10 ? 130300 : 130400;
-  if (major < 9)
+  // Grouped GEMM kernels exist for Hopper from cuBLAS 13.4 and for Blackwell (10.x) from 13.3. Other
+  // GPUs take the fallback rather than risk a call that finds no grouped kernel.
+  size_t need = major == 10 ? 130300 : 130400;
+  if (major != 9 && major != 10)
     return *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-                     ": the cuBLASLt grouped GEMM needs Hopper (9.0) or newer", false;
+                     ": jaxmlp uses the cuBLASLt grouped GEMM on Hopper (9.x) and Blackwell (10.x) only", false;
   if (api.lt_version < need)
     return *reason = "cuBLASLt " + std::to_string(api.lt_version) + " < " + std::to_string(need) +
                      " has no grouped GEMM kernels for compute capability " + std::to_string(major) + "." +
@@ -298,11 +299,13 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   // always no group is empty, and then every block only reads the counts, so the launch costs what its
   // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
   // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (benchmarks/NOTES.md).
-  const int64_t sms = OncePerDeviceAndKernel(reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) {
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) cudaGetLastError();
-    return int64_t(std::max(count, 1));
-  });
+  const int64_t sms = std::max<int64_t>(1, OncePerDeviceAndKernel(
+      reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
+        int count = 0;
+        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) return count;
+        cudaGetLastError();  // a query: leave no error behind for the launch to report
+        return std::nullopt;  // one block this time
+      }));
   const int64_t bytes_per_block = int64_t(kZeroThreads) * 16;  // 16 bytes a thread
   const dim3 grid(unsigned(std::min<int64_t>((largest + bytes_per_block - 1) / bytes_per_block, sms)), unsigned(n));
   ZeroEmptyGroupsKernel<<<grid, kZeroThreads, 0, stream_>>>(arrays_.counts, E_, t);

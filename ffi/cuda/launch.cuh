@@ -10,6 +10,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -36,18 +37,22 @@ __device__ __forceinline__ void WaitForPrevious() {
 // Facts about a kernel on a device (the architecture its running code was compiled for, how many of its
 // blocks fit at once) do not change while the process runs, and asking the runtime for them costs host
 // time on every call where XLA launches the handlers itself (no command buffers). So `query(device)` runs
-// once per (device, kernel) and its result is kept.
+// once per (device, kernel) and its result is kept; a query that failed (std::nullopt) gives Result{}
+// and is asked again by the next call, so that one failure cannot stick for the process.
 template <typename Query>
-auto OncePerDeviceAndKernel(const void* kernel, Query query) -> decltype(query(0)) {
-  using Result = decltype(query(0));
+auto OncePerDeviceAndKernel(const void* kernel, Query query) -> typename decltype(query(0))::value_type {
+  using Result = typename decltype(query(0))::value_type;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError(), Result{};
   static std::mutex mutex;
   static std::map<std::pair<int, const void*>, Result> known;
   std::lock_guard<std::mutex> lock(mutex);
   auto it = known.find({device, kernel});
-  if (it == known.end()) it = known.emplace(std::make_pair(device, kernel), query(device)).first;
-  return it->second;
+  if (it != known.end()) return it->second;
+  const std::optional<Result> result = query(device);
+  if (!result) return Result{};
+  known.emplace(std::make_pair(device, kernel), *result);
+  return *result;
 }
 
 // Whether `kernel` may be launched programmatically on the current device: the device takes such launches
@@ -55,13 +60,15 @@ auto OncePerDeviceAndKernel(const void* kernel, Query query) -> decltype(query(0
 // so that it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on
 // Hopper, and must wait for the kernel ahead as a plain launch does).
 inline bool OverlapLaunches(const void* kernel) {
-  return OncePerDeviceAndKernel(kernel, [kernel](int device) {
+  return OncePerDeviceAndKernel(kernel, [kernel](int device) -> std::optional<bool> {
     int major = 0;
     cudaFuncAttributes attrs{};
-    const bool queried = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                         cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess;
-    if (!queried) cudaGetLastError();  // a query: leave no error behind for the launch to report
-    return queried && major >= 9 && attrs.ptxVersion >= 90;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
+      cudaGetLastError();  // a query: leave no error behind for the launch to report
+      return std::nullopt;  // a plain launch, this time
+    }
+    return major >= 9 && attrs.ptxVersion >= 90;
   });
 }
 

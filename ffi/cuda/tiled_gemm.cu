@@ -574,12 +574,13 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
         // How many of the kernel's blocks fit on the GPU at once. Setting its shared memory (above 48 KiB,
         // dynamic shared memory is opt-in per kernel and device) is part of the first query.
         auto resident_blocks = [](auto kernel, int smem) {
-          return OncePerDeviceAndKernel(reinterpret_cast<const void*>(kernel), [&](int device) {
+          return OncePerDeviceAndKernel(reinterpret_cast<const void*>(kernel),
+                                        [&](int device) -> std::optional<int64_t> {
             int sms = 0, per_sm = 0;
             if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess)
-              return int64_t(0);  // the launch reports the error
+              return std::nullopt;  // the launch reports the error; the next call sets and asks again
             return int64_t(sms) * per_sm;
           });
         };
