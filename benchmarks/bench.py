@@ -5,8 +5,8 @@
   python benchmarks/bench.py --write-results    # also update benchmarks/RESULTS.md and RESULTS.png
 
 Measures the SwiGLU expert MLP (forward, and fwd+bwd through jax.vjp) with jaxmlp.grouped_mlp,
-jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm and a dense GEMM of
-equal FLOPs; the host overhead of a stack of small layers with XLA command buffers off and on; and
+jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm (eager and under
+torch.compile) and a dense GEMM of equal FLOPs; the host overhead of a stack of small layers with XLA command buffers off and on; and
 the peak memory of fwd+bwd. Without a GPU it runs tiny shapes on the CPU backend and says so.
 Writes bench.json, bench.md and bench.png to --out and prints the Markdown at the end.
 """
@@ -28,7 +28,8 @@ import cases
 import report
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("jaxmlp", "ragged_dot", "tokamax", "torch", "dense")
+IMPLS = ("jaxmlp", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
+TORCH_IMPLS = {"torch": [], "torch_compile": ["--compile"]}  # torch_mlp.py's flags for each
 
 # Command buffers (CUDA graphs) are chosen by an XLA flag that is read once, when JAX initialises its
 # backend, hence one subprocess per setting. "default" leaves XLA_FLAGS as the user has it.
@@ -55,7 +56,7 @@ def parse_args():
                  f"(default: {', '.join(cases.GPU_SHAPES)} on a GPU, {', '.join(cases.CPU_SHAPES)} on the CPU)")
   p.add_argument("--routing", default=",".join(cases.ROUTINGS), help="balanced, skewed or both")
   p.add_argument("--impls", help=f"comma-separated, from {', '.join(IMPLS)} (default: all that are installed; "
-                 "without a GPU all but torch)")
+                 "without a GPU all but torch and torch_compile)")
   p.add_argument("--repeats", type=int, help="timed samples per measurement (default 10 on GPU, 5 on CPU)")
   p.add_argument("--max-call-s", type=float, default=2.0,
                  help="a call slower than this is timed once and marked too slow (default 2)")
@@ -118,7 +119,7 @@ class Progress:
     log(f"[{self.done:3d}/{self.total}] {text}")
 
   def __call__(self, label: str, impl: str, mode: str, t: dict, flops: float) -> None:
-    line = f"{label:<18} {impl:<10} {mode:<7}"
+    line = f"{label:<18} {impl:<13} {mode:<7}"
     if "error" in t:
       self.step(f"{line} error: {t['error'][:200]}")
       return
@@ -154,7 +155,10 @@ def main():
   progress = Progress(2 * len(case_list) * len(runnable) + len(overhead_variants), *report.flop_unit(mode))
 
   # Subprocesses first: once JAX starts in this process it holds most of the GPU memory.
-  torch_meta = run_torch(case_list, mode, dtype, timing, progress) if "torch" in runnable else {}
+  torch_meta = {}
+  for impl in TORCH_IMPLS:
+    if impl in runnable:
+      torch_meta.update(run_torch(impl, case_list, mode, dtype, timing, progress))
   overhead = (run_overhead(args.layers, mode, overhead_variants, timing, child_env, progress)
               if args.overhead else None)
 
@@ -167,7 +171,7 @@ def main():
   for case in case_list:
     label = f"{case['shape']}/{case['routing']}"
     case["impls"].update(jax_impls.run_case(
-        cases.shape_named(case["shape"]), case["group_sizes"], [i for i in runnable if i != "torch"],
+        cases.shape_named(case["shape"]), case["group_sizes"], [i for i in runnable if i not in TORCH_IMPLS],
         dtype, timing, lambda impl, m, t: progress(label, impl, m, t, case["flops"][m])))
 
   info = jaxmlp.backend_info()
@@ -179,7 +183,7 @@ def main():
           "command": shlex.join([Path(sys.executable).name] + sys.argv),
           "versions": {"python": platform.python_version(), "jax": jax.__version__,
                        "jaxlib": jaxlib.__version__, "jaxmlp": jaxmlp.__version__,
-                       "tokamax": _version("tokamax"), "torch": _version("torch"), **torch_meta},
+                       "tokamax": _version("tokamax"), "torch": _version("torch"), "triton": _version("triton"), **torch_meta},
           "cublas": {k: v for k, v in cuda.items() if "cublas" in k.lower()},
           "gemm_path": (f"{cuda['gemm_path']} ({cuda.get('why', '')}); small problems such as the host-overhead "
                         f"layer: {cuda.get('small_gemm_path')} ({cuda.get('small_why', '')})")
@@ -211,21 +215,23 @@ def make_cases(shape_names: list[str], routings: list[str]) -> list[dict]:
 
 def skip_reason(impl: str, mode: str, named: bool) -> str | None:
   """Why `impl` is not measured here, or None. Decided without importing torch or JAX."""
-  if impl in ("torch", "tokamax") and importlib.util.find_spec(impl) is None:
-    return f"{impl} is not installed"
-  if impl == "torch" and mode == "cpu" and not named:
+  package = "torch" if impl in TORCH_IMPLS else impl
+  if package in ("torch", "tokamax") and importlib.util.find_spec(package) is None:
+    return f"{package} is not installed"
+  if package == "torch" and mode == "cpu" and not named:
     # The CPU run is a quick self-check of the JAX side. torch's CPU speed hangs on its OpenMP setup
     # (on a 2-vCPU VM its default threads made each call ~100x slower), and it pays a process per case.
     return "CPU mode: runs only when named in --impls"
   return None
 
 
-def run_torch(case_list: list[dict], mode: str, dtype: str, timing: dict, progress) -> dict:
-  """torch._grouped_mm on every case, one subprocess each. Returns the torch versions for the metadata."""
+def run_torch(impl: str, case_list: list[dict], mode: str, dtype: str, timing: dict, progress) -> dict:
+  """torch._grouped_mm, eager or compiled (`impl`, a key of TORCH_IMPLS), on every case, one subprocess
+  each. Returns the torch versions for the metadata."""
   meta = {}
   for case in case_list:
-    cmd = [sys.executable, str(HERE / "torch_mlp.py"), "--device", "cuda" if mode == "gpu" else "cpu",
-           "--E", str(case["E"]), "--d", str(case["d"]),
+    cmd = [sys.executable, str(HERE / "torch_mlp.py"), *TORCH_IMPLS[impl],
+           "--device", "cuda" if mode == "gpu" else "cpu", "--E", str(case["E"]), "--d", str(case["d"]),
            "--f", str(case["f"]), "--group-sizes", ",".join(map(str, case["group_sizes"])),
            "--sets", str(timing["sets"]), "--repeats", str(timing["repeats"]),
            "--max-call-s", str(timing["max_call_s"]), "--budget-s", str(timing["budget_s"])]
@@ -233,20 +239,21 @@ def run_torch(case_list: list[dict], mode: str, dtype: str, timing: dict, progre
     try:
       r = run_json(cmd, {})
     except Exception as e:  # e.g. a shape torch._grouped_mm rejects: record it and go on
-      case["impls"]["torch"] = {"status": "error", "error": str(e)}
+      case["impls"][impl] = {"status": "error", "error": str(e)}
       for m in ("fwd", "fwd_bwd"):
-        progress(label, "torch", m, {"error": str(e)}, case["flops"][m])
+        progress(label, impl, m, {"error": str(e)}, case["flops"][m])
       continue
     meta.update(r.pop("versions"))
     if r["status"] == "skipped":  # a CPU-only torch next to a GPU JAX
-      case["impls"]["torch"] = r
-      log(f"torch: {r['reason']}")
+      case["impls"][impl] = r
+      log(f"{impl}: {r['reason']}")
       continue
     tol = cases.TOLERANCE[dtype]
-    r["check"] = {**r["check"], "max": r["check"]["y"], "tolerance": tol, "ok": r["check"]["y"] <= tol}
-    case["impls"]["torch"] = r
+    worst = max(r["check"].values())
+    r["check"] = {**r["check"], "max": worst, "tolerance": tol, "ok": worst <= tol}
+    case["impls"][impl] = r
     for m in ("fwd", "fwd_bwd"):
-      progress(label, "torch", m, r[m], case["flops"][m])
+      progress(label, impl, m, r[m], case["flops"][m])
   return meta
 
 

@@ -1,4 +1,6 @@
-"""The PyTorch comparison: a SwiGLU expert MLP over torch._grouped_mm, forward and fwd+bwd (autograd).
+"""The PyTorch comparison: a SwiGLU expert MLP over torch._grouped_mm, forward and fwd+bwd (autograd),
+eager or under torch.compile (--compile: inductor fuses the activation and its backward into Triton
+kernels; the grouped GEMMs stay torch._grouped_mm's).
 
 Run by bench.py in its own process, because JAX preallocates most of the GPU memory in the process
 that initialises it. Prints one JSON object on stdout; errors go to stderr. bf16 on the GPU; with
@@ -47,11 +49,27 @@ def make_inputs(E, d, f, M, device, dtype, seed):
   return x, w1, w2, randn(M, d)
 
 
-def forward_backward(x, w1, w2, dy, offs):
-  """Gradients w.r.t. x, w1, w2 for the output cotangent dy, as the JAX side: the backward starts from
-  dy as a layer inside a model would (no loss computed here, whose cost would count against torch)."""
-  y = mlp(x, w1, w2, offs)
-  return torch.autograd.grad(y, (x, w1, w2), grad_outputs=dy)
+def forward_backward(run, x, w1, w2, dy, offs):
+  """(y, dx, dw1, dw2) of the MLP `run` for the output cotangent dy, as the JAX side: the backward
+  starts from dy as a layer inside a model would (no loss computed here, whose cost would count
+  against torch)."""
+  y = run(x, w1, w2, offs)
+  return (y, *torch.autograd.grad(y, (x, w1, w2), grad_outputs=dy))
+
+
+def check(run, inputs, offs, sizes) -> dict:
+  """Relative errors (Frobenius norm) of the MLP `run`: the forward's y and the fwd+bwd step's
+  (y, dx, dw1, dw2), against `reference` in float32, differentiated by autograd."""
+  x, w1, w2, dy = inputs
+  exact = [t.detach().float().requires_grad_() for t in (x, w1, w2)]
+  want_y = reference(*exact, sizes)
+  want = (want_y.detach(), want_y.detach(), *torch.autograd.grad(want_y, exact, grad_outputs=dy.float()))
+  with torch.no_grad():
+    y = run(x, w1, w2, offs)
+  got = (y, *forward_backward(run, *inputs, offs))
+  names = ("y", "y (fwd+bwd)", "dx", "dw1", "dw2")
+  return {name: float((g.detach().float() - w).norm() / w.norm().clamp_min(1e-30))
+          for name, g, w in zip(names, got, want)}
 
 
 def main():
@@ -61,6 +79,7 @@ def main():
   p.add_argument("--f", type=int, required=True)
   p.add_argument("--group-sizes", required=True, help="comma-separated, summing to M")
   p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+  p.add_argument("--compile", action="store_true", help="run the MLP under torch.compile")
   p.add_argument("--sets", type=int, default=2, help="input sets to rotate (keeps weights out of L2)")
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--max-call-s", type=float, default=2.0)
@@ -75,6 +94,10 @@ def main():
   if cuda and not torch.cuda.is_available():
     print(json.dumps({**result, "status": "skipped", "reason": "torch sees no CUDA device"}))
     return
+  if a.compile and not cuda:
+    print(json.dumps({**result, "status": "skipped",
+                      "reason": "torch.compile traces torch._grouped_mm for bfloat16 only; the CPU run is float32"}))
+    return
   result["device"] = torch.cuda.get_device_name() if cuda else "cpu"
   dtype = torch.bfloat16 if cuda else torch.float32
   M = sum(sizes)
@@ -82,24 +105,22 @@ def main():
   sync = torch.cuda.synchronize if cuda else (lambda: None)
 
   inputs = make_inputs(a.E, a.d, a.f, M, a.device, dtype, seed=0)
-  with torch.no_grad():
-    y, want = mlp(*inputs[:3], offs).float(), reference(*inputs[:3], sizes)
-    result["check"] = {"y": float((y - want).norm() / want.norm().clamp_min(1e-30))}
-  del y, want
+  run = torch.compile(mlp) if a.compile else mlp
+  result["check"] = check(run, inputs, offs, sizes)  # compiles, under --compile: before anything is timed
   if cuda:
     # Memory first, with a single input set alive: the peak counts inputs, gradients and
     # temporaries, like the JAX side's compiled memory analysis.
     sync()
     torch.cuda.reset_peak_memory_stats()
-    forward_backward(*inputs, offs)
+    forward_backward(run, *inputs, offs)
     sync()
     result["peak_bytes"] = torch.cuda.max_memory_allocated()
 
   sets = [inputs] + [make_inputs(a.E, a.d, a.f, M, a.device, dtype, seed=i) for i in range(1, a.sets)]
   timing = dict(repeats=a.repeats, max_call_s=a.max_call_s, budget_s=a.budget_s)
   with torch.no_grad():  # inference forward, like the JAX forward (no residuals kept)
-    result["fwd"] = measure(lambda i: mlp(*sets[i % len(sets)][:3], offs), lambda _: sync(), **timing)
-  result["fwd_bwd"] = measure(lambda i: forward_backward(*sets[i % len(sets)], offs), lambda _: sync(), **timing)
+    result["fwd"] = measure(lambda i: run(*sets[i % len(sets)][:3], offs), lambda _: sync(), **timing)
+  result["fwd_bwd"] = measure(lambda i: forward_backward(run, *sets[i % len(sets)], offs), lambda _: sync(), **timing)
   result["status"] = "ok"
   print(json.dumps(result))
 

@@ -24,7 +24,8 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
       assert case["impls"][impl][mode]["s"] > 0
   assert case["impls"]["jaxmlp"]["check"]["ok"]
   (overhead,) = results["overhead"]["variants"].values()
-  assert all(overhead[impl]["fwd_bwd"]["us_per_layer"] > 0 for impl in ("jaxmlp", "ragged_dot"))
+  assert all(overhead[impl][mode][key] > 0 for impl in ("jaxmlp", "ragged_dot") for mode in ("fwd", "fwd_bwd")
+             for key in ("us_per_layer", "host_us_per_layer"))
   md = (tmp_path / "bench.md").read_text()
   assert "## Host overhead" in md and "- Command: `" in md
 
@@ -92,5 +93,28 @@ def test_benchmark_compiles_programs_that_fit(monkeypatch):
   x, w1, w2, dy = inputs
   want_y, want = ref.grouped_mlp(x, w1, w2, sizes, "swiglu", dy=dy)
   np.testing.assert_allclose(fwd(x, w1, w2, gs), want_y, rtol=1e-4, atol=1e-4)
-  for got, name in zip(fwd_bwd(x, w1, w2, dy, gs), ("x", "w1", "w2")):
+  y, *grads = fwd_bwd(x, w1, w2, dy, gs)  # the step returns y, as a layer's caller holds it
+  np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-4)
+  for got, name in zip(grads, ("x", "w1", "w2")):
     np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_torch_check_catches_a_wrong_gradient(monkeypatch):
+  """torch_mlp.check compares y and every gradient with the float32 loop: right for the real MLP, and
+  failing for one whose backward drops the gate's gradient (a forward check alone would pass it)."""
+  torch = __import__("pytest").importorskip("torch")
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import torch_mlp
+
+  sizes = [100, 0, 56, 100]
+  x, w1, w2, dy = torch_mlp.make_inputs(4, 64, 128, sum(sizes), "cpu", torch.float32, seed=int(torch.seed() % 2**31))
+  offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+  errs = torch_mlp.check(torch_mlp.mlp, (x, w1, w2, dy), offs, sizes)
+  assert set(errs) == {"y", "y (fwd+bwd)", "dx", "dw1", "dw2"} and max(errs.values()) < 1e-4, errs
+
+  def gate_without_gradient(x, w1, w2, offs):
+    f = w2.shape[1]
+    h = torch._grouped_mm(x, w1, offs=offs)
+    return torch._grouped_mm(torch.nn.functional.silu(h[:, :f].detach()) * h[:, f:], w2, offs=offs)
+  errs = torch_mlp.check(gate_without_gradient, (x, w1, w2, dy), offs, sizes)
+  assert errs["y"] < 1e-4 and errs["dw1"] > 1e-2, errs
