@@ -24,8 +24,7 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
       assert case["impls"][impl][mode]["s"] > 0
   assert case["impls"]["jaxmlp"]["check"]["ok"]
   (overhead,) = results["overhead"]["variants"].values()
-  assert all(overhead[impl][mode][key] > 0 for impl in ("jaxmlp", "ragged_dot") for mode in ("fwd", "fwd_bwd")
-             for key in ("us_per_layer", "host_us_per_layer"))
+  assert all(overhead[impl][mode]["us_per_layer"] > 0 for impl in ("jaxmlp", "ragged_dot") for mode in ("fwd", "fwd_bwd"))
   md = (tmp_path / "bench.md").read_text()
   assert "## Host overhead" in md and "- Command: `" in md
 
