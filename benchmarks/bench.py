@@ -6,7 +6,8 @@
 
 Measures the SwiGLU expert MLP (forward, and fwd+bwd through jax.vjp) with jaxmlp.grouped_mlp,
 jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm (eager and under
-torch.compile) and a dense GEMM of equal FLOPs; the host overhead of a stack of small layers with XLA command buffers off and on; and
+torch.compile) and a dense GEMM of equal FLOPs; the host overhead of a stack of small layers (wall time,
+and the host's own time) with XLA command buffers off and on; and
 the peak memory of fwd+bwd. Without a GPU it runs tiny shapes on the CPU backend and says so.
 Writes bench.json, bench.md and bench.png to --out and prints the Markdown at the end.
 """
@@ -276,8 +277,10 @@ def run_overhead(layers: int, mode: str, variants: dict, timing: dict, child_env
       progress.step(f"overhead, command buffers {name}: error: {e}")
       continue
     out["variants"][name] = {"flag": flag, "xla_flags": xla_flags, **r}
+    host = lambda impl: r[impl]["train_step"].get("host", {}).get("us_per_layer")
     progress.step(f"overhead, command buffers {name:<9}: " + ", ".join(
         f"{impl} fwd+bwd {report.num(r[impl]['fwd_bwd']['us_per_layer'])} µs/layer"
+        + (f" (host, train step: {report.num(host(impl))})" if mode == "gpu" else "")
         for impl in ("jaxmlp", "ragged_dot")))
   return out
 

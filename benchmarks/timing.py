@@ -1,4 +1,5 @@
-"""Device-synchronised wall-clock timing shared by the JAX driver and the torch subprocess.
+"""Device-synchronised wall-clock timing shared by the JAX driver and the torch subprocess, and the
+host's own time per call.
 
 Framework-free: the caller passes `call(i)` (launch one call on input set i, return its output) and
 `sync(out)` (wait until that output, and so every call before it on the stream, is done).
@@ -45,3 +46,34 @@ def _sample(call, sync, k: int, first: int) -> float:
     out = call(i)  # earlier outputs are released as we go; the stream runs the calls in order
   sync(out)
   return (time.perf_counter() - start) / k
+
+
+def host_seconds(call, hold, still_running, sync, *, calls: int = 8, samples: int = 7) -> dict:
+  """Median host seconds per call: the time to dispatch `calls` calls while the device is still busy with
+  work enqueued just before them (`hold()` enqueues it and returns a handle; `still_running(handle)`
+  says whether the device is still on it), so that no dispatch waits for the device. That is what the
+  host spends per call in a loop whose pace the device sets, where the wall time shows only the larger
+  of the two.
+
+  A sample whose hold ended before its dispatches did may have waited for the device (a full launch
+  queue blocks the host, for one) and is discarded; the next samples then dispatch half as many calls.
+  Reports "not measured" if even single calls outlast the hold.
+  """
+  per_call: list[float] = []
+  while calls >= 1 and len(per_call) < samples:
+    busy = hold()
+    out = call()  # untimed: the first call after an idle host runs cold
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = call()
+    elapsed = time.perf_counter() - start
+    valid = still_running(busy)
+    sync(out)
+    if valid:
+      per_call.append(elapsed / calls)
+    else:
+      calls //= 2
+  if not per_call:
+    return {"status": "not measured", "reason": "single calls outlasted the device work held before them"}
+  return {"s": statistics.median(per_call), "min_s": min(per_call), "samples": len(per_call),
+          "calls_per_sample": max(calls, 1), "status": "ok"}

@@ -24,7 +24,10 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
       assert case["impls"][impl][mode]["s"] > 0
   assert case["impls"]["jaxmlp"]["check"]["ok"]
   (overhead,) = results["overhead"]["variants"].values()
-  assert all(overhead[impl][mode]["us_per_layer"] > 0 for impl in ("jaxmlp", "ragged_dot") for mode in ("fwd", "fwd_bwd"))
+  for impl in ("jaxmlp", "ragged_dot", "floor"):
+    for mode in ("fwd", "fwd_bwd", "train_step"):
+      assert overhead[impl][mode]["us_per_layer"] > 0
+      assert "host" not in overhead[impl][mode]  # the host's own time needs a device to hold busy
   md = (tmp_path / "bench.md").read_text()
   assert "## Host overhead" in md and "- Command: `" in md
 
@@ -117,3 +120,25 @@ def test_torch_check_catches_a_wrong_gradient(monkeypatch):
     return torch._grouped_mm(torch.nn.functional.silu(h[:, :f].detach()) * h[:, f:], w2, offs=offs)
   errs = torch_mlp.check(gate_without_gradient, (x, w1, w2, dy), offs, sizes)
   assert errs["y"] < 1e-4 and errs["dw1"] > 1e-2, errs
+
+
+def test_host_time_discards_samples_that_waited_for_the_device(monkeypatch):
+  """timing.host_seconds on a simulated device: each call costs the host 1 s of a fake clock, and the work
+  held ahead lasts `hold_s`. A sample counts only if its dispatches ended while that work still ran;
+  otherwise the next samples dispatch half as many calls, down to none."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import timing
+
+  clock = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+  def measure(hold_s):
+    def call():
+      clock[0] += 1.0
+    return timing.host_seconds(call, lambda: clock[0] + hold_s, lambda end: clock[0] < end, lambda out: None,
+                               calls=8, samples=7)
+
+  assert measure(100.0) == {"s": 1.0, "min_s": 1.0, "samples": 7, "calls_per_sample": 8, "status": "ok"}
+  # 1 untimed call + 8 or 4 outlast a hold of 5 s; 1 + 2 do not.
+  assert measure(5.0) == {"s": 1.0, "min_s": 1.0, "samples": 7, "calls_per_sample": 2, "status": "ok"}
+  assert measure(1.5)["status"] == "not measured"
