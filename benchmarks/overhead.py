@@ -1,6 +1,6 @@
 """Host overhead: a jitted stack of L small MoE MLP layers, where the GPU work per layer is tiny and
-the time goes to launching it. For jaxmlp, the ragged_dot path and a floor (an element-wise layer over
-the same operands), three programs over the stack:
+the time goes to launching it. For jaxmlp, the ragged_dot path and, for comparison, a layer of one
+element-wise op over the same operands, three programs over the stack:
 
   fwd         the forward, as in decoding;
   fwd_bwd     the forward and the gradients for a cotangent dy, all returned (as bench.py's step);
@@ -31,16 +31,17 @@ import jax.numpy as jnp
 from jax_impls import forward, forward_backward
 from timing import host_seconds, measure
 
-# "floor": an element-wise layer over the same operands, which XLA fuses into a kernel or two. What JAX
-# and XLA cost the host for a program of this many arguments and layers, whatever the layers do.
-IMPLS = ("jaxmlp", "ragged_dot", "floor")
+# "elementwise": a layer of one element-wise op over the same operands, which XLA fuses with its
+# neighbours. For comparison: what JAX and XLA cost the host for a program with these operands and
+# outputs when the layers themselves are next to nothing.
+IMPLS = ("jaxmlp", "ragged_dot", "elementwise")
 HOLD_S = 0.1  # GPU work enqueued ahead of each host-time sample: longer than the dispatches it covers
 
 
 def stack(impl: str):
   """y = layer_L(... layer_1(x)) with each layer's own weights, unrolled so XLA sees (and can
   capture into one command buffer) the whole sequence of kernels."""
-  mlp = (lambda x, w1, w2, gs: x * w1[0, :, 0] + w2[0, 0]) if impl == "floor" else forward(impl)
+  mlp = (lambda x, w1, w2, gs: x * w1[0, :, 0] + w2[0, 0]) if impl == "elementwise" else forward(impl)
 
   def run(x, w1s, w2s, gs):
     for w1, w2 in zip(w1s, w2s):

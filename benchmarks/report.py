@@ -25,7 +25,7 @@ COLORS = {"jaxmlp": "#d62728", "ragged_dot": "#1f77b4", "tokamax": "#9467bd", "t
           "torch_compile": "#bcbd22", "dense": "#7f7f7f"}
 OVERHEAD_TARGET_US = 10.0  # per layer, fwd+bwd, with command buffers, on an H100/H200
 OVERHEAD_LABELS = {"jaxmlp": "jaxmlp", "ragged_dot": "jax.lax.ragged_dot",
-                   "floor": "element-wise layer (JAX's floor)"}
+                   "elementwise": "element-wise layer (for comparison)"}
 
 
 def flop_unit(mode: str) -> tuple[str, float]:
@@ -221,8 +221,9 @@ def overhead_table(results: dict) -> str:
           "earlier work, so that no dispatch waits for it: the CPU cost of the layer, which the wall time "
           "hides wherever the GPU is slower. The *train step* is what a training loop runs: the loss "
           "<y, dy>, its gradients and an SGD update of the weights in place (donated buffers); *fwd+bwd* "
-          "returns every gradient in new buffers. The element-wise layer over the same operands shows what JAX and "
-          "XLA cost the host for a program of this shape, whatever its layers do. Target for jaxmlp with command buffers: "
+          "returns every gradient in new buffers. The element-wise layer (`x * w1[0, :, 0] + w2[0, 0]`) shows what "
+          "JAX and XLA cost for the same programs when the layers are next to nothing. Target for jaxmlp with "
+          "command buffers: "
           f"≤ {OVERHEAD_TARGET_US:g} µs per layer fwd+bwd.\n\n" + "\n".join(rows))
 
 
