@@ -216,15 +216,15 @@ def overhead_table(results: dict) -> str:
           f"M={cfg['M']}, {cfg['dtype']}), per layer at steady state. *fwd* and *fwd+bwd* are wall time "
           "per call, calls dispatched back to back: the larger of the host's work and the GPU's.")
   if not gpu:
-    return text + " Command buffers are a GPU feature, so there is one CPU row per implementation.\n\n" + "\n".join(rows)
+    return (text + " Command buffers are a GPU feature, so there is one CPU row per implementation.\n\n"
+            + "\n".join(rows))
   return (text + " *host* is the host's own time per call, dispatched while the GPU is still busy with "
           "earlier work, so that no dispatch waits for it: the CPU cost of the layer, which the wall time "
           "hides wherever the GPU is slower. The *train step* is what a training loop runs: the loss "
           "<y, dy>, its gradients and an SGD update of the weights in place (donated buffers); *fwd+bwd* "
-          "returns every gradient in new buffers. The element-wise layer (`x * w1[0, :, 0] + w2[0, 0]`) shows what "
-          "JAX and XLA cost for the same programs when the layers are next to nothing. Target for jaxmlp with "
-          "command buffers: "
-          f"≤ {OVERHEAD_TARGET_US:g} µs per layer fwd+bwd.\n\n" + "\n".join(rows))
+          "returns every gradient in new buffers. The element-wise layer (`x * w1[0, :, 0] + w2[0, 0]`) "
+          "shows what JAX and XLA cost for the same programs when the layers are next to nothing. Target "
+          f"for jaxmlp with command buffers: ≤ {OVERHEAD_TARGET_US:g} µs per layer fwd+bwd.\n\n" + "\n".join(rows))
 
 
 def skipped_notes(results: dict) -> str:

@@ -60,6 +60,7 @@ def host_seconds(call, hold, still_running, sync, *, calls: int = 8, samples: in
   Reports "not measured" if even single calls outlast the hold.
   """
   per_call: list[float] = []
+  counted = 0  # calls of the last valid sample
   while calls >= 1 and len(per_call) < samples:
     busy = hold()
     out = call()  # untimed: the first call after an idle host runs cold
@@ -71,9 +72,10 @@ def host_seconds(call, hold, still_running, sync, *, calls: int = 8, samples: in
     sync(out)
     if valid:
       per_call.append(elapsed / calls)
+      counted = calls
     else:
       calls //= 2
   if not per_call:
     return {"status": "not measured", "reason": "single calls outlasted the device work held before them"}
   return {"s": statistics.median(per_call), "min_s": min(per_call), "samples": len(per_call),
-          "calls_per_sample": max(calls, 1), "status": "ok"}
+          "calls_per_sample": counted, "status": "ok"}
