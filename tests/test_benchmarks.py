@@ -142,3 +142,32 @@ def test_host_time_discards_samples_that_waited_for_the_device(monkeypatch):
   # 1 untimed call + 8 or 4 outlast a hold of 5 s; 1 + 2 do not.
   assert measure(5.0) == {"s": 1.0, "min_s": 1.0, "samples": 7, "calls_per_sample": 2, "status": "ok"}
   assert measure(1.5)["status"] == "not measured"
+
+
+def test_overhead_train_step_is_one_sgd_step_of_the_stack(monkeypatch):
+  """overhead.train_step on jaxmlp (CPU backend, float32, random inputs): the loss <y, dy> of a 2-layer
+  stack and the weights after one SGD step, against the float64 NumPy reference chained through the
+  layers. The weights are donated; the step returns new ones."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import jax.numpy as jnp
+  import numpy as np
+  import numpy_reference as ref
+  import overhead
+
+  rng = np.random.default_rng()
+  E, d, f, M, lr = 4, 32, 48, 96, 2.0 ** -4
+  sizes = [40, 0, 30, 20]  # an empty group and 6 padding rows
+  x, dy = rng.standard_normal((M, d)), rng.standard_normal((M, d))
+  w1s = [rng.standard_normal((E, d, 2 * f)) / d ** 0.5 for _ in range(2)]
+  w2s = [rng.standard_normal((E, f, d)) / f ** 0.5 for _ in range(2)]
+
+  y1 = ref.grouped_mlp(x, w1s[0], w2s[0], sizes, "swiglu")
+  y2, g2 = ref.grouped_mlp(y1, w1s[1], w2s[1], sizes, "swiglu", dy=dy)
+  _, g1 = ref.grouped_mlp(x, w1s[0], w2s[0], sizes, "swiglu", dy=g2["x"])
+
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  loss, new_w1s, new_w2s = overhead.train_step("jaxmlp", lr)(
+      [f32(w) for w in w1s], [f32(w) for w in w2s], f32(x), f32(dy), jnp.asarray(sizes, jnp.int32))
+  np.testing.assert_allclose(float(loss), np.vdot(y2, dy), rtol=1e-4)
+  for got, w, g in zip([*new_w1s, *new_w2s], [*w1s, *w2s], [g1["w1"], g2["w1"], g1["w2"], g2["w2"]]):
+    np.testing.assert_allclose(np.asarray(got), w - lr * g, rtol=1e-4, atol=1e-5)
