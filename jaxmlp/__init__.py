@@ -9,7 +9,8 @@
 from . import reference
 from .activations import NAMES as ACTIVATIONS, Activation
 from .api import grouped_mlp, ragged_dot
+from .fp8 import Fp8Recipe
 from .backend import backend_info
 
 __version__ = "0.1.0"
-__all__ = ["ACTIVATIONS", "Activation", "backend_info", "grouped_mlp", "ragged_dot", "reference"]
+__all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "backend_info", "grouped_mlp", "ragged_dot", "reference"]

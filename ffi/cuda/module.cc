@@ -26,10 +26,13 @@ XLA_FFI_Error* GemmFallback(XLA_FFI_CallFrame*);
 XLA_FFI_Error* MlpForwardTiled(XLA_FFI_CallFrame*);
 XLA_FFI_Error* MlpBackwardTiled(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GemmTiled(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpFp8Forward(XLA_FFI_CallFrame*);
+XLA_FFI_Error* MlpFp8Backward(XLA_FFI_CallFrame*);
 }
 
 namespace jaxmlp {
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
+size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize);
 extern std::atomic<int64_t> handler_host_calls;
 }
 
@@ -81,6 +84,8 @@ NB_MODULE(_cuda, m) {
     d["jaxmlp_mlp_fwd_tiled"] = Capsule(MlpForwardTiled);
     d["jaxmlp_mlp_bwd_tiled"] = Capsule(MlpBackwardTiled);
     d["jaxmlp_gemm_tiled"] = Capsule(GemmTiled);
+    d["jaxmlp_mlp_fp8_fwd"] = Capsule(MlpFp8Forward);
+    d["jaxmlp_mlp_fp8_bwd"] = Capsule(MlpFp8Backward);
     return d;
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
@@ -96,6 +101,13 @@ NB_MODULE(_cuda, m) {
       },
       "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16; "
       "biases: b1 or b2 given).");
+  m.def(
+      "mlp_fp8_workspace_bytes",
+      [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code) {
+        jaxmlp::MlpDims dims{M, d, f, F1, E, false, false, false};
+        return jaxmlp::MlpFp8WorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
+      },
+      "Scratch bytes of one FP8 grouped-MLP call (dtype_code: 1 bfloat16, 2 float16).");
   m.def(
       "gemm_workspace_bytes",
       [](const std::string& path, int64_t E) {
