@@ -57,6 +57,10 @@ def run(fn, args, sizes, dy, act, **kw):
   return y, dict(zip(names, vjp(dy)))
 
 
+# The recipe without fast accumulation, which only the CUDA path has (its error: the test below).
+EXACT = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=False)
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -66,7 +70,7 @@ def test_fp8_follows_the_recipe(platform, rng, case, act, dtype):
   neighbour)."""
   M, d, f, sizes = CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.dtype(dtype))
-  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8="tensorwise")
+  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=EXACT)
   n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
   want_y, want = fp8_ref.grouped_mlp(n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"), np.asarray(dy, np.float64),
                                      DTYPES[dtype])
@@ -112,8 +116,10 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, case, fast):
                      jax.device_put(gs, jax.devices(platform)[0]), jax.device_put(dy, jax.devices(platform)[0]),
                      "swiglu", fp8=recipe)
       results[platform] = {"y": y, **grads}
+  # Fast accumulation keeps fewer bits than float32 in the forward's sums; the difference reaches every
+  # gradient through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
   for k in results["cpu"]:
-    check_close(results["cuda"][k], results["cpu"][k], 5e-3, k)
+    check_close(results["cuda"][k], results["cpu"][k], 2e-2 if fast else 5e-3, k)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -70,35 +70,67 @@ __device__ void ZeroRow(T* row, int64_t n) {
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) row[j] = T(0.0f);
 }
 
+// Four independent 16-byte loads in flight per thread and iteration: one at a time left the kernel
+// latency-bound at a third of the memory bandwidth.
 template <typename T, int V>
 __global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int64_t rows, int64_t n, float* amax) {
+  constexpr int kUnroll = 4;
   const int64_t count = (offsets ? offsets[E] : rows) * n;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x * V;
   float m = 0.0f;
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count;
-       i += int64_t(gridDim.x) * blockDim.x * V) {
-    const Vec<T, V> x = Load<T, V>(v + i);
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count; i += kUnroll * stride) {
+    Vec<T, V> x[kUnroll];
 #pragma unroll
-    for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(ToFloat(x.v[k])));
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * stride < count) x[u] = Load<T, V>(v + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * stride < count)
+#pragma unroll
+        for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(ToFloat(x[u].v[k])));
   }
   ReduceAbsMax(m, amax);
 }
 
-// One 64 x 64 tile of v per block, rows along blockIdx.x: a warp quantizes two columns per lane of 8 rows
-// and stores them in the input's layout; for the transposed layout the tile goes through shared memory,
-// so that the transposed stores run along the rows of v.
-constexpr int kTile = 64;
+// Quantization into the input's layout alone: 16-byte loads, V-byte stores, rows past the valid ones
+// skipped. C % V == 0.
+template <typename T, int V>
+__global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out,
+                                          Fp8Outputs o) {
+  if (scale_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = amax ? DequantScale(*amax) : 1.0f;
+  const int64_t count = (o.row_offsets ? o.row_offsets[o.E] : R) * C;
+  const float inv = InverseScale(amax);
+  uint8_t* out = static_cast<uint8_t*>(o.rows_out);
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count;
+       i += int64_t(gridDim.x) * blockDim.x * V) {
+    const Vec<T, V> x = Load<T, V>(v + i);
+    Bytes<V> q;
+#pragma unroll
+    for (int k = 0; k < V; ++k) q.b[k] = ToE4m3(ToFloat(x.v[k]) * inv);
+    *reinterpret_cast<Bytes<V>*>(out + i) = q;
+  }
+}
+
+// One 64 x 64 tile of v per block, rows along blockIdx.x. Each thread loads 16 bytes of a row (V
+// elements), quantizes them, stores them in the input's layout if asked, and leaves them in shared
+// memory, column-major; then each thread stores 16 rows of one column of the tile into the transposed
+// layout as one 16-byte store where those rows are consecutive there and aligned (always for the
+// weights, and for activations in groups whose first row is a multiple of 16), else byte by byte.
+// C % V == 0.
+constexpr int kTile = 64, kTileThreads = 256, kTileStride = kTile + 16;  // 16-byte aligned smem columns
 template <typename T>
-__global__ void __launch_bounds__(256) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
-                                                          float* scale_out, Fp8Outputs o) {
-  __shared__ uint8_t tile[kTile][kTile + 4];  // [column][row]
-  __shared__ int64_t dest[kTile];             // cols_out index of (row, column 0); -1: no such row
+__global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
+                                                                   float* scale_out, Fp8Outputs o) {
+  constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
+  __shared__ alignas(16) uint8_t tile[kTile][kTileStride];  // [column][row]
+  __shared__ int64_t dest[kTile];                           // cols_out index of (row, column 0); -1: none
   const int64_t valid = o.row_offsets ? o.row_offsets[o.E] : R;
   const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
   if (scale_out && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
     *scale_out = amax ? DequantScale(*amax) : 1.0f;
   if (r0 >= valid) return;  // the same for the whole block
   const float inv = InverseScale(amax);
-  if (o.cols_out && threadIdx.x < kTile) {
+  if (threadIdx.x < kTile) {
     const int64_t r = r0 + threadIdx.x;
     int64_t base = -1;
     if (r < valid) {
@@ -108,37 +140,32 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(const T* v, int64_t R,
     }
     dest[threadIdx.x] = base;
   }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t c = c0 + 2 * lane;
+  const int cc = (threadIdx.x % kRowThreads) * V;
   uint8_t* rows_out = static_cast<uint8_t*>(o.rows_out);
 #pragma unroll
-  for (int j = 0; j < kTile / 8; ++j) {
-    const int rr = warp + 8 * j;
+  for (int rr = threadIdx.x / kRowThreads; rr < kTile; rr += kRowsPerPass) {
     const int64_t r = r0 + rr;
-    uint8_t q0 = 0, q1 = 0;
-    if (r < valid && c < C) {
-      q0 = ToE4m3(ToFloat(v[r * C + c]) * inv);
-      if (c + 1 < C) q1 = ToE4m3(ToFloat(v[r * C + c + 1]) * inv);
-      if (rows_out) {
-        rows_out[r * C + c] = q0;
-        if (c + 1 < C) rows_out[r * C + c + 1] = q1;
-      }
+    Bytes<V> q{};
+    if (r < valid && c0 + cc < C) {
+      const Vec<T, V> x = Load<T, V>(v + r * C + c0 + cc);
+#pragma unroll
+      for (int k = 0; k < V; ++k) q.b[k] = ToE4m3(ToFloat(x.v[k]) * inv);
+      if (rows_out) *reinterpret_cast<Bytes<V>*>(rows_out + r * C + c0 + cc) = q;
     }
-    tile[2 * lane][rr] = q0;
-    tile[2 * lane + 1][rr] = q1;
+#pragma unroll
+    for (int k = 0; k < V; ++k) tile[cc + k][rr] = q.b[k];
   }
-  if (!o.cols_out) return;
   __syncthreads();
-  uint8_t* cols_out = static_cast<uint8_t*>(o.cols_out);
-#pragma unroll
-  for (int j = 0; j < kTile / 8; ++j) {
-    const int cc = warp + 8 * j;
-    if (c0 + cc >= C) continue;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int rr = 2 * lane + k;
-      if (dest[rr] >= 0) cols_out[dest[rr] + (c0 + cc) * o.ld] = tile[cc][rr];
-    }
+  // kTile columns x kTile / 16 chunks of 16 rows = kTileThreads chunks: one per thread.
+  const int col = threadIdx.x / (kTile / 16), first = (threadIdx.x % (kTile / 16)) * 16;
+  if (c0 + col >= C) return;
+  uint8_t* cols_out = static_cast<uint8_t*>(o.cols_out) + (c0 + col) * o.ld;
+  const int64_t d0 = dest[first], d15 = dest[first + 15];
+  if (d0 >= 0 && d15 == d0 + 15 && d0 % 16 == 0 && o.ld % 16 == 0) {
+    *reinterpret_cast<uint4*>(cols_out + d0) = *reinterpret_cast<const uint4*>(&tile[col][first]);
+  } else {
+    for (int k = 0; k < 16; ++k)
+      if (dest[first + k] >= 0) cols_out[dest[first + k]] = tile[col][first + k];
   }
 }
 
@@ -300,19 +327,23 @@ ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int
 
 ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
                         float* scale_out, const Fp8Outputs& out) {
+  if (C % 16) return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization needs rows of a multiple of 16 elements");
   const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
   if (row_tiles > INT32_MAX || col_tiles > 65535)
     return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization of a [" + std::to_string(R) + ", " +
                                        std::to_string(C) + "] tensor exceeds the grid");
   const dim3 grid(unsigned(std::max<int64_t>(row_tiles, 1)), unsigned(std::max<int64_t>(col_tiles, 1)));
-  if (t == ffi::DataType::F8E4M3FN) {
-    QuantizeTileKernel<Fp8><<<grid, 256, 0, stream>>>(static_cast<const Fp8*>(v), R, C, amax, scale_out, out);
-  } else {
-    By16BitType(t, [&](auto tag) {
-      using T = decltype(tag);
-      QuantizeTileKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out);
-    });
-  }
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = 16 / sizeof(T);
+    if (out.cols_out)
+      QuantizeTileKernel<T><<<grid, kTileThreads, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out);
+    else
+      QuantizeElementwiseKernel<T, V><<<unsigned(std::clamp<int64_t>(R * C / (256 * V), 1, 16384)), 256, 0, stream>>>(
+          static_cast<const T*>(v), R, C, amax, scale_out, out);
+  };
+  if (t == ffi::DataType::F8E4M3FN) launch(Fp8{});
+  else By16BitType(t, launch);
   return CheckCuda(cudaGetLastError(), "launching the FP8 quantization kernel");
 }
 
