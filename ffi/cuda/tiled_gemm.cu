@@ -121,7 +121,7 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
         };
         // A launch of more blocks than fit on the GPU at once with 4 stages takes 3 where that fits more
         // blocks per SM (on Hopper 4 instead of 3, at the wgmma kernel's 128 registers). Measured on an
-        // H200 (benchmarks/NOTES.md), a stack of E=8, d=256, f=512 layers: fwd+bwd 2-4% faster for M from
+        // H200 (docs/performance.md), a stack of E=8, d=256, f=512 layers: fwd+bwd 2-4% faster for M from
         // 256 to 4096; 3 stages for every launch lose in the forward, whose launches are one wave.
         const int64_t resident_deep = resident_blocks(TiledGemmKernel<T, OutT, 4>, kSmemBytes<4>);
         if (blocks > resident_deep && resident_blocks(TiledGemmKernel<T, OutT, 3>, kSmemBytes<3>) > resident_deep)
