@@ -70,7 +70,8 @@ def cuda_status() -> dict:
 # zeroing kernels) while a product's expert weights (E * K * N elements) and its work (M * K * N
 # multiply-adds) are both small: on an H200, at E=8, d=256, f=512 for M up to 4096, fwd+bwd in 45-85% of
 # cuBLAS's time. With larger weights its many small weight-gradient tiles lose: 1.5x cuBLAS's time at
-# E=8, d=1024, f=2048 already for M=16 (benchmarks/NOTES.md). Limits at the largest measured win.
+# E=8, d=1024, f=2048 already for M=16 (docs/performance.md, "The tiled path"). Limits at the largest
+# measured win.
 TILED_MAX_WEIGHTS = 1 << 21
 TILED_MAX_MACS = 1 << 30
 

@@ -299,7 +299,7 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   // One warp walks 32 groups a pass; more groups take a block of 8 warps, 256 a pass. Each pass waits
   // for a load of group_sizes: one warp took ~1 us per 32 groups, 8 warps 3.4-4.2 us per launch at
-  // E = 128 and 256 alike, and 32 warps (1024 a pass) ~2 us more (H100, benchmarks/NOTES.md).
+  // E = 128 and 256 alike, and 32 warps (1024 a pass) ~2 us more (H100, docs/performance.md).
   if (E_ <= 32)
     SetupKernel<1><<<1, 32, 0, stream_>>>(p);
   else
@@ -350,7 +350,7 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   // Blocks enough for the largest group, at most one per SM and product, not blocks per group: nearly
   // always no group is empty, and then every block only reads the counts, so the launch costs what its
   // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
-  // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (benchmarks/NOTES.md).
+  // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (docs/performance.md).
   const int64_t sms = std::max<int64_t>(1, OncePerDeviceAndKernel(
       reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
         int count = 0;
@@ -435,7 +435,7 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
     if (it == lt_plans.end()) {
       // First call with this problem signature: build the descriptor and ask the heuristic once. (Timing
       // its top 8 on the first call instead was measured: -2% to +4% where later calls had the first
-      // call's group sizes, down to -19% where they had others; benchmarks/NOTES.md.)
+      // call's group sizes, down to -19% where they had others; docs/performance.md.)
       Desc desc{api};
       JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, &desc));
       cublasLtMatmulPreference_t pref;

@@ -1,5 +1,6 @@
-// Python module jaxmlp._cuda: the CUDA handlers as capsules, the workspace sizes Python must request,
-// and what backend_info() reports (cuBLAS version, device, whether the grouped and tiled paths can run).
+// Python module jaxmlp._cuda: the CUDA handlers of ffi/targets.inc as capsules, the workspace sizes
+// Python must request, and what backend_info() reports (cuBLAS version, device, whether the grouped and
+// tiled paths can run).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -16,19 +17,16 @@
 
 namespace nb = nanobind;
 
-extern "C" {
-XLA_FFI_Error* MlpForwardGrouped(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpForwardFallback(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpBackwardGrouped(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpBackwardFallback(XLA_FFI_CallFrame*);
-XLA_FFI_Error* GemmGrouped(XLA_FFI_CallFrame*);
-XLA_FFI_Error* GemmFallback(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpForwardTiled(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpBackwardTiled(XLA_FFI_CallFrame*);
-XLA_FFI_Error* GemmTiled(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpFp8Forward(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpFp8Backward(XLA_FFI_CallFrame*);
-}
+#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) \
+  extern "C" XLA_FFI_Error* grouped(XLA_FFI_CallFrame*);       \
+  extern "C" XLA_FFI_Error* tiled(XLA_FFI_CallFrame*);         \
+  extern "C" XLA_FFI_Error* fallback(XLA_FFI_CallFrame*);
+#define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cuda(XLA_FFI_CallFrame*);
+#define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
+#include "../targets.inc"
+#undef JAXMLP_GEMM_TARGET
+#undef JAXMLP_TARGET
+#undef JAXMLP_CUDA_TARGET
 
 namespace jaxmlp {
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
@@ -75,17 +73,16 @@ nb::dict Status(const std::vector<std::string>& lib_dirs) {
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jaxmlp_mlp_fwd_grouped"] = Capsule(MlpForwardGrouped);
-    d["jaxmlp_mlp_fwd_fallback"] = Capsule(MlpForwardFallback);
-    d["jaxmlp_mlp_bwd_grouped"] = Capsule(MlpBackwardGrouped);
-    d["jaxmlp_mlp_bwd_fallback"] = Capsule(MlpBackwardFallback);
-    d["jaxmlp_gemm_grouped"] = Capsule(GemmGrouped);
-    d["jaxmlp_gemm_fallback"] = Capsule(GemmFallback);
-    d["jaxmlp_mlp_fwd_tiled"] = Capsule(MlpForwardTiled);
-    d["jaxmlp_mlp_bwd_tiled"] = Capsule(MlpBackwardTiled);
-    d["jaxmlp_gemm_tiled"] = Capsule(GemmTiled);
-    d["jaxmlp_mlp_fp8_fwd"] = Capsule(MlpFp8Forward);
-    d["jaxmlp_mlp_fp8_bwd"] = Capsule(MlpFp8Backward);
+#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) \
+  d[name "_grouped"] = Capsule(grouped);                       \
+  d[name "_tiled"] = Capsule(tiled);                           \
+  d[name "_fallback"] = Capsule(fallback);
+#define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cuda);
+#define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
+#include "../targets.inc"
+#undef JAXMLP_GEMM_TARGET
+#undef JAXMLP_TARGET
+#undef JAXMLP_CUDA_TARGET
     return d;
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
