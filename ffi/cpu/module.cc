@@ -8,6 +8,9 @@ namespace nb = nanobind;
 extern "C" XLA_FFI_Error* MlpForwardCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* MlpBackwardCpu(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* GemmCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* DispatchCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* CombineCpu(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* CombineBackwardCpu(XLA_FFI_CallFrame*);
 
 namespace {
 template <typename F>
@@ -22,6 +25,9 @@ NB_MODULE(_cpu, m) {
     d["jaxmlp_mlp_fwd"] = Capsule(MlpForwardCpu);
     d["jaxmlp_mlp_bwd"] = Capsule(MlpBackwardCpu);
     d["jaxmlp_gemm"] = Capsule(GemmCpu);
+    d["jaxmlp_dispatch"] = Capsule(DispatchCpu);
+    d["jaxmlp_combine"] = Capsule(CombineCpu);
+    d["jaxmlp_combine_bwd"] = Capsule(CombineBackwardCpu);
     return d;
   });
 }

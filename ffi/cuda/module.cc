@@ -10,6 +10,7 @@
 
 #include "../common.h"
 #include "cublas_api.h"
+#include "dispatch_kernels.h"
 #include "grouped_gemm.h"
 #include "tiled_gemm.h"
 #include "xla/ffi/api/c_api.h"
@@ -26,6 +27,9 @@ XLA_FFI_Error* GemmFallback(XLA_FFI_CallFrame*);
 XLA_FFI_Error* MlpForwardTiled(XLA_FFI_CallFrame*);
 XLA_FFI_Error* MlpBackwardTiled(XLA_FFI_CallFrame*);
 XLA_FFI_Error* GemmTiled(XLA_FFI_CallFrame*);
+XLA_FFI_Error* DispatchCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* CombineCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* CombineBackwardCuda(XLA_FFI_CallFrame*);
 }
 
 namespace jaxmlp {
@@ -81,6 +85,9 @@ NB_MODULE(_cuda, m) {
     d["jaxmlp_mlp_fwd_tiled"] = Capsule(MlpForwardTiled);
     d["jaxmlp_mlp_bwd_tiled"] = Capsule(MlpBackwardTiled);
     d["jaxmlp_gemm_tiled"] = Capsule(GemmTiled);
+    d["jaxmlp_dispatch"] = Capsule(DispatchCuda);
+    d["jaxmlp_combine"] = Capsule(CombineCuda);
+    d["jaxmlp_combine_bwd"] = Capsule(CombineBackwardCuda);
     return d;
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
@@ -102,4 +109,6 @@ NB_MODULE(_cuda, m) {
         return jaxmlp::GroupedGemmsWorkspaceBytes(PathOf(path), E, /*split_k=*/false);  // one launch per call
       },
       nb::arg("path"), nb::arg("E"), "Scratch bytes of one grouped GEMM call over E groups on a GEMM path.");
+  m.def("dispatch_workspace_bytes", &jaxmlp::DispatchWorkspaceBytes, nb::arg("choices"), nb::arg("E"),
+        "Scratch bytes of one dispatch call over `choices` = T * k routing choices and E experts.");
 }
