@@ -139,6 +139,5 @@ def moe(tokens: jax.Array, logits: jax.Array, expert_mlp: tp.Callable[..., jax.A
   if capacity_factor is not None:
     capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
   rows, group_sizes, plan = ops.dispatch(tokens, experts, num_experts, capacity=capacity)
-  # Padding (dropped) rows are 0, so the combine's sum is exact.
   y = ops.combine(expert_mlp(rows, group_sizes, ops.row_weights(weights, plan)), plan)
   return y, router_losses(logits, probs, plan.counts, top_k, aux_loss_coef, z_loss_coef)

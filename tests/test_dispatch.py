@@ -1,15 +1,20 @@
 """jaxmlp.dispatch (dispatch, row_weights, combine) against a float64 NumPy reference written here as plain
 loops, and against jaxmlp.reference_moe (the argsort path) on every backend; outputs are poisoned."""
+import json
 import math
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKENDS, TOLERANCE, check_close
+from conftest import BACKENDS, TOLERANCE, check_close, cuda_reason
 
-import jaxmlp
+from jaxmlp import _ffi
 from jaxmlp import dispatch as D
 from jaxmlp import reference_moe
 
@@ -23,7 +28,7 @@ CASES = [
     (37, 3, 4, 6, 1),
     (50, 8, 16, None, 16),
     (64, 2, 8, 10, 128),
-    (300, 4, 3, 250, 1),  # several sort blocks' worth of one expert on CUDA... and drops across them
+    (300, 4, 3, 250, 1),  # long runs of one expert, drops in every choice round
     (1, 1, 1, None, 1),
     (1, 2, 1, None, 4),
     (20, 2, 1, 5, 1),
@@ -75,7 +80,7 @@ def random_case(rng, T, k, E, d, dtype, invalid=True):
 @backends
 @pytest.mark.parametrize("T,k,E,capacity,pad_to", CASES)
 def test_dispatch_matches_numpy(backend, rng, T, k, E, capacity, pad_to):
-  x, experts, _ = random_case(rng, T, k, E, 24, jnp.bfloat16)
+  x, experts, _ = random_case(rng, T, k, E, 21, jnp.bfloat16)  # odd rows: the CUDA gather's 2-byte copies
   rows, group_sizes, plan = jax.jit(D.dispatch, static_argnums=2, static_argnames=("capacity", "pad_to"))(
       x, experts, E, capacity=capacity, pad_to=pad_to)
   want = numpy_dispatch(np.asarray(x, np.float64), experts, E, capacity, pad_to)
@@ -106,7 +111,7 @@ def test_dispatch_drops_every_out_of_range_id(backend, rng):
 def test_combine_and_gradients_match_numpy(backend, rng, dtype, weighted, T, k, E, capacity, pad_to):
   """combine(rows * c, plan, weights) for per-row factors c, and its gradients in x and the weights
   through dispatch (jax.vjp), against the float64 loops; also the same through row_weights."""
-  d = 40 if dtype == "float32" else 24  # 40 float32: no 16-byte rows on CUDA (the narrow kernels)
+  d = 42 if dtype == "float32" else 24  # CUDA: 8-byte gathers, 1-wide combine; 16-byte gathers, 8-wide combine
   x, experts, weights = random_case(rng, T, k, E, d, dtype)
   R = reference_moe.num_rows(T, k, E, capacity, pad_to)
   c = rng.standard_normal((R, 1)).astype(np.float32)
@@ -234,3 +239,111 @@ def test_layer_fwd_bwd_holds_no_sort_and_no_scatter(capacity_factor):
   assert "stablehlo.sort" not in text and "stablehlo.scatter" not in text
   assert "jaxmlp_dispatch" in text and "jaxmlp_combine" in text
   assert "stablehlo.sort" in lowered("reference")  # the check can fail
+
+
+# ---- CUDA only: sizes past one sort block, command buffers ------------------------------------------
+
+def skip_without_cuda():
+  reason = cuda_reason("fallback")
+  if reason:
+    pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,E,capacity,pad_to", [(4096, 8, 128, 300, 128), (8192, 2, 8, None, 1),
+                                                   (3000, 4, 1536, 10, 16)])
+def test_cuda_dispatch_at_moe_sizes(rng, T, k, E, capacity, pad_to):
+  """Many sort blocks (2048 choices each), skewed routing (experts drawn from a narrow range, so the
+  capacity drops fall across blocks), the largest E the CUDA sort takes; twice, bitwise equal."""
+  skip_without_cuda()
+  x, _, weights = random_case(rng, T, k, E, 256, jnp.bfloat16)
+  experts = np.minimum(rng.geometric(0.05, (T, k)) - 2, E).astype(np.int32)  # -1 and E: out of range
+  with jax.default_device(_ffi.cuda_devices()[0]):
+    @jax.jit
+    def layer(x, w):
+      rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+      return D.combine(rows, plan, w)
+    out = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+    y1, y2 = layer(x, jnp.asarray(weights)), layer(x, jnp.asarray(weights))
+  want = numpy_dispatch(np.asarray(x, np.float64), experts, E, capacity, pad_to)
+  got = (out[0], out[1], out[2].row_of_slot, out[2].slot_of_row, out[2].counts)
+  for name, g, w in zip(("rows", "group_sizes", "row_of_slot", "slot_of_row", "counts"), got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float64), w, err_msg=name)
+  check_close(y1, numpy_combine(want[0], want[2], weights), TOLERANCE["bfloat16"], "y")
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y2, np.float32))  # no atomics
+
+
+COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jaxmlp import _ffi, dispatch as D
+    rng = np.random.default_rng(0)
+    T, k, E, d = 2048, 4, 16, 256
+    x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+    experts = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    def loss(x, w):
+      rows, _, plan = D.dispatch(x, experts, E, capacity=600, pad_to=16)
+      y = D.combine(jnp.tanh(rows), plan, w) + D.combine(rows, plan)
+      return jnp.sum(y.astype(jnp.float32) ** 2)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    losses = []
+    for i in range(30):
+      if i == 10:
+        warm = _ffi._cuda.handler_host_calls()
+      v, g = jax.block_until_ready(step(x, weights))
+      losses.append(float(v))
+    assert len(set(losses)) == 1
+    print(json.dumps({"host_calls": _ffi._cuda.handler_host_calls() - warm, "loss": float(v),
+                      "grads": [np.asarray(a, np.float32).tolist() for a in g]}))
+""")
+
+
+@pytest.mark.gpu
+def test_dispatch_and_combine_inside_command_buffers():
+  """The handlers are captured into an XLA command buffer (sync-free) and give identical results."""
+  skip_without_cuda()
+
+  def run(flags):
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    out = subprocess.run([sys.executable, "-P", "-c", COMMAND_BUFFER_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+  with_cb = run("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+  without = run("--xla_gpu_enable_command_buffer=")
+  # Per step: dispatch, 2 combines, their 2 backwards, dispatch's backward (a combine): 6 host executions.
+  assert without["host_calls"] == 20 * 6
+  assert with_cb["host_calls"] == 0, "the dispatch custom calls were not replayed from a command buffer"
+  assert with_cb["loss"] == without["loss"]
+  for a, b in zip(with_cb["grads"], without["grads"]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@backends
+def test_inside_shard_map(backend, rng):
+  """Data parallel: each device dispatches and combines its own tokens (the results' types vary over the
+  mesh axis, as the operands' do); values and gradients equal the single-device calls, shard by shard."""
+  devices = jax.devices("cpu") if backend == "cpu" else _ffi.cuda_devices()
+  mesh = jax.make_mesh((len(devices),), ("dev",), devices=devices)
+  n, T, k, E, d = len(devices), 24, 2, 4, 16
+  x, experts, weights = random_case(rng, n * T, k, E, d, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((n * T, d)), jnp.float32)
+
+  def layer(x, experts, w):
+    rows, _, plan = D.dispatch(x, experts, E, capacity=8, pad_to=4)
+    return D.combine(jnp.tanh(rows), plan, w)
+
+  def step(x, experts, w, dy):
+    y, vjp = jax.vjp(lambda x, w: layer(x, experts, w), x, w)
+    return y, *vjp(dy)
+
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=jax.P("dev"), out_specs=jax.P("dev")))
+  put = lambda a: jax.device_put(jnp.asarray(a), jax.sharding.NamedSharding(mesh, jax.P("dev")))  # noqa: E731
+  got = sharded(put(x), put(experts), put(weights), put(dy))
+  for i in range(n):
+    part = slice(i * T, (i + 1) * T)
+    want = step(x[part], jnp.asarray(experts[part]), jnp.asarray(weights[part]), dy[part])
+    for name, g, w in zip(("y", "dx", "dweights"), got, want):
+      np.testing.assert_allclose(np.asarray(g)[part], w, rtol=1e-6, atol=1e-6, err_msg=name)
