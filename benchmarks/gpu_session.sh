@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU lease in one call: build, tests, memcheck, benchmark; a short summary last.
 #   bash benchmarks/gpu_session.sh test [TESTS]  build + the tests (default: all, the README's command) +
-#                                               compute-sanitizer memcheck (MEMCHECK="fp8" runs only the listed paths, MEMCHECK= none)
+#                                               compute-sanitizer memcheck (MEMCHECK="fp8 dispatch": only those, MEMCHECK= none)
 #   bash benchmarks/gpu_session.sh bench ARGS    build + benchmarks/bench.py ARGS
 # A staged cuBLAS (../shared/device/stage_cublas.py) whose parts were copied to /tmp/jaxmlp-cublas is
 # unpacked first.
+#   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
@@ -30,7 +31,8 @@ if [ "$what" = test ]; then
   # Every test, not only the GPU ones: the CPU tests meet a GPU's defaults here (XLA's TF32 products).
   python3 -P -m pytest -q -p no:cacheprovider -rs "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
   # memcheck: every path, adversarial and skewed group sizes, forward and backward.
-  for path in ${MEMCHECK-fallback grouped tiled fp8}; do
+  memcheck=" ${MEMCHECK-fallback grouped tiled fp8 dispatch} "
+  for path in $(echo $memcheck | tr ' ' '\n' | grep -v dispatch); do
     available=$([ $path = fp8 ] && echo fp8_available || echo ${path}_available)
     if [ $path != fallback ] && ! grep -q "\"$available\": true" "$OUT/backend_info.json"; then
       echo "memcheck $path: skipped, unavailable here (backend_info)" | tee -a "$OUT/summary.txt"; continue
@@ -73,7 +75,32 @@ PY
     echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"
     grep "ERROR SUMMARY" "$OUT/memcheck-$path.log"
   done
+  # memcheck of the dispatch and combine: expert ids out of range, drops, padding, a plan made by hand.
+  [[ "$memcheck" == *" dispatch "* ]] && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-dispatch.log" 2>&1 <<'PY'
+import jax, jax.numpy as jnp, numpy as np
+from jaxmlp import dispatch as D
+rng = np.random.default_rng(1)
+for T, k, E, d, capacity, pad_to in ((3000, 4, 16, 256, 500, 128), (5, 2, 3, 21, None, 1), (700, 8, 1536, 64, 2, 16)):
+  x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  experts = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (T, k)) % (E + 9) - 4, jnp.int32)  # some out of range
+  w = jnp.asarray(rng.random((T, k)), jnp.float32)
+  def loss(x, w):
+    rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+    return (D.combine(rows, plan, w).astype(jnp.float32).sum() + D.combine(rows, plan).astype(jnp.float32).sum()
+            + D.row_weights(w, plan).sum())
+  jax.block_until_ready(jax.grad(loss, argnums=(0, 1))(x, w))
+bad = D.Plan(jnp.asarray([[0, 2**30], [-7, 3]], jnp.int32), jnp.asarray([0, 99, -5, 3], jnp.int32), jnp.zeros(2, jnp.int32))
+rows = jnp.ones((4, 8), jnp.bfloat16)
+jax.block_until_ready(jax.grad(lambda r, w: D.combine(r, bad, w).astype(jnp.float32).sum(), argnums=(0, 1))(
+    rows, jnp.ones((2, 2), jnp.float32)))
+print("memcheck run done")
+PY
+  [[ "$memcheck" == *" dispatch "* ]] && echo "memcheck dispatch: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-dispatch.log") error lines)" | tee -a "$OUT/summary.txt"
+  grep -s "ERROR SUMMARY" "$OUT/memcheck-dispatch.log"
   grep -E "passed|failed" "$OUT/pytest.log" | tail -1 | tee -a "$OUT/summary.txt"
+elif [ "$what" = moe_layer ]; then
+  python3 -P benchmarks/moe_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -40
 else
   python3 benchmarks/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi

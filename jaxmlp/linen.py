@@ -111,5 +111,5 @@ class MoE(nn.Module):
                          name="experts")
     y, aux = moe(tokens, logits, experts, top_k=self.top_k, score_func=self.score_func,
                  renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef, impl=self.impl)
     return y.reshape(x.shape), aux

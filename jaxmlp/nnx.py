@@ -140,7 +140,9 @@ class MoE(nnx.Module):
     d_model: d, the token width.
     d_ff: f, the hidden width of each expert.
     top_k: experts per token.
-    activation, use_bias, kernel_init, bias_init, impl: as for GroupedMLP.
+    activation, use_bias, kernel_init, bias_init: as for GroupedMLP.
+    impl: as for GroupedMLP, and it picks the dispatch and combine too: "jaxmlp" (jaxmlp.dispatch's custom
+      calls) or "reference" (jaxmlp.reference_moe: jnp.argsort, a gather and a scatter-add).
     score_func: "softmax" (over the E logits) or "sigmoid" (each logit on its own, as in DeepSeek-V3).
     renormalize: divide each token's top-k scores by their sum. Note that with top_k=1 and softmax this
       makes every weight 1, so the router then learns from the auxiliary losses alone.
@@ -207,5 +209,5 @@ class MoE(nnx.Module):
     tokens = tokens_of(x, self.d_model)
     y, aux = moe(tokens, self.router(tokens), self.experts, top_k=self.top_k, score_func=self.score_func,
                  renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef, impl=self.impl)
     return y.reshape(x.shape), aux
