@@ -55,6 +55,9 @@ def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int
     raise ValueError(f"expert_axis: {expert_axis!r} is not an axis of the current mesh "
                      f"(axes {mesh.axis_names})")
   size = mesh.shape[expert_axis]
+  if size > 1 and mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Manual:
+    raise ValueError(f"expert_axis: {expert_axis!r} is already manual here (inside a shard_map over it); "
+                     "call the layer outside, on the tokens of all devices")
   if size > 1 and num_experts % size:
     raise ValueError(f"num_experts: {num_experts} experts do not split over the {size} devices of "
                      f"expert_axis {expert_axis!r}; expected a multiple of {size}")

@@ -173,7 +173,8 @@ def value_and_grads(f, tokens, logits, params, dy):
     y, aux = f(tokens, logits, params)
     return jnp.sum(y * dy) + 10.0 * aux["aux_loss"], (y, aux)
 
-  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(tokens, logits, params)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, (y, aux)), grads = step(tokens, logits, params)
   return y, aux, grads
 
 
@@ -234,3 +235,11 @@ def test_train_example_expert_parallel_matches_one_device():
   assert {"expert-parallel loss diff", "expert-parallel grad error"} <= set(result["checks"])
   assert result["match"]
   assert np.all(np.isfinite(result["runs"]["jaxmlp"].losses))
+
+
+def test_inside_a_shard_map_over_the_axis_is_an_error():
+  module = jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS)
+  graphdef, state = nnx.split(module)
+  inside = lambda x: nnx.merge(graphdef, state)(x)[0]
+  with jax.set_mesh(mesh_of(8)), pytest.raises(ValueError, match="expert_axis: 'expert' is already manual"):
+    jax.shard_map(inside, in_specs=jax.P(AXIS), out_specs=jax.P(AXIS))(jnp.zeros((64, D)))

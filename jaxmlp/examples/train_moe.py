@@ -162,7 +162,8 @@ class Run:
   tokens_per_s: float  # after the first (compiling) step
 
 
-def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int, expert_axis: str | None = None) -> Run:
+def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
+          expert_axis: str | None = None) -> Run:
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW."""
   model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis)
   graphdef, params = nnx.split(model)
@@ -206,8 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="computation dtype; parameters stay float32 (auto: bfloat16 on GPU, float32 otherwise)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initialisation")
   parser.add_argument("--expert-parallel", action="store_true",
-                      help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices on a "
-                           "CPU), and check the first batch's loss and gradients against one device")
+                      help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
+                           "on a CPU), and check the first batch's loss and gradients against one device")
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 2:
     parser.error("--steps: need at least 2 (the first one compiles and is not timed)")
@@ -252,8 +253,8 @@ def expert_parallel_checks(cfg: Config, batch: np.ndarray, *, impl: str, seed: i
     one_loss, one_grads = loss_and_grads(None)
     with on(mesh):
       loss, grads = loss_and_grads(EXPERT_AXIS)
-  print(f"expert-parallel over {mesh.devices.size} devices, first batch: loss with router losses {float(loss):.6f} "
-        f"(one device: {float(one_loss):.6f})")
+  print(f"expert-parallel over {mesh.devices.size} devices, first batch: loss with router losses "
+        f"{float(loss):.6f} (one device: {float(one_loss):.6f})")
   return {"expert-parallel loss diff": (abs(float(loss) - float(one_loss)) / abs(float(one_loss)),
                                         EXPERT_PARALLEL_TOLERANCE),
           "expert-parallel grad error": (gradient_error(grads, one_grads), EXPERT_PARALLEL_TOLERANCE)}
