@@ -17,12 +17,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
+IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "torch_fp8",
+              "torch_fp8_compile", "dense")
 IMPL_LABELS = {"jaxmlp": "jaxmlp", "jaxmlp_fp8": "jaxmlp FP8 (tensorwise)", "ragged_dot": "jax.lax.ragged_dot", "tokamax": "tokamax.ragged_dot",
                "torch": "torch._grouped_mm (eager)", "torch_compile": "torch._grouped_mm (torch.compile)",
+               "torch_fp8": "torch._scaled_grouped_mm FP8 (row-wise, eager)",
+               "torch_fp8_compile": "torch._scaled_grouped_mm FP8 (row-wise, torch.compile)",
                "dense": "dense GEMM (ceiling)"}
 COLORS = {"jaxmlp": "#d62728", "jaxmlp_fp8": "#8c1515", "ragged_dot": "#1f77b4", "tokamax": "#9467bd", "torch": "#ff7f0e",
-          "torch_compile": "#bcbd22", "dense": "#7f7f7f"}
+          "torch_compile": "#bcbd22", "torch_fp8": "#8c564b", "torch_fp8_compile": "#e377c2", "dense": "#7f7f7f"}
 OVERHEAD_TARGET_US = 10.0  # per layer, fwd+bwd, with command buffers, on an H100/H200
 OVERHEAD_LABELS = {"jaxmlp": "jaxmlp", "ragged_dot": "jax.lax.ragged_dot",
                    "elementwise": "element-wise layer (for comparison)"}
