@@ -78,11 +78,12 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     tokens [T, d], logits [T, E]: split over the axis by their leading dimension.
     expert_params: a pytree of arrays with leading dimension E, split over the axis (the "expert" axis).
     expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
-    exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on GPUs.
+    exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on a mesh of GPUs.
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
-  if exchange is None:
-    exchange = "ragged_all_to_all" if jax.default_backend() == "gpu" else "all_to_all"
+  if exchange is None:  # by the mesh's devices, not the default backend: a CPU mesh on a GPU machine
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    exchange = "ragged_all_to_all" if device is not None and device.platform in ("gpu", "cuda") else "all_to_all"
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange: unknown {exchange!r}; expected one of {', '.join(EXCHANGES)}")
   num_tokens, num_experts = logits.shape
