@@ -61,12 +61,18 @@ __global__ void CountKernel(const int32_t* experts, int64_t T, int64_t k, int32_
 // One block of kScanThreads.
 __global__ void ScanKernel(int32_t* block_base, int64_t blocks, int32_t E, int32_t capacity, int32_t pad_to,
                            int32_t* group_sizes, int32_t* counts, int32_t* offsets) {
+  constexpr int kInFlight = 8;  // loads issued before the stores that the compiler cannot move them past
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int32_t run = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int32_t c = block_base[b * E + e];
-      block_base[b * E + e] = run;
-      run += c;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kInFlight) {
+      int32_t c[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) c[i] = b0 + i < blocks ? block_base[(b0 + i) * E + e] : 0;
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        if (b0 + i < blocks) block_base[(b0 + i) * E + e] = run;
+        run += c[i];
+      }
     }
     counts[e] = run;
     const int32_t kept = min(run, capacity);
