@@ -29,7 +29,7 @@ import cases
 import report
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("jaxmlp", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
+IMPLS = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
 TORCH_IMPLS = {"torch": [], "torch_compile": ["--compile"]}  # torch_mlp.py's flags for each
 
 # Command buffers (CUDA graphs) are chosen by an XLA flag that is read once, when JAX initialises its
@@ -39,8 +39,7 @@ COMMAND_BUFFER_FLAGS = {
     "default": None,
     "on": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
 }
-# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, where jaxmlp's
-# handlers are plain loops.
+# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, to keep the run short.
 OVERHEAD_LAYER = {"gpu": dict(E=8, d=256, f=512, M=256, dtype="bfloat16"),
                   "cpu": dict(E=4, d=64, f=128, M=64, dtype="float32")}
 
@@ -217,6 +216,8 @@ def make_cases(shape_names: list[str], routings: list[str]) -> list[dict]:
 def skip_reason(impl: str, mode: str, named: bool) -> str | None:
   """Why `impl` is not measured here, or None. Decided without importing torch or JAX."""
   package = "torch" if impl in TORCH_IMPLS else impl
+  if impl == "jaxmlp_fp8" and mode == "cpu":
+    return "FP8 takes 16-bit operands; the CPU run is float32"
   if package in ("torch", "tokamax") and importlib.util.find_spec(package) is None:
     return f"{package} is not installed"
   if package == "torch" and mode == "cpu" and not named:

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # One GPU lease in one call: build, tests, memcheck, benchmark; a short summary last.
-#   bash benchmarks/gpu_session.sh test        build + every test (the README's command) + compute-sanitizer memcheck
-#   bash benchmarks/gpu_session.sh bench ARGS  build + benchmarks/bench.py ARGS
+#   bash benchmarks/gpu_session.sh test [TESTS]  build + the tests (default: all, the README's command) +
+#                                               compute-sanitizer memcheck (MEMCHECK="fp8 dispatch": only those, MEMCHECK= none)
+#   bash benchmarks/gpu_session.sh bench ARGS    build + benchmarks/bench.py ARGS
+# A staged cuBLAS (../shared/device/stage_cublas.py) whose parts were copied to /tmp/jaxmlp-cublas is
+# unpacked first.
+#   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
 OUT=${OUT:-/tmp/jaxmlp-session}; mkdir -p "$OUT"
 what=${1:-test}; shift || true
 
+for tool in .device/*/tool/unpack_cublas.py; do
+  [ -e "$tool" ] && ls /tmp/jaxmlp-cublas/part* > /dev/null 2>&1 && python3 "$tool" | tail -2
+done
 # Hopper only on the GPU machine (90a: the tiled kernel's wgmma): a quarter of the build time.
 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a-real -DJAXMLP_CUDA=ON" \
   python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
@@ -22,16 +29,32 @@ if [ "$what" = test ]; then
   # jax.lax.ragged_dot's autotuning then runs out of memory.)
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   # Every test, not only the GPU ones: the CPU tests meet a GPU's defaults here (XLA's TF32 products).
-  python3 -P -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 -P -m pytest -q -p no:cacheprovider -rs "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
   # memcheck: every path, adversarial and skewed group sizes, forward and backward.
-  for path in fallback grouped tiled; do
-    if [ $path != fallback ] && ! grep -q "\"${path}_available\": true" "$OUT/backend_info.json"; then
+  memcheck=" ${MEMCHECK-fallback grouped tiled fp8 dispatch} "
+  for path in $(echo $memcheck | tr ' ' '\n' | grep -v dispatch); do
+    available=$([ $path = fp8 ] && echo fp8_available || echo ${path}_available)
+    if [ $path != fallback ] && ! grep -q "\"$available\": true" "$OUT/backend_info.json"; then
       echo "memcheck $path: skipped, unavailable here (backend_info)" | tee -a "$OUT/summary.txt"; continue
     fi
-    JAXMLP_GEMM_PATH=$path XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
+    JAXMLP_GEMM_PATH=$([ $path = fp8 ] && echo grouped || echo $path) JAXMLP_FP8=$([ $path = fp8 ] && echo 1) \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
-import jax, jax.numpy as jnp, numpy as np, jaxmlp
+import os, jax, jax.numpy as jnp, numpy as np, jaxmlp
 rng = np.random.default_rng(1)
+if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward and backward, with scales
+  for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (32, 48, [50, 0, 20, 1]),
+                      (64, 96, [*rng.integers(-5, 3, 300), 2**31 - 1, 7])):
+    M, E = 256, len(sizes)
+    x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((E, f, d)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    g = jax.grad(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8="tensorwise")
+                 .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w1, w2, x[:, 0])
+    jax.block_until_ready(g)
+  print("memcheck run done")
+  raise SystemExit
 # The fourth case spans two passes of the block scans (256 groups each); the last is the host-overhead
 # layer, which takes the tiled path by itself.
 for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (64, 96, [50, 0, 20, 1]),
@@ -52,7 +75,32 @@ PY
     echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"
     grep "ERROR SUMMARY" "$OUT/memcheck-$path.log"
   done
+  # memcheck of the dispatch and combine: expert ids out of range, drops, padding, a plan made by hand.
+  [[ "$memcheck" == *" dispatch "* ]] && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-dispatch.log" 2>&1 <<'PY'
+import jax, jax.numpy as jnp, numpy as np
+from jaxmlp import dispatch as D
+rng = np.random.default_rng(1)
+for T, k, E, d, capacity, pad_to in ((3000, 4, 16, 256, 500, 128), (5, 2, 3, 21, None, 1), (700, 8, 1536, 64, 2, 16)):
+  x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  experts = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (T, k)) % (E + 9) - 4, jnp.int32)  # some out of range
+  w = jnp.asarray(rng.random((T, k)), jnp.float32)
+  def loss(x, w):
+    rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+    return (D.combine(rows, plan, w).astype(jnp.float32).sum() + D.combine(rows, plan).astype(jnp.float32).sum()
+            + D.row_weights(w, plan).sum())
+  jax.block_until_ready(jax.grad(loss, argnums=(0, 1))(x, w))
+bad = D.Plan(jnp.asarray([[0, 2**30], [-7, 3]], jnp.int32), jnp.asarray([0, 99, -5, 3], jnp.int32), jnp.zeros(2, jnp.int32))
+rows = jnp.ones((4, 8), jnp.bfloat16)
+jax.block_until_ready(jax.grad(lambda r, w: D.combine(r, bad, w).astype(jnp.float32).sum(), argnums=(0, 1))(
+    rows, jnp.ones((2, 2), jnp.float32)))
+print("memcheck run done")
+PY
+  [[ "$memcheck" == *" dispatch "* ]] && echo "memcheck dispatch: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-dispatch.log") error lines)" | tee -a "$OUT/summary.txt"
+  grep -s "ERROR SUMMARY" "$OUT/memcheck-dispatch.log"
   grep -E "passed|failed" "$OUT/pytest.log" | tail -1 | tee -a "$OUT/summary.txt"
+elif [ "$what" = moe_layer ]; then
+  python3 -P benchmarks/moe_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -40
 else
   python3 benchmarks/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi

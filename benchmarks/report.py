@@ -17,11 +17,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-IMPL_ORDER = ("jaxmlp", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
-IMPL_LABELS = {"jaxmlp": "jaxmlp", "ragged_dot": "jax.lax.ragged_dot", "tokamax": "tokamax.ragged_dot",
+IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
+IMPL_LABELS = {"jaxmlp": "jaxmlp", "jaxmlp_fp8": "jaxmlp FP8 (tensorwise)", "ragged_dot": "jax.lax.ragged_dot", "tokamax": "tokamax.ragged_dot",
                "torch": "torch._grouped_mm (eager)", "torch_compile": "torch._grouped_mm (torch.compile)",
                "dense": "dense GEMM (ceiling)"}
-COLORS = {"jaxmlp": "#d62728", "ragged_dot": "#1f77b4", "tokamax": "#9467bd", "torch": "#ff7f0e",
+COLORS = {"jaxmlp": "#d62728", "jaxmlp_fp8": "#8c1515", "ragged_dot": "#1f77b4", "tokamax": "#9467bd", "torch": "#ff7f0e",
           "torch_compile": "#bcbd22", "dense": "#7f7f7f"}
 OVERHEAD_TARGET_US = 10.0  # per layer, fwd+bwd, with command buffers, on an H100/H200
 OVERHEAD_LABELS = {"jaxmlp": "jaxmlp", "ragged_dot": "jax.lax.ragged_dot",

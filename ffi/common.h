@@ -42,7 +42,11 @@ struct ActParams {
 //   kNN: out[o_g + i, :] = lhs[o_g + i, :] @ rhs[g]           lhs [M, K], rhs [E, K, N], out [M, N]
 //   kNT: out[o_g + i, :] = lhs[o_g + i, :] @ rhs[g]^T         lhs [M, N], rhs [E, K, N], out [M, K]
 //   kTN: out[g]          = lhs[o_g : o_g+c_g]^T @ rhs[o_g : ] lhs [M, K], rhs [M, N],    out [E, K, N]
-enum class GemmOp : int32_t { kNN = 0, kNT = 1, kTN = 2 };
+// The CUDA FP8 path's weight gradients (cuBLAS takes FP8 only with both operands contiguous along the
+// reduction) read transposed copies instead, each group's rows a 16-aligned column segment:
+//   kTNPadded: out[g] = lhsT[:, p_g : p_g+c_g] @ rhsT[:, p_g : p_g+c_g]^T   lhsT [K, ld], rhsT [N, ld]
+// where p_g is the running sum of the group sizes each rounded up to 16 (zeros in between).
+enum class GemmOp : int32_t { kNN = 0, kNT = 1, kTN = 2, kTNPadded = 3 };
 
 // group_sizes policy (documented in README "Semantics"): negative sizes count as 0 and the running total
 // is capped at M. offsets[g] = min(sum_{i<g} max(size_i, 0), M); offsets has E + 1 entries, so group g owns

@@ -3,13 +3,17 @@
   jaxmlp.grouped_mlp   fused FC1 -> activation -> FC2 over expert-sorted rows, forward and backward
   jaxmlp.ragged_dot    drop-in for jax.lax.ragged_dot
   jaxmlp.reference     pure-JAX definitions of both (the semantics)
+  jaxmlp.dispatch      the MoE layer's token dispatch and combine (dispatch, row_weights, combine), with
+                       jaxmlp.reference_moe their pure-JAX definitions
   jaxmlp.backend_info  which backend and GEMM path are in use
   jaxmlp.nnx, jaxmlp.linen   Flax modules (import separately; need flax)
 """
-from . import reference
+from . import dispatch, reference, reference_moe
 from .activations import NAMES as ACTIVATIONS, Activation
 from .api import grouped_mlp, ragged_dot
+from .fp8 import Fp8Recipe
 from .backend import backend_info
 
 __version__ = "0.1.0"
-__all__ = ["ACTIVATIONS", "Activation", "backend_info", "grouped_mlp", "ragged_dot", "reference"]
+__all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "backend_info", "dispatch", "grouped_mlp", "ragged_dot",
+           "reference", "reference_moe"]

@@ -83,7 +83,8 @@ def cuda_status() -> dict:
 # zeroing kernels) while a product's expert weights (E * K * N elements) and its work (M * K * N
 # multiply-adds) are both small: on an H200, at E=8, d=256, f=512 for M up to 4096, fwd+bwd in 45-85% of
 # cuBLAS's time. With larger weights its many small weight-gradient tiles lose: 1.5x cuBLAS's time at
-# E=8, d=1024, f=2048 already for M=16 (benchmarks/NOTES.md). Limits at the largest measured win.
+# E=8, d=1024, f=2048 already for M=16 (docs/performance.md, "The tiled path"). Limits at the largest
+# measured win.
 TILED_MAX_WEIGHTS = 1 << 21
 TILED_MAX_MACS = 1 << 30
 
@@ -267,3 +268,62 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
     return call(lhs.astype(in_dtype), rhs.astype(in_dtype), sizes, **attrs)[0].astype(out_dtype)
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+
+
+def mlp_fp8_forward(x, w1, w2, group_sizes, scales, act: Activation, recipe, s: MlpShape):
+  """The FP8 forward's custom call (CUDA only): (y [M, d], h [M, F1], amax [4] float32 of x, w1, w2, a)."""
+  _fp8_path_or_raise()
+  dt = x.dtype
+  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
+          _optional(scales, dt))
+  sds = _result_types(x, w1, w2, group_sizes, *([] if scales is None else [scales]))
+  ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt])
+  call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32),
+                                                 _workspace(ws, sds)], vmap_method="sequential")
+  return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:3])
+
+
+def mlp_fp8_backward(x, w1, w2, group_sizes, scales, h, amax, dy, act: Activation, s: MlpShape):
+  """The FP8 backward's custom call (CUDA only): (dx, dw1, dw2, dscales or None)."""
+  _fp8_path_or_raise()
+  dt = x.dtype
+  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
+          _optional(scales, dt), h, dy, amax)
+  sds = _result_types(x, w1, w2, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
+  ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt])
+  outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
+          sds((s.M,) if scales is not None else (0,), dt), _workspace(ws, sds)]
+  dx, dw1, dw2, dscales = jax.ffi.ffi_call("jaxmlp_mlp_fp8_bwd", outs, vmap_method="sequential")(
+      *args, **_act_attrs(act))[:4]
+  return dx, dw1, dw2, dscales if scales is not None else None
+
+
+def fp8_status() -> tuple[bool, str]:
+  """Whether this process's CUDA device and cuBLAS run the FP8 grouped MLP, and why (not)."""
+  if _cuda is None:
+    return False, CUDA_BUILD_ERROR
+  status = cuda_status()
+  if not status:
+    return False, "no CUDA device"
+  if not status.get("grouped_available"):
+    return False, "FP8 runs on the cuBLASLt grouped GEMM, which is unavailable: " + status.get("grouped_reason", "")
+  major = int(status.get("compute_capability", "0.0").split(".")[0])
+  if major != 9:
+    return False, (f"compute capability {status['compute_capability']}: the FP8 path is built and tested for "
+                   "Hopper (9.x) only")
+  return True, "cuBLASLt grouped GEMM, FP8 e4m3 with one scale per tensor"
+
+
+def _fp8_path_or_raise() -> None:
+  if not cuda_devices():
+    return  # platform_dependent traces the CUDA branch everywhere; without a CUDA device it is never lowered
+  ok, why = fp8_status()
+  if not ok:
+    raise RuntimeError(f"fp8: this GPU cannot run the FP8 grouped MLP: {why}")
+
+
+def cpu_grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape):
+  """jaxmlp's CPU grouped GEMM handler on float32 operands (the FP8 emulation's products)."""
+  call = jax.ffi.ffi_call("jaxmlp_gemm", _result_types(lhs, rhs, group_sizes)(out_shape, jnp.float32),
+                          vmap_method="sequential")
+  return call(lhs, rhs, _handler_sizes(group_sizes, lhs.shape[0]), op=np.int32(GEMM_OPS[op]))

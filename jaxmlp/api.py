@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _ffi, reference
+from . import _checks, _ffi, fp8_mlp, reference
+from . import fp8 as fp8_recipes
 from .activations import Activation, resolve
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
-                scales=None, check_group_sizes: bool = False):
+                scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipes.Fp8Recipe | None = None):
   """Mixture-of-Experts expert MLP over rows sorted by expert: `act(x @ w1[g] + b1[g]) * scales @ w2[g] + b2[g]`.
 
   Args:
@@ -27,12 +28,18 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     scales: optional [M] per-row factor applied to the activation output (router weights); differentiable.
     check_group_sizes: raise at run time if group_sizes holds negative sizes or sums past M (costs a
       device-to-host copy; for debugging).
+    fp8: None (x's dtype throughout), "tensorwise" or a jaxmlp.Fp8Recipe: FC1 and FC2, forward and
+      backward, as FP8 e4m3 products (see jaxmlp.fp8 for the recipe); bfloat16 or float16 operands,
+      d and f multiples of 16, no biases.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
   """
   act = resolve(activation)
+  recipe = fp8_recipes.resolve(fp8)
   shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  if recipe is not None:
+    fp8_mlp.check(x, b1, b2, recipe, shape)
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, shape.M)
   group_sizes = _checks.host_sizes_as_int32(group_sizes, shape.M)
@@ -40,6 +47,8 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     # An empty problem leaves only biases and zeros to compute, and the handlers take no zero-sized
     # operands (they launch kernels sized by them): the reference, which defines the semantics, does it.
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
+  if recipe is not None:
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
   return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act)
 
 

@@ -16,6 +16,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
+from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
                   tokens_of)
@@ -95,6 +96,7 @@ class MoE(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = default_bias_init
   impl: str = "jaxmlp"
+  expert_axis: str | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -109,7 +111,18 @@ class MoE(nn.Module):
                          use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                          kernel_init=self.kernel_init, bias_init=self.bias_init, impl=self.impl,
                          name="experts")
-    y, aux = moe(tokens, logits, experts, top_k=self.top_k, score_func=self.score_func,
-                 renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+    options = dict(top_k=self.top_k, score_func=self.score_func, renormalize=self.renormalize,
+                   capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
+                   z_loss_coef=self.z_loss_coef)
+    devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
+    if devices > 1:
+      if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
+        experts(jnp.zeros((0, self.d_model), tokens.dtype), jnp.zeros((self.num_experts,), jnp.int32))
+      # The parameters go into the shard_map split over the axis; each device applies its share.
+      unbound = experts.clone(parent=None, num_experts=self.num_experts // devices)
+      y, aux = moe_expert_parallel(tokens, logits, nn.meta.unbox(experts.variables["params"]),
+                                   lambda local, rows, sizes: unbound.apply({"params": local}, rows, sizes),
+                                   expert_axis=self.expert_axis, **options)
+    else:
+      y, aux = moe(tokens, logits, experts, **options, impl=self.impl)
     return y.reshape(x.shape), aux

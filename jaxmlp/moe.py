@@ -1,6 +1,6 @@
 """The Mixture-of-Experts layer as plain functions, shared by jaxmlp.nnx and jaxmlp.linen: routing,
-permutation into expert-sorted rows (with an optional capacity), the expert MLP, combine, and the
-router's auxiliary losses; plus the parameters' logical axis names and default initialisers.
+dispatch into expert-sorted rows (with an optional capacity; jaxmlp.dispatch), the expert MLP, combine,
+and the router's auxiliary losses; plus the parameters' logical axis names and default initialisers.
 """
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
-from . import _checks, reference
+from . import _checks, dispatch, reference, reference_moe
 from .api import grouped_mlp
+# The layer's original argsort path, kept importable here for its callers (jaxmlp.reference_moe defines it).
+from .reference_moe import sort_by_expert  # noqa: F401
 
 # Logical axis names of the parameters (the MaxText convention).
 W1_AXES = ("expert", "embed", "mlp")
@@ -27,6 +29,8 @@ default_bias_init = jax.nn.initializers.zeros
 default_router_init = jax.nn.initializers.lecun_normal()  # nnx.Linear's default
 
 IMPLS = {"jaxmlp": grouped_mlp, "reference": reference.grouped_mlp}
+# Dispatch and combine of each impl: jaxmlp's custom calls, or the pure-JAX argsort and scatter-add path.
+DISPATCHERS = {"jaxmlp": dispatch, "reference": reference_moe}
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -83,37 +87,15 @@ def route(logits: jax.Array, top_k: int, score_func: str = "softmax", renormaliz
   """
   logits = logits.astype(jnp.float32)
   scores = jax.nn.softmax(logits) if score_func == "softmax" else jax.nn.sigmoid(logits)
-  weights, experts = jax.lax.top_k(scores, top_k)
+  _, experts = jax.lax.top_k(jax.lax.stop_gradient(scores), top_k)
+  # The chosen scores picked by a one-hot sum rather than as top_k's values: the gradient is then a dense
+  # element-wise op where top_k's would be a scatter-add into [T, E].
+  chosen = experts[..., None] == jnp.arange(scores.shape[-1])
+  weights = jnp.sum(jnp.where(chosen, scores[:, None, :], 0), axis=-1)
   if renormalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   probs = scores / jnp.sum(scores, axis=-1, keepdims=True) if score_func == "sigmoid" else scores
   return weights, experts.astype(jnp.int32), probs
-
-
-def sort_by_expert(experts: jax.Array, num_experts: int, capacity: int | None = None):
-  """Orders the T*k (token, choice) pairs of experts [T, k] by expert, for the grouped MLP.
-
-  Pairs are numbered choice-major, `r = j * T + t`, so that a stable sort serves every token's first
-  choice before any token's second one when an expert overflows its capacity (GShard's priority).
-  Pairs beyond `capacity` in their expert are moved after all kept pairs: they become padding rows.
-
-  Returns:
-    order [T*k]: pair index of each sorted row;
-    group_sizes [E] int32: kept rows per expert;
-    counts [E] int32: pairs routed to each expert before any drop.
-  """
-  flat = experts.T.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  if capacity is None:
-    return order, counts, counts
-  sorted_experts = flat[order]
-  starts = jnp.cumsum(counts) - counts
-  rank_in_expert = jnp.arange(flat.shape[0]) - starts[sorted_experts]
-  # Dropped rows get the key E: the stable sort keeps the kept rows in place and moves them last.
-  keys = jnp.where(rank_in_expert < capacity, sorted_experts, num_experts)
-  order = order[jnp.argsort(keys, stable=True)]
-  return order, jnp.minimum(counts, capacity), counts
 
 
 def router_losses(logits: jax.Array, probs: jax.Array, counts: jax.Array, top_k: int,
@@ -139,19 +121,23 @@ def router_losses(logits: jax.Array, probs: jax.Array, counts: jax.Array, top_k:
 
 def moe(tokens: jax.Array, logits: jax.Array, expert_mlp: tp.Callable[..., jax.Array], *, top_k: int,
         score_func: str = "softmax", renormalize: bool = True, capacity_factor: float | None = None,
-        aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+        aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+        impl: str = "jaxmlp") -> tuple[jax.Array, dict[str, jax.Array]]:
   """Routes tokens [T, d] by logits [T, E] through `expert_mlp(rows, group_sizes, scales)` and combines.
+
+  The router weights reach the expert MLP as its row `scales`, so the combine is a plain sum of each
+  token's rows (float32 accumulation). impl picks dispatch and combine: "jaxmlp" (jaxmlp.dispatch's
+  custom calls) or "reference" (jnp.argsort, a gather and a scatter-add: jaxmlp.reference_moe).
 
   Returns (y [T, d] in expert_mlp's output dtype, the router_losses dict).
   """
+  check_impl(impl)
+  ops = DISPATCHERS[impl]
   num_tokens, num_experts = logits.shape
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
   capacity = None
   if capacity_factor is not None:
     capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
-  order, group_sizes, counts = sort_by_expert(experts, num_experts, capacity)
-  token_of_row = order % num_tokens
-  rows = expert_mlp(tokens[token_of_row], group_sizes, weights.T.reshape(-1)[order])
-  # Padding (dropped) rows are 0, so adding every row is exact; accumulate the top_k terms in float32.
-  y = jnp.zeros((num_tokens, rows.shape[1]), jnp.float32).at[token_of_row].add(rows.astype(jnp.float32))
-  return y.astype(rows.dtype), router_losses(logits, probs, counts, top_k, aux_loss_coef, z_loss_coef)
+  rows, group_sizes, plan = ops.dispatch(tokens, experts, num_experts, capacity=capacity)
+  y = ops.combine(expert_mlp(rows, group_sizes, ops.row_weights(weights, plan)), plan)
+  return y, router_losses(logits, probs, plan.counts, top_k, aux_loss_coef, z_loss_coef)

@@ -20,6 +20,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
+from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
                   tokens_of)
@@ -140,7 +141,9 @@ class MoE(nnx.Module):
     d_model: d, the token width.
     d_ff: f, the hidden width of each expert.
     top_k: experts per token.
-    activation, use_bias, kernel_init, bias_init, impl: as for GroupedMLP.
+    activation, use_bias, kernel_init, bias_init: as for GroupedMLP.
+    impl: as for GroupedMLP, and it picks the dispatch and combine too: "jaxmlp" (jaxmlp.dispatch's custom
+      calls) or "reference" (jaxmlp.reference_moe: jnp.argsort, a gather and a scatter-add).
     score_func: "softmax" (over the E logits) or "sigmoid" (each logit on its own, as in DeepSeek-V3).
     renormalize: divide each token's top-k scores by their sum. Note that with top_k=1 and softmax this
       makes every weight 1, so the router then learns from the auxiliary losses alone.
@@ -152,6 +155,10 @@ class MoE(nnx.Module):
     dtype: the dtype of the expert computation (default: infer from input and params). The router
       always computes in float32: top-k choices are sensitive to rounding.
     param_dtype: the dtype passed to parameter initializers.
+    expert_axis: None, or a mesh axis name: under a mesh (jax.set_mesh) where that axis has P > 1
+      devices, the layer runs expert-parallel over it (jaxmlp.expert_parallel: E and the tokens must
+      split evenly over the P devices; map the logical axis "expert" to it so that the expert weights
+      are already split). Outside a mesh, or with P = 1, it runs on the local device.
     rngs: rng key.
   """
 
@@ -174,6 +181,7 @@ class MoE(nnx.Module):
     kernel_init: Initializer = default_kernel_init,
     bias_init: Initializer = default_bias_init,
     impl: str = "jaxmlp",
+    expert_axis: str | None = None,
     rngs: nnx.Rngs,
   ):
     check_moe_args(num_experts, top_k, score_func, capacity_factor)
@@ -196,6 +204,7 @@ class MoE(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.impl = impl
+    self.expert_axis = expert_axis
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d] through the experts.
@@ -205,7 +214,15 @@ class MoE(nnx.Module):
       "router_z_loss", already multiplied by their coefficients, and their sum "aux_loss".
     """
     tokens = tokens_of(x, self.d_model)
-    y, aux = moe(tokens, self.router(tokens), self.experts, top_k=self.top_k, score_func=self.score_func,
-                 renormalize=self.renormalize, capacity_factor=self.capacity_factor,
-                 aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+    options = dict(top_k=self.top_k, score_func=self.score_func, renormalize=self.renormalize,
+                   capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
+                   z_loss_coef=self.z_loss_coef)
+    if axis_size(self.expert_axis, self.num_experts, tokens.shape[0]) > 1:
+      # The experts' state goes into the shard_map split over the axis; each device merges its share.
+      graphdef, state = nnx.split(self.experts)
+      y, aux = moe_expert_parallel(tokens, self.router(tokens), state,
+                                   lambda local, rows, sizes: nnx.merge(graphdef, local)(rows, sizes),
+                                   expert_axis=self.expert_axis, **options)
+    else:
+      y, aux = moe(tokens, self.router(tokens), self.experts, **options, impl=self.impl)
     return y.reshape(x.shape), aux

@@ -10,15 +10,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks
+from . import _checks, fp8_mlp
+from . import fp8 as fp8_recipes
 from .activations import Activation, resolve
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
-                scales=None):
+                scales=None, fp8=None):
   """Reference for jaxmlp.grouped_mlp (same arguments and semantics)."""
   act = resolve(activation)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  recipe = fp8_recipes.resolve(fp8)
+  if recipe is not None:
+    fp8_mlp.check(x, b1, b2, recipe, s)
+    return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), scales, act, recipe)
   sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, s.M), s.M)
   rows = _checks.row_groups(sizes, s.M)  # E for padding rows
   valid = (rows < s.E)[:, None]

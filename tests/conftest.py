@@ -6,8 +6,8 @@ os.environ.setdefault("JAXMLP_POISON_OUTPUTS", "1")
 
 import jax
 
-# Several CPU devices for the shard_map tests (set before JAX starts its backends).
-jax.config.update("jax_num_cpu_devices", 4)
+# Several CPU devices for the shard_map and expert-parallel tests (set before JAX starts its backends).
+jax.config.update("jax_num_cpu_devices", 8)
 # float32 products in XLA's own ops (jaxmlp.reference, the Flax models' dense layers) in full float32, as
 # jaxmlp's handlers compute them: on a GPU XLA's default rounds them to TF32 (~5e-4 relative error), which
 # the 1e-5 comparisons against float32 results would take for a defect. jaxmlp's own calls ignore this.

@@ -1,5 +1,5 @@
 """jaxmlp's ops inside jax.shard_map, the way to run them on data spread over devices: values and
-gradients against the float64 NumPy reference, shard by shard. On the CPU backend the mesh is 4 CPU
+gradients against the float64 NumPy reference, shard by shard. On the CPU backend the mesh is 8 CPU
 devices (conftest); on CUDA, the GPUs there are."""
 import jax
 import jax.numpy as jnp

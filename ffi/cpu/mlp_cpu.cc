@@ -11,6 +11,7 @@
 #include "../activations.h"
 #include "cblas.h"  // OpenBLAS from the scipy-openblas32 wheel: its symbols carry the scipy_ prefix
 #include "../common.h"
+#include "buffers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
@@ -20,77 +21,6 @@ using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
-
-// ---- dtype conversion ----------------------------------------------------------------------------
-float Bf16ToFloat(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
-  return uint16_t(u >> 16);
-}
-
-std::vector<float> ToFloat(const AnyBuffer& b) {
-  size_t n = b.element_count();
-  std::vector<float> out(n);
-  switch (b.element_type()) {
-    case DataType::F32:
-      std::memcpy(out.data(), b.untyped_data(), n * 4);
-      break;
-    case DataType::BF16: {
-      auto* p = static_cast<const uint16_t*>(b.untyped_data());
-      for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(p[i]);
-      break;
-    }
-    default: {  // F16 (validated by the callers)
-      auto* p = static_cast<const _Float16*>(b.untyped_data());
-      for (size_t i = 0; i < n; ++i) out[i] = float(p[i]);
-    }
-  }
-  return out;
-}
-
-// Rounds v to `t` and back: the value a buffer of dtype t would hold.
-float RoundTo(DataType t, float v) {
-  if (t == DataType::BF16) return Bf16ToFloat(FloatToBf16(v));
-  if (t == DataType::F16) return float(_Float16(v));
-  return v;
-}
-
-void RoundAll(DataType t, std::vector<float>& v) {
-  if (t != DataType::F32)
-    for (float& e : v) e = RoundTo(t, e);
-}
-
-void Store(const std::vector<float>& v, AnyBuffer out) {
-  size_t n = out.element_count();
-  switch (out.element_type()) {
-    case DataType::F32:
-      std::memcpy(out.untyped_data(), v.data(), n * 4);
-      break;
-    case DataType::BF16: {
-      auto* p = static_cast<uint16_t*>(out.untyped_data());
-      for (size_t i = 0; i < n; ++i) p[i] = FloatToBf16(v[i]);
-      break;
-    }
-    default: {
-      auto* p = static_cast<_Float16*>(out.untyped_data());
-      for (size_t i = 0; i < n; ++i) p[i] = _Float16(v[i]);
-    }
-  }
-}
-
-void Poison(std::initializer_list<AnyBuffer*> outs) {
-  if (PoisonOutputs())
-    for (AnyBuffer* b : outs) std::memset(b->untyped_data(), 0xFF, b->size_bytes());
-}
 
 std::vector<int64_t> Offsets(const AnyBuffer& group_sizes, int64_t M) {
   int64_t E = group_sizes.element_count();

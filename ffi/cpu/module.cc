@@ -1,27 +1,33 @@
-// Python module jaxmlp._cpu: the CPU handlers as capsules for jax.ffi.register_ffi_target.
+// Python module jaxmlp._cpu: the CPU handlers of ffi/targets.inc as capsules for
+// jax.ffi.register_ffi_target.
 #include <nanobind/nanobind.h>
 
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
-extern "C" XLA_FFI_Error* MlpForwardCpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* MlpBackwardCpu(XLA_FFI_CallFrame*);
-extern "C" XLA_FFI_Error* GemmCpu(XLA_FFI_CallFrame*);
+#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) extern "C" XLA_FFI_Error* cpu(XLA_FFI_CallFrame*);
+#define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cpu(XLA_FFI_CallFrame*);
+#define JAXMLP_CUDA_TARGET(name, cuda)  // none on the CPU
+#include "../targets.inc"
+#undef JAXMLP_GEMM_TARGET
+#undef JAXMLP_TARGET
+#undef JAXMLP_CUDA_TARGET
 
 namespace {
-template <typename F>
-nb::capsule Capsule(F* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsule(reinterpret_cast<void*>(fn)); }
 }  // namespace
 
 NB_MODULE(_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jaxmlp_mlp_fwd"] = Capsule(MlpForwardCpu);
-    d["jaxmlp_mlp_bwd"] = Capsule(MlpBackwardCpu);
-    d["jaxmlp_gemm"] = Capsule(GemmCpu);
+#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) d[name] = Capsule(cpu);
+#define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cpu);
+#define JAXMLP_CUDA_TARGET(name, cuda)
+#include "../targets.inc"
+#undef JAXMLP_GEMM_TARGET
+#undef JAXMLP_TARGET
+#undef JAXMLP_CUDA_TARGET
     return d;
   });
 }

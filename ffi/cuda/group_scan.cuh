@@ -74,4 +74,16 @@ __device__ __forceinline__ int64_t ScanGroups(const int32_t* sizes, int64_t E, i
   return min(carry, M);
 }
 
+// Group of a valid row (row < offsets[E]), for the offsets [E + 1] ScanGroups writes: the first g with
+// offsets[g + 1] > row (empty groups are skipped).
+__device__ __forceinline__ int64_t GroupOf(const int64_t* offsets, int64_t E, int64_t row) {
+  int64_t lo = 0, hi = E - 1;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) / 2;
+    if (offsets[mid + 1] > row) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
 }  // namespace jaxmlp

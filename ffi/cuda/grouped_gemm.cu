@@ -19,6 +19,8 @@ cudaDataType CudaType(ffi::DataType t) {
       return CUDA_R_16BF;
     case ffi::DataType::F16:
       return CUDA_R_16F;
+    case ffi::DataType::F8E4M3FN:
+      return CUDA_R_8F_E4M3;
     default:
       return CUDA_R_32F;
   }
@@ -40,6 +42,7 @@ struct SetupParams {
   int32_t num_gemms;
   GemmSpec gemms[kMaxGemms];
   int32_t in_bytes[kMaxGemms], out_bytes[kMaxGemms];
+  int64_t padded_ld;  // kTNPadded's leading dimension (PaddedRows)
   GroupArrays out;
 };
 
@@ -49,6 +52,7 @@ struct SetupParams {
 template <int kWarps>
 __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
   int64_t carry_groups = 0;  // compact: slots taken by the non-empty groups so far
+  int64_t carry_padded = 0;  // kTNPadded: columns taken by the groups so far, each rounded up to 16
   ScanGroups<kWarps>(p.sizes, p.E, p.M, p.out.counts, p.out.offsets, [&](int64_t g, int64_t start, int64_t count) {
     int64_t slot = g;
     if (p.compact) {  // the same on every thread: the block-wide sum runs on all of them
@@ -56,7 +60,16 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       slot = carry_groups + BlockInclusiveSum<kWarps>(count > 0, &nonempty) - (count > 0);
       carry_groups += nonempty;
     }
+    const int64_t padded = (count + 15) / 16 * 16;
+    int64_t pass_padded;
+    const int64_t padded_start = carry_padded + BlockInclusiveSum<kWarps>(padded, &pass_padded) - padded;
+    carry_padded += pass_padded;
     if (g >= p.E || (p.compact && count == 0)) return;
+    if (p.out.padded) {
+      p.out.padded[g] = int32_t(padded);
+      p.out.padded[p.E + g] = int32_t(p.padded_ld);
+      p.out.padded_starts[g] = padded_start;
+    }
     for (int i = 0; i < p.num_gemms; ++i) {
       const GemmSpec& s = p.gemms[i];
       const int64_t K = s.K, N = s.N, ib = p.in_bytes[i], ob = p.out_bytes[i];
@@ -72,8 +85,11 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
         case GemmOp::kNT:  // out[rows] = lhs[rows] @ rhs[g]^T
           a = rhs + g * K * N * ib, b = lhs + start * N * ib, d = out + start * K * ob;
           break;
-        default:  // kTN: out[g] = lhs[rows]^T @ rhs[rows]
+        case GemmOp::kTN:  // out[g] = lhs[rows]^T @ rhs[rows]
           a = rhs + start * N * ib, b = lhs + start * K * ib, d = out + g * K * N * ob;
+          break;
+        default:  // kTNPadded: out[g] = lhsT[:, padded columns of g] @ rhsT[:, same]^T
+          a = rhs + padded_start * ib, b = lhs + padded_start * ib, d = out + g * K * N * ob;
       }
       const int64_t E = p.E;  // 64-bit slots: E may reach 2^30 (Prepare)
       p.out.dims[(i * 2 + 0) * E + slot] = s.K;
@@ -132,9 +148,10 @@ struct LtKey {
   int32_t K, N, E;
   int64_t avg_rows;
   bool accumulate;
+  bool fast_accumulation;
   bool operator<(const LtKey& o) const {
-    return std::tie(device, op, in, out, K, N, E, avg_rows, accumulate) <
-           std::tie(o.device, o.op, o.in, o.out, o.K, o.N, o.E, o.avg_rows, o.accumulate);
+    return std::tie(device, op, in, out, K, N, E, avg_rows, accumulate, fast_accumulation) <
+           std::tie(o.device, o.op, o.in, o.out, o.K, o.N, o.E, o.avg_rows, o.accumulate, o.fast_accumulation);
   }
 };
 
@@ -177,6 +194,28 @@ struct Layouts {
   }
 };
 
+// The matmul descriptor of product s: transposes and, for FP8, the operands' scales. cuBLAS's A is our rhs
+// and its B our lhs (see RunGrouped).
+ffi::Error MakeDesc(const CublasApi& api, const GemmSpec& s, Desc* desc) {
+  JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t tb = s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (s.op == GemmOp::kTNPadded) ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
+  if (s.in_type != ffi::DataType::F8E4M3FN) return ffi::Error::Success();
+  // One scalar scale per operand for all groups (SCALAR_32F, the default mode; Hopper's grouped GEMM
+  // rejects per-group scalars).
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &s.rhs_scale,
+                                             sizeof(s.rhs_scale)), "A_SCALE_POINTER");
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &s.lhs_scale,
+                                             sizeof(s.lhs_scale)), "B_SCALE_POINTER");
+  const int8_t fast = s.fast_accumulation;
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+                "FAST_ACCUM");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 bool GroupedPathAvailable(std::string* reason) {
@@ -208,7 +247,8 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* gr
   arrays_.offsets = ws.Take<int64_t>(E + 1);
   split_arrivals_ = nullptr, split_partials_ = nullptr;
   if (path == GemmPath::kTiled) {  // needs no cuBLAS arrays or workspace
-    arrays_.dims = nullptr, arrays_.ptrs = nullptr, cublas_ws_ = nullptr;
+    arrays_.dims = nullptr, arrays_.ptrs = nullptr, arrays_.padded = nullptr, arrays_.padded_starts = nullptr;
+    cublas_ws_ = nullptr;
     if (split_k) {
       split_arrivals_ = ws.Take<int32_t>(kTiledSplitSlots);
       split_partials_ = ws.Take<float>(int64_t(kTiledSplitSlots) * kTiledTileElems);
@@ -217,6 +257,8 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* gr
   }
   arrays_.dims = ws.Take<int32_t>(kMaxGemms * 2 * E);
   arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
+  arrays_.padded = ws.Take<int32_t>(2 * E);
+  arrays_.padded_starts = ws.Take<int64_t>(E);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
 }
 
@@ -229,6 +271,14 @@ size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
 ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   if (specs.size() > size_t(kMaxGemms)) return ffi::Error::Internal("jaxmlp: too many grouped GEMMs in one call");
   if (E_ <= 0 || E_ >= (int64_t(1) << 30)) return ffi::Error::InvalidArgument("jaxmlp: need 1 <= E < 2^30 groups");
+  bool padded = false;
+  for (const GemmSpec& s : specs) {
+    if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) && path_ != GemmPath::kGrouped)
+      return ffi::Error::Internal("jaxmlp: FP8 products run on the cuBLASLt grouped path only");
+    padded |= s.op == GemmOp::kTNPadded;
+  }
+  if (padded && PaddedRows(M_, E_) > INT32_MAX)
+    return ffi::Error::InvalidArgument("jaxmlp: M + 15 E must be below 2^31 for the FP8 weight gradients");
   SetupParams p{};
   p.sizes = group_sizes_;
   p.E = int32_t(E_);
@@ -236,6 +286,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   p.compact = path_ == GemmPath::kFallback;
   p.num_gemms = int32_t(specs.size());
   p.out = arrays_;
+  if (!padded) p.out.padded = nullptr;  // nothing reads them; and a size near 2^31 would not round up in int32
+  p.padded_ld = PaddedRows(M_, E_);
   num_specs_ = 0;
   for (const GemmSpec& s : specs) {
     p.in_bytes[num_specs_] = int32_t(ffi::ByteWidth(s.in_type));
@@ -247,7 +299,7 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   // One warp walks 32 groups a pass; more groups take a block of 8 warps, 256 a pass. Each pass waits
   // for a load of group_sizes: one warp took ~1 us per 32 groups, 8 warps 3.4-4.2 us per launch at
-  // E = 128 and 256 alike, and 32 warps (1024 a pass) ~2 us more (H100, benchmarks/NOTES.md).
+  // E = 128 and 256 alike, and 32 warps (1024 a pass) ~2 us more (H100, docs/performance.md).
   if (E_ <= 32)
     SetupKernel<1><<<1, 32, 0, stream_>>>(p);
   else
@@ -298,7 +350,7 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   // Blocks enough for the largest group, at most one per SM and product, not blocks per group: nearly
   // always no group is empty, and then every block only reads the counts, so the launch costs what its
   // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
-  // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (benchmarks/NOTES.md).
+  // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (docs/performance.md).
   const int64_t sms = std::max<int64_t>(1, OncePerDeviceAndKernel(
       reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
         int count = 0;
@@ -356,10 +408,18 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
       JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.b, in, E, K, counts, K), "grouped layout B");
       JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.d, out, E, N, K, N), "grouped layout D");
       break;
+    case GemmOp::kTNPadded: {  // A(c x N)^T, B(c x K), both with the padded leading dimension
+      const int32_t* rows = arrays_.padded;
+      const int32_t* ld = arrays_.padded + E_;
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.a, in, E, rows, N, ld), "grouped layout A");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.b, in, E, rows, K, ld), "grouped layout B");
+      JAXMLP_CUBLAS(api.LtGroupedMatrixLayoutCreate(&l.d, out, E, N, K, N), "grouped layout D");
+      break;
+    }
   }
 
   const int64_t avg_rows = std::max<int64_t>(M_ / E_, 1);
-  const LtKey key{device, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f};
+  const LtKey key{device, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation};
   cublasLtHandle_t handle;
   LtPlan plan;
   {
@@ -375,20 +435,17 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
     if (it == lt_plans.end()) {
       // First call with this problem signature: build the descriptor and ask the heuristic once. (Timing
       // its top 8 on the first call instead was measured: -2% to +4% where later calls had the first
-      // call's group sizes, down to -19% where they had others; benchmarks/NOTES.md.)
+      // call's group sizes, down to -19% where they had others; docs/performance.md.)
       Desc desc{api};
-      JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-      cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;
-      cublasOperation_t tb = s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N;
-      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
-      JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
+      JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, &desc));
       cublasLtMatmulPreference_t pref;
       JAXMLP_CUBLAS(api.LtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
       size_t ws_bytes = kLtWorkspaceBytes;
       api.LtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
+      const bool weight_gradient = s.op == GemmOp::kTN || s.op == GemmOp::kTNPadded;
       const int64_t rows_d = s.op == GemmOp::kNT ? s.K : s.N;
-      const int64_t cols_d = s.op == GemmOp::kTN ? s.K : avg_rows;
-      const int64_t reduction = s.op == GemmOp::kTN ? avg_rows : (s.op == GemmOp::kNN ? s.K : s.N);
+      const int64_t cols_d = weight_gradient ? s.K : avg_rows;
+      const int64_t reduction = weight_gradient ? avg_rows : (s.op == GemmOp::kNN ? s.K : s.N);
       SetAverageHint(api, pref, kPrefGroupedAvgRowsD, rows_d);
       SetAverageHint(api, pref, kPrefGroupedAvgColsD, cols_d);
       SetAverageHint(api, pref, kPrefGroupedAvgReductionDim, reduction);
@@ -405,10 +462,15 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
     }
     plan = it->second;
   }
+  // The scale pointers of an FP8 product point into this call's workspace: its descriptor is built per
+  // call, with the cached algorithm (a cached descriptor is shared by every thread that calls).
+  Desc per_call{api};
+  if (s.in_type == ffi::DataType::F8E4M3FN) JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, &per_call));
   // One host scalar alpha and beta for all groups (Hopper takes no per-group scalars).
   const float alpha = 1.0f, beta = s.beta;
-  JAXMLP_CUBLAS(api.LtMatmul(handle, plan.desc, &alpha, ptrs + 0 * E_, l.a, ptrs + 1 * E_, l.b, &beta, ptrs + 2 * E_,
-                             l.d, ptrs + 2 * E_, l.d, &plan.algo, cublas_ws_, kLtWorkspaceBytes, stream_),
+  JAXMLP_CUBLAS(api.LtMatmul(handle, per_call.desc ? per_call.desc : plan.desc, &alpha, ptrs + 0 * E_, l.a,
+                             ptrs + 1 * E_, l.b, &beta, ptrs + 2 * E_, l.d, ptrs + 2 * E_, l.d, &plan.algo, cublas_ws_,
+                             kLtWorkspaceBytes, stream_),
                 "cublasLtMatmul (grouped)");
   return ffi::Error::Success();
 }

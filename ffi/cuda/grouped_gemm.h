@@ -62,7 +62,16 @@ struct GemmSpec {
   // Operands that are inputs of the FFI call, which none of the call's kernels writes: the tiled path
   // starts copying them before the kernel ahead of it on the stream has finished.
   bool lhs_is_input = false, rhs_is_input = false;
+  // FP8 (in_type F8E4M3FN, cuBLASLt grouped path only): device pointers to the operands' dequantization
+  // scales (one float each), and whether to use the faster, less precise FP8 accumulation.
+  const float* lhs_scale = nullptr;
+  const float* rhs_scale = nullptr;
+  bool fast_accumulation = false;
 };
+
+// Leading dimension of the kTNPadded operands of a call over M rows and E groups: room for every group's
+// rows rounded up to 16, itself a multiple of 16 (16-byte aligned FP8 rows).
+inline int64_t PaddedRows(int64_t M, int64_t E) { return (M + 15 * E + 15) / 16 * 16; }
 
 // Device arrays written by the setup kernel.
 struct GroupArrays {
@@ -70,6 +79,8 @@ struct GroupArrays {
   int64_t* offsets;  // [E + 1] first row of each group; offsets[E] = rows in use
   int32_t* dims;     // [kMaxGemms][2][E]: K and N repeated per group (cuBLASLt reads dims from arrays)
   void** ptrs;       // [kMaxGemms][3][E]: cuBLAS A, B and D pointers per group
+  int32_t* padded;   // [2][E]: kTNPadded's group sizes rounded up to 16, and its leading dimension
+  int64_t* padded_starts;  // [E]: kTNPadded's first column of each group (the running sum of `padded`)
 };
 
 // The grouped products of one FFI call, on one stream.
@@ -96,6 +107,8 @@ class GroupedGemms {
 
   // Device pointer; valid once Prepare (cuBLAS paths) or the first Run (tiled path) is enqueued.
   const int64_t* offsets() const { return arrays_.offsets; }
+  // Device pointer, where Prepare had a kTNPadded product: each group's first column in its operands.
+  const int64_t* padded_starts() const { return arrays_.padded_starts; }
 
  private:
   ffi::Error RunGrouped(const GemmSpec& s, int i);

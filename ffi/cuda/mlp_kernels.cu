@@ -4,6 +4,7 @@
 
 #include "../activations.h"
 #include "elements.cuh"
+#include "group_scan.cuh"
 #include "launch.cuh"
 
 namespace jaxmlp {
@@ -16,17 +17,6 @@ __device__ void ZeroRow(T* row, int64_t n) {
   Vec<T, V> z;
   for (int k = 0; k < V; ++k) z.v[k] = Conv<T>::From(0.0f);
   for (int64_t j = threadIdx.x * V; j < n; j += blockDim.x * V) Store<T, V>(row + j, z);
-}
-
-// Group of a valid row: the first g with offsets[g + 1] > row (empty groups are skipped).
-__device__ __forceinline__ int64_t GroupOf(const int64_t* offsets, int64_t E, int64_t row) {
-  int64_t lo = 0, hi = E - 1;
-  while (lo < hi) {
-    int64_t mid = (lo + hi) / 2;
-    if (offsets[mid + 1] > row) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
 }
 
 // One block per row: the row's work is a few KB, and a block-wide loop keeps the group lookup and the

@@ -1,5 +1,6 @@
-// Python module jaxmlp._cuda: the CUDA handlers as capsules, the workspace sizes Python must request,
-// and what backend_info() reports (cuBLAS version, device, whether the grouped and tiled paths can run).
+// Python module jaxmlp._cuda: the CUDA handlers of ffi/targets.inc as capsules, the workspace sizes
+// Python must request, and what backend_info() reports (cuBLAS version, device, whether the grouped and
+// tiled paths can run).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -16,20 +17,20 @@
 
 namespace nb = nanobind;
 
-extern "C" {
-XLA_FFI_Error* MlpForwardGrouped(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpForwardFallback(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpBackwardGrouped(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpBackwardFallback(XLA_FFI_CallFrame*);
-XLA_FFI_Error* GemmGrouped(XLA_FFI_CallFrame*);
-XLA_FFI_Error* GemmFallback(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpForwardTiled(XLA_FFI_CallFrame*);
-XLA_FFI_Error* MlpBackwardTiled(XLA_FFI_CallFrame*);
-XLA_FFI_Error* GemmTiled(XLA_FFI_CallFrame*);
-}
+#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) \
+  extern "C" XLA_FFI_Error* grouped(XLA_FFI_CallFrame*);       \
+  extern "C" XLA_FFI_Error* tiled(XLA_FFI_CallFrame*);         \
+  extern "C" XLA_FFI_Error* fallback(XLA_FFI_CallFrame*);
+#define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cuda(XLA_FFI_CallFrame*);
+#define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
+#include "../targets.inc"
+#undef JAXMLP_GEMM_TARGET
+#undef JAXMLP_TARGET
+#undef JAXMLP_CUDA_TARGET
 
 namespace jaxmlp {
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
+size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize);
 extern std::atomic<int64_t> handler_host_calls;
 }
 
@@ -72,15 +73,16 @@ nb::dict Status(const std::vector<std::string>& lib_dirs) {
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jaxmlp_mlp_fwd_grouped"] = Capsule(MlpForwardGrouped);
-    d["jaxmlp_mlp_fwd_fallback"] = Capsule(MlpForwardFallback);
-    d["jaxmlp_mlp_bwd_grouped"] = Capsule(MlpBackwardGrouped);
-    d["jaxmlp_mlp_bwd_fallback"] = Capsule(MlpBackwardFallback);
-    d["jaxmlp_gemm_grouped"] = Capsule(GemmGrouped);
-    d["jaxmlp_gemm_fallback"] = Capsule(GemmFallback);
-    d["jaxmlp_mlp_fwd_tiled"] = Capsule(MlpForwardTiled);
-    d["jaxmlp_mlp_bwd_tiled"] = Capsule(MlpBackwardTiled);
-    d["jaxmlp_gemm_tiled"] = Capsule(GemmTiled);
+#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) \
+  d[name "_grouped"] = Capsule(grouped);                       \
+  d[name "_tiled"] = Capsule(tiled);                           \
+  d[name "_fallback"] = Capsule(fallback);
+#define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cuda);
+#define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
+#include "../targets.inc"
+#undef JAXMLP_GEMM_TARGET
+#undef JAXMLP_TARGET
+#undef JAXMLP_CUDA_TARGET
     return d;
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
@@ -96,6 +98,13 @@ NB_MODULE(_cuda, m) {
       },
       "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16; "
       "biases: b1 or b2 given).");
+  m.def(
+      "mlp_fp8_workspace_bytes",
+      [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code) {
+        jaxmlp::MlpDims dims{M, d, f, F1, E, false, false, false};
+        return jaxmlp::MlpFp8WorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
+      },
+      "Scratch bytes of one FP8 grouped-MLP call (dtype_code: 1 bfloat16, 2 float16).");
   m.def(
       "gemm_workspace_bytes",
       [](const std::string& path, int64_t E) {

@@ -3,6 +3,7 @@ experts computed by jaxmlp.grouped_mlp and by the jax.lax.ragged_dot reference, 
 
   jaxmlp-train-moe                          # both paths; tiny on CPU, small on GPU
   jaxmlp-train-moe --impl jaxmlp --config small --steps 300 --dtype float32
+  jaxmlp-train-moe --expert-parallel        # the MoE layers expert-parallel over all devices
 (or python -m jaxmlp.examples.train_moe, from outside the source tree).
 
 Both paths train the same model from the same initialisation on the same batches. The run checks that
@@ -13,7 +14,9 @@ GRADIENT_TOLERANCE.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 import time
 
@@ -92,12 +95,13 @@ class MarkovChain:
 class Block(nnx.Module):
   """Pre-norm transformer block: causal self-attention, then the MoE layer, each with a residual."""
 
-  def __init__(self, cfg: Config, *, dtype, impl: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, *, dtype, impl: str, expert_axis: str | None, rngs: nnx.Rngs):
     self.attention_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, use_bias=False, decode=False,
                                             dtype=dtype, keep_rngs=False, rngs=rngs)
     self.moe_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
-    self.moe = MoE(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.top_k, dtype=dtype, impl=impl, rngs=rngs)
+    self.moe = MoE(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.top_k, dtype=dtype, impl=impl,
+                   expert_axis=expert_axis, rngs=rngs)
 
   def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = x + self.attention(self.attention_norm(x), mask=mask)
@@ -108,9 +112,10 @@ class Block(nnx.Module):
 class MoETransformer(nnx.Module):
   """Decoder-only language model: embedding, MoE transformer blocks, final norm, untied output head."""
 
-  def __init__(self, cfg: Config, *, dtype, impl: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, *, dtype, impl: str, rngs: nnx.Rngs, expert_axis: str | None = None):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, dtype=dtype, impl=impl, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([Block(cfg, dtype=dtype, impl=impl, expert_axis=expert_axis, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
@@ -157,9 +162,10 @@ class Run:
   tokens_per_s: float  # after the first (compiling) step
 
 
-def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int) -> Run:
+def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
+          expert_axis: str | None = None) -> Run:
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW."""
-  model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed))
+  model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis)
   graphdef, params = nnx.split(model)
   optimizer = optax.adamw(cfg.learning_rate, weight_decay=0.01)
   opt_state = optimizer.init(params)
@@ -200,16 +206,66 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--dtype", choices=["auto", *FINAL_LOSS_TOLERANCE], default="auto",
                       help="computation dtype; parameters stay float32 (auto: bfloat16 on GPU, float32 otherwise)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initialisation")
+  parser.add_argument("--expert-parallel", action="store_true",
+                      help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
+                           "on a CPU), and check the first batch's loss and gradients against one device")
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 2:
     parser.error("--steps: need at least 2 (the first one compiles and is not timed)")
   return args
 
 
+# Expert parallelism: the mesh axis, the CPU devices it splits over on a machine without accelerators, and
+# how close its first loss and gradients (float32, full precision) must be to one device's.
+EXPERT_AXIS = "expert"
+HOST_DEVICES = 8
+EXPERT_PARALLEL_TOLERANCE = 1e-5
+
+
+def expert_mesh() -> jax.sharding.Mesh:
+  """A mesh of all devices along EXPERT_AXIS; on a CPU, HOST_DEVICES of them unless XLA_FLAGS or JAX
+  already chose (the count is fixed once JAX has started its backends)."""
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    with contextlib.suppress(RuntimeError):
+      jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
+  return jax.make_mesh((jax.device_count(),), (EXPERT_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@contextlib.contextmanager
+def on(mesh: jax.sharding.Mesh | None):
+  """Under `mesh`, with the experts' weights split over its axis; nothing without one."""
+  if mesh is None:
+    yield
+    return
+  with jax.set_mesh(mesh), nnx.logical_axis_rules((("expert", EXPERT_AXIS), ("embed", None), ("mlp", None))):
+    yield
+
+
+def expert_parallel_checks(cfg: Config, batch: np.ndarray, *, impl: str, seed: int,
+                           mesh: jax.sharding.Mesh) -> dict[str, tuple[float, float]]:
+  """The first batch's loss and gradients expert-parallel over `mesh` against one device's, in float32."""
+  def loss_and_grads(expert_axis):
+    graphdef, params = nnx.split(MoETransformer(cfg, dtype=jnp.float32, impl=impl, rngs=nnx.Rngs(seed),
+                                                expert_axis=expert_axis))
+    return jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch)[0]))(params)
+
+  with jax.default_matmul_precision("highest"):
+    one_loss, one_grads = loss_and_grads(None)
+    with on(mesh):
+      loss, grads = loss_and_grads(EXPERT_AXIS)
+  print(f"expert-parallel over {mesh.devices.size} devices, first batch: loss with router losses "
+        f"{float(loss):.6f} (one device: {float(one_loss):.6f})")
+  return {"expert-parallel loss diff": (abs(float(loss) - float(one_loss)) / abs(float(one_loss)),
+                                        EXPERT_PARALLEL_TOLERANCE),
+          "expert-parallel grad error": (gradient_error(grads, one_grads), EXPERT_PARALLEL_TOLERANCE)}
+
+
 def main(argv: list[str] | None = None) -> dict:
   """Runs the example; returns {"runs": {impl: Run}, "checks": {name: (value, tolerance)},
-  "max_loss_diff", "match"} (checks and max_loss_diff when both paths ran)."""
+  "max_loss_diff", "match"} (checks when both paths ran or with --expert-parallel, max_loss_diff when
+  both paths ran)."""
   args = parse_args(argv)
+  mesh = expert_mesh() if args.expert_parallel else None
   gpu = jax.default_backend() == "gpu"
   config_name = args.config if args.config != "auto" else ("small" if gpu else "tiny")
   dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu else "float32")
@@ -232,8 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
       grads = {impl: initial_gradients(cfg, batches[0], impl=impl, dtype=dtype, seed=args.seed) for impl in impls}
     with jax.default_matmul_precision("highest"):
       exact = initial_gradients(cfg, batches[0], impl="reference", dtype=jnp.float32, seed=args.seed)
-  with jax.default_matmul_precision(precision):
-    runs = {impl: train(cfg, batches, impl=impl, dtype=dtype, seed=args.seed) for impl in impls}
+  expert_axis = EXPERT_AXIS if mesh else None
+  with jax.default_matmul_precision(precision), on(mesh):
+    runs = {impl: train(cfg, batches, impl=impl, dtype=dtype, seed=args.seed, expert_axis=expert_axis)
+            for impl in impls}
   result = {"runs": runs, "match": True}
   _print_table(runs)
   if len(runs) == 2:
@@ -252,10 +310,17 @@ def main(argv: list[str] | None = None) -> dict:
     speedup = runs["jaxmlp"].tokens_per_s / runs["reference"].tokens_per_s
     print(f"{'speedup':<28}{speedup:>9.2f}x  (jaxmlp tokens/s over reference tokens/s)")
     if not gpu:
-      print("(On the CPU jaxmlp runs its single-threaded C++ handlers, there to check the GPU path's "
-            "semantics, not to be fast.)")
+      print("(On the CPU jaxmlp runs its C++ handlers, OpenBLAS GEMMs on one thread per call.)")
     if not result["match"]:
       print("FAIL: the two paths disagree beyond the tolerance", file=sys.stderr)
+  if mesh is not None:
+    ep_checks = expert_parallel_checks(cfg, batches[0], impl=impls[0], seed=args.seed, mesh=mesh)
+    for name, (value, tol) in ep_checks.items():
+      print(f"{name:<28}{value:>10.2e}  (tolerance {tol:.0e})")
+    ep_match = all(v <= tol for v, tol in ep_checks.values())
+    result.update(checks={**result.get("checks", {}), **ep_checks}, match=result["match"] and ep_match)
+    if not ep_match:
+      print("FAIL: expert-parallel and one device disagree beyond the tolerance", file=sys.stderr)
   return result
 
 

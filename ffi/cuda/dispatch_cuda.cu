@@ -1,0 +1,113 @@
+// CUDA handlers: the MoE dispatch (counting sort and row gather, one custom call) and the combine, forward
+// and backward. None syncs or allocates, so all are declared command-buffer compatible.
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "../dispatch_checks.h"
+#include "dispatch_kernels.h"
+#include "launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+extern std::atomic<int64_t> handler_host_calls;
+
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::Error;
+using ffi::Result;
+
+Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
+  if (!PoisonOutputs()) return Error::Success();
+  for (AnyBuffer* b : outs)
+    if (b->size_bytes())
+      JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
+                                       "poisoning outputs"));
+  return Error::Success();
+}
+
+template <typename P>
+P* As(AnyBuffer b) {
+  return b.element_count() ? static_cast<P*>(b.untyped_data()) : nullptr;
+}
+
+Error Dispatch(cudaStream_t stream, AnyBuffer x, AnyBuffer experts, int64_t num_experts, int64_t capacity,
+               int64_t pad_to, Result<AnyBuffer> rows, Result<AnyBuffer> group_sizes, Result<AnyBuffer> counts,
+               Result<AnyBuffer> row_of_slot, Result<AnyBuffer> slot_of_row, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  DispatchDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckDispatch(x, experts, num_experts, capacity, pad_to, *rows, *group_sizes, *counts,
+                                       *row_of_slot, *slot_of_row, &m));
+  if (workspace->size_bytes() < DispatchWorkspaceBytes(m.T * m.k, m.E))
+    return Error::InvalidArgument("jaxmlp: dispatch's workspace is too small");
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*rows, &*group_sizes, &*counts, &*row_of_slot, &*slot_of_row, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(DispatchPlan(stream, As<int32_t>(experts), m.T, m.k, m.E, m.capacity, m.pad_to, m.R,
+                                      As<int32_t>(*group_sizes), As<int32_t>(*counts), As<int32_t>(*row_of_slot),
+                                      As<int32_t>(*slot_of_row), workspace->untyped_data()));
+  return GatherRows(stream, x.element_type(), x.untyped_data(), m.T, m.k, m.d, As<int32_t>(*slot_of_row), m.R,
+                    rows->untyped_data());
+}
+
+Error Combine(cudaStream_t stream, AnyBuffer rows, AnyBuffer row_of_slot, AnyBuffer weights, Result<AnyBuffer> y) {
+  ++handler_host_calls;
+  CombineDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckCombine(rows, row_of_slot, weights, *y, &m));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y}));
+  return CombineRows(stream, rows.element_type(), rows.untyped_data(), m.R, m.d, As<int32_t>(row_of_slot),
+                     As<float>(weights), m.T, m.k, y->untyped_data());
+}
+
+Error CombineBackward(cudaStream_t stream, AnyBuffer dy, AnyBuffer rows, AnyBuffer row_of_slot, AnyBuffer slot_of_row,
+                      AnyBuffer weights, Result<AnyBuffer> drows, Result<AnyBuffer> dweights) {
+  ++handler_host_calls;
+  CombineDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckCombineBackward(dy, rows, row_of_slot, slot_of_row, weights, *drows, *dweights, &m));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*drows, &*dweights}));
+  return CombineBackwardRows(stream, dy.element_type(), dy.untyped_data(), m.weighted ? rows.untyped_data() : nullptr,
+                             As<int32_t>(row_of_slot), As<int32_t>(slot_of_row), As<float>(weights), m.T, m.k, m.R,
+                             m.d, drows->untyped_data(), m.weighted ? As<float>(*dweights) : nullptr);
+}
+
+constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
+
+}  // namespace
+}  // namespace jaxmlp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, jaxmlp::Dispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // experts
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("pad_to")
+                                  .Ret<xla::ffi::AnyBuffer>()   // rows
+                                  .Ret<xla::ffi::AnyBuffer>()   // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>()   // counts
+                                  .Ret<xla::ffi::AnyBuffer>()   // row_of_slot
+                                  .Ret<xla::ffi::AnyBuffer>()   // slot_of_row
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace
+                              jaxmlp::kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, jaxmlp::Combine,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // rows
+                                  .Arg<xla::ffi::AnyBuffer>()   // row_of_slot
+                                  .Arg<xla::ffi::AnyBuffer>()   // weights
+                                  .Ret<xla::ffi::AnyBuffer>(),  // y
+                              jaxmlp::kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineBackwardCuda, jaxmlp::CombineBackward,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // dy
+                                  .Arg<xla::ffi::AnyBuffer>()   // rows
+                                  .Arg<xla::ffi::AnyBuffer>()   // row_of_slot
+                                  .Arg<xla::ffi::AnyBuffer>()   // slot_of_row
+                                  .Arg<xla::ffi::AnyBuffer>()   // weights
+                                  .Ret<xla::ffi::AnyBuffer>()   // drows
+                                  .Ret<xla::ffi::AnyBuffer>(),  // dweights
+                              jaxmlp::kGraphSafe);

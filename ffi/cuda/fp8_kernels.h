@@ -1,0 +1,64 @@
+// The FP8 path's own kernels (the recipe is jaxmlp/fp8.py's docstring): absolute maxima, quantization to
+// e4m3 in the row layout and in the transposed layouts the weight gradients need, and the activation
+// forward and backward emitting FP8.
+//
+// Scales: `amax` points at a float absolute maximum (written by AbsMax); a kernel that quantizes with it
+// multiplies by 448 / amax (1 where amax is 0) and, where `scale_out` is given, stores the dequantization
+// scale amax / 448 (1 where amax is 0) there for cuBLAS. Rows past offsets[E] are padding: they count for
+// no amax and are quantized nowhere.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../common.h"
+
+namespace jaxmlp {
+
+// *amax = max(*amax, max |v| over rows [0, rows) of v [.., n]) with rows = offsets[E] where offsets is given,
+// else `rows`. *amax must hold a non-negative value (0 to start) before the first call.
+ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
+                  int64_t rows, int64_t n, float* amax);
+
+// Where QuantizeRows writes element (r, c) of its [R, C] input, for rows r in group g:
+//   rows_out[r * C + c]                                           (the input's layout), and/or
+//   cols_out[g * group_stride + c * ld + col_offsets[g] + r - row_offsets[g]]     (transposed per group)
+// Groups are given by row_offsets [E + 1] (rows past row_offsets[E] are skipped), or, where it is null, are
+// E blocks of group_rows rows each (the weights' experts: col_offsets null means 0).
+struct Fp8Outputs {
+  void* rows_out = nullptr;
+  void* cols_out = nullptr;
+  const int64_t* row_offsets = nullptr;
+  const int64_t* col_offsets = nullptr;
+  int64_t E = 1, group_rows = 0, group_stride = 0, ld = 0;
+};
+
+// Quantizes v [R, C] (t: bf16, f16 or FP8 e4m3, the last one with amax null: a transposition) with the scale
+// of *amax into `out`.
+ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
+                        float* scale_out, const Fp8Outputs& out);
+
+// The forward's activation in two passes over the valid rows of h [M, F1]: *amax_a = max |act(h) * s|
+// (zeroing the padding rows of h and y on the way), then aq [M, f] = e4m3(act(h) * s) with that scale.
+ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                            int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* scales, void* y,
+                            float* amax_a);
+ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                              int64_t E, int64_t M, int64_t f, const void* h, const void* scales, const float* amax_a,
+                              float* scale_a, void* aq);
+
+// The backward's activation, from h and da = dy w2^T (x.dtype), in two passes over the valid rows:
+//   1. aq = e4m3(act(h) * s) with the forward's *amax_a, dscales = sum_j da * act(h), *amax_dh = max |dh|
+//      where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
+//   2. dhq = e4m3(dh) with that scale.
+ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                                    int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
+                                    const void* scales, const float* amax_a, void* aq, void* dscales, void* dx,
+                                    float* amax_dh);
+ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
+                                      int64_t E, int64_t M, int64_t f, const void* h, const void* da,
+                                      const void* scales, const float* amax_dh, float* scale_dh, void* dhq);
+
+// scale[i] = dequantization scale of amax[i], for i < n (the backward's scales of the forward's amaxes).
+ffi::Error ScalesOf(cudaStream_t stream, const float* amax, int n, float* scale);
+
+}  // namespace jaxmlp

@@ -1,0 +1,259 @@
+// CUDA handlers of the FP8 grouped MLP (the recipe: jaxmlp/fp8.py), one custom call per direction, on the
+// cuBLASLt grouped GEMM with FP8 e4m3 operands. cuBLAS takes FP8 only in the "TN" layout (both operands
+// contiguous along the reduction), so the weights are quantized transposed for the forward and as they
+// lie for the backward's data gradients, and the weight gradients read transposed copies of the
+// activations and gradients, each group's rows a 16-aligned column segment (GemmOp::kTNPadded). Group sizes
+// stay on the device: no host sync, command-buffer compatible.
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "../common.h"
+#include "fp8_kernels.h"
+#include "grouped_gemm.h"
+#include "launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+extern std::atomic<int64_t> handler_host_calls;
+
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::DataType;
+using ffi::Error;
+using ffi::Result;
+
+constexpr DataType kFp8 = DataType::F8E4M3FN;
+
+// Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them).
+struct ForwardScratch {
+  float* scale;                  // [4]
+  uint8_t *xq, *w1t, *w2t, *aq;  // [M, d], [E, F1, d], [E, d, f], [M, f]
+};
+ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
+  ForwardScratch s;
+  s.scale = c.Take<float>(4);
+  s.xq = c.Take<uint8_t>(m.M * m.d);
+  s.w1t = c.Take<uint8_t>(m.E * m.F1 * m.d);
+  s.w2t = c.Take<uint8_t>(m.E * m.d * m.f);
+  s.aq = c.Take<uint8_t>(m.M * m.f);
+  return s;
+}
+
+// Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
+// operands in row layout (w1q, w2q, dyq, aq, dhq) and transposed (xt, dyt, at, dht: [width, L]), and da.
+struct BackwardScratch {
+  float *amax, *scale;  // [2], [6]
+  uint8_t *w1q, *w2q, *dyq, *aq, *dhq, *xt, *dyt, *at, *dht;
+  void* da;  // [M, f] in x.dtype
+};
+BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
+  const int64_t L = PaddedRows(m.M, m.E);
+  BackwardScratch s;
+  s.amax = c.Take<float>(2);
+  s.scale = c.Take<float>(6);
+  s.w1q = c.Take<uint8_t>(m.E * m.d * m.F1);
+  s.w2q = c.Take<uint8_t>(m.E * m.f * m.d);
+  s.dyq = c.Take<uint8_t>(m.M * m.d);
+  s.aq = c.Take<uint8_t>(m.M * m.f);
+  s.dhq = c.Take<uint8_t>(m.M * m.F1);
+  s.xt = c.Take<uint8_t>(m.d * L);
+  s.dyt = c.Take<uint8_t>(m.d * L);
+  s.at = c.Take<uint8_t>(m.f * L);
+  s.dht = c.Take<uint8_t>(m.F1 * L);
+  s.da = c.Take<char>(m.M * m.f * esize);
+  return s;
+}
+
+Error CheckFp8(const MlpDims& m, DataType t) {
+  if (m.has_b1 || m.has_b2) return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP takes no biases");
+  if (t != DataType::BF16 && t != DataType::F16)
+    return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP takes bfloat16 or float16 operands");
+  if (m.d % 16 || m.f % 16) return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP needs d and f multiples of 16");
+  return Error::Success();
+}
+
+Error CheckWorkspace(const Carver& c, const AnyBuffer& ws) {
+  if (c.used() <= ws.size_bytes()) return Error::Success();
+  return Error::InvalidArgument("jaxmlp: workspace of " + std::to_string(ws.size_bytes()) + " bytes, need " +
+                                std::to_string(c.used()));
+}
+
+Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
+  if (!PoisonOutputs()) return Error::Success();
+  for (AnyBuffer* b : outs)
+    JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
+                                     "poisoning outputs"));
+  return Error::Success();
+}
+
+Error Zero(cudaStream_t stream, void* p, size_t bytes) {
+  return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
+}
+
+void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
+
+// An FP8 product: lhs and rhs e4m3 with their scales, out in `t`.
+GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const float* lhs_scale, const void* rhs,
+                    const float* rhs_scale, void* out, DataType t, bool fast_accumulation) {
+  GemmSpec s{op, int32_t(K), int32_t(N), lhs, rhs, out, kFp8, t, 0.0f};
+  s.lhs_scale = lhs_scale, s.rhs_scale = rhs_scale, s.fast_accumulation = fast_accumulation;
+  return s;
+}
+
+// Quantization of weights w [E, rows, cols] of one expert after another: transposed ([E, cols, rows]) or
+// as they lie.
+Fp8Outputs Transposed(void* out, const MlpDims& m, int64_t rows, int64_t cols) {
+  Fp8Outputs o;
+  o.cols_out = out, o.E = m.E, o.group_rows = rows, o.group_stride = rows * cols, o.ld = rows;
+  return o;
+}
+
+// Quantization of activations [M, width]: rows (into rows_out, may be null) and/or the padded
+// transposed layout [width, L] of the weight gradients (cols_out, may be null).
+Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms, const MlpDims& m) {
+  Fp8Outputs o;
+  o.rows_out = rows_out, o.cols_out = cols_out, o.row_offsets = gemms.offsets(), o.E = m.E;
+  o.col_offsets = gemms.padded_starts(), o.ld = PaddedRows(m.M, m.E);
+  return o;
+}
+
+Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1,
+                    AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit, bool fast_accumulation,
+                    Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  const DataType t = x.element_type();
+  JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+                     /*split_k=*/false, ws);
+  const ForwardScratch s = CarveForward(ws, m);
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*workspace}));
+  float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
+
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      Fp8Product(GemmOp::kNT, m.F1, m.d, s.xq, s.scale + 0, s.w1t, s.scale + 1, h->untyped_data(), t, fast_accumulation),
+      Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, s.w2t, s.scale + 2, y->untyped_data(), t, fast_accumulation),
+  }));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w1.untyped_data(), nullptr, 1, m.E * m.d, m.F1, am + 1));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w2.untyped_data(), nullptr, 1, m.E * m.f, m.d, am + 2));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
+                                      Activations(s.xq, nullptr, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w1.untyped_data(), m.E * m.d, m.F1, am + 1, s.scale + 1,
+                                      Transposed(s.w1t, m, m.d, m.F1)));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w2.untyped_data(), m.E * m.f, m.d, am + 2, s.scale + 2,
+                                      Transposed(s.w2t, m, m.f, m.d)));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
+  const ActParams p{Act(act), alpha, limit};
+  JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
+                                          Data(scales), y->untyped_data(), am + 3));
+  JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
+                                            Data(scales), am + 3, s.scale + 3, s.aq));
+  return gemms.Run(1);  // y = a w2
+}
+
+Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, AnyBuffer amax,
+                     int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
+                     Result<AnyBuffer> dw2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  const DataType t = x.element_type();
+  JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, x, h, dy, *dx, *dw1, *dw2, b1, b2, *dscales));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
+  if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+                     /*split_k=*/false, ws);
+  const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*dscales, &*workspace}));
+  const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
+  const int64_t L = PaddedRows(m.M, m.E);
+  // The transposed copies' columns between the groups must be zeros: they are summed over.
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
+  for (uint8_t* transposed : {s.xt, s.dyt}) JAXMLP_RETURN_IF_ERROR(Zero(stream, transposed, m.d * L));
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.at, m.f * L));
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.dht, m.F1 * L));
+  JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, fwd, 4, s.scale));
+
+  float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
+        *sdh = s.scale + 5;
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, s.w2q, sw2, s.da, t, false),                         // da
+      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, false),      // dw2
+      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, s.w1q, sw1, dx->untyped_data(), t, false),          // dx
+      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, false),     // dw1
+  }));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, fwd + 0, nullptr,
+                                      Activations(nullptr, s.xt, gemms, m)));
+  Fp8Outputs as_they_lie;
+  as_they_lie.rows_out = s.w1q;
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w1.untyped_data(), m.E * m.d, m.F1, fwd + 1, nullptr, as_they_lie));
+  as_they_lie.rows_out = s.w2q;
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w2.untyped_data(), m.E * m.f, m.d, fwd + 2, nullptr, as_they_lie));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
+                                      Activations(s.dyq, s.dyt, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
+  const ActParams p{Act(act), alpha, limit};
+  JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d,
+                                                  h.untyped_data(), s.da, Data(scales), fwd + 3, s.aq,
+                                                  m.has_scales ? dscales->untyped_data() : nullptr,
+                                                  dx->untyped_data(), s.amax + 1));
+  JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
+                                                    s.da, Data(scales), s.amax + 1, sdh, s.dhq));
+  // Transposed copies of the FP8 a and dh (an exact copy: no scale).
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(
+      QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
+  return gemms.ZeroEmptyGroups({1, 3});
+}
+
+}  // namespace
+
+size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
+  Carver c(nullptr);
+  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, m.E, m.M, /*split_k=*/false, c);
+  if (forward) CarveForward(c, m);
+  else CarveBackward(c, m, esize);
+  return c.used();
+}
+
+}  // namespace jaxmlp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()))
+                                  .Attr<bool>("fast_accumulation")
+                                  .Ret<xla::ffi::AnyBuffer>()   // y
+                                  .Ret<xla::ffi::AnyBuffer>()   // h
+                                  .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
+                              jaxmlp::BindActivationAttrs(
+                                  jaxmlp::BindMlpOperands(
+                                      xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+                                      .Arg<xla::ffi::AnyBuffer>()    // h
+                                      .Arg<xla::ffi::AnyBuffer>()    // dy
+                                      .Arg<xla::ffi::AnyBuffer>())   // amax of the forward
+                                  .Ret<xla::ffi::AnyBuffer>()        // dx
+                                  .Ret<xla::ffi::AnyBuffer>()        // dw1
+                                  .Ret<xla::ffi::AnyBuffer>()        // dw2
+                                  .Ret<xla::ffi::AnyBuffer>()        // dscales
+                                  .Ret<xla::ffi::AnyBuffer>(),       // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});

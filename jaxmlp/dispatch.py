@@ -1,0 +1,214 @@
+"""The MoE layer's token dispatch and combine as XLA FFI custom calls (CPU and CUDA), with their VJPs.
+
+  rows, group_sizes, plan = dispatch(x, experts, num_experts, capacity=None, pad_to=1)
+  scales = row_weights(weights, plan)            # router weights [T, k] -> per row [R], for grouped_mlp
+  y = combine(grouped_mlp(rows, ..., group_sizes, scales=scales), plan)
+  # or, weighting in the combine instead: y = combine(grouped_mlp(rows, ...), plan, weights)
+
+dispatch sorts the T*k routing choices of experts [T, k] by expert with a stable counting sort on the
+device (no XLA sort, no host sync) and gathers the token rows into that order; combine sums each token's
+k rows (optionally weighted) in float32, in a fixed order (no atomics: deterministic). Their VJPs are the
+same gathers the other way round, so a layer built on them holds no sort and no scatter-add.
+
+Semantics (defined by jaxmlp.reference_moe, which runs the same on jnp.argsort and a scatter-add):
+  - choices are served choice-major (every token's first choice, then every token's second, ...), then
+    in token order: GShard's priority when an expert overflows its capacity;
+  - an expert id outside [0, num_experts) is dropped: not counted, no row, contributes nothing;
+  - capacity (None: unlimited) keeps each expert's first `capacity` choices in that order; the others are
+    dropped (their tokens get nothing from them) but counted in plan.counts, for the load-balancing loss;
+  - rows [R, d], R = reference_moe.num_rows(T, k, E, capacity, pad_to) (static): expert e's rows are
+    [offsets[e], offsets[e] + group_sizes[e]), offsets the exclusive running sum of group_sizes;
+    group_sizes[e] is its kept choices rounded up to a multiple of pad_to (16 or 128 for FP8 GEMMs), and
+    the rows past the kept ones, in a group or after the last one, are zero.
+  - plan (reference_moe.Plan): row_of_slot [T, k] int32 (-1: dropped), slot_of_row [R] int32 (t * k + j
+    of the choice a row holds, -1 for padding rows), counts [E] int32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi, reference_moe
+from .reference_moe import Plan, check_combine_args, check_dispatch_args, num_rows, take_or_zero
+
+__all__ = ["Plan", "combine", "dispatch", "num_rows", "row_weights"]
+
+
+def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int | None = None,
+             pad_to: int = 1) -> tuple[jax.Array, jax.Array, Plan]:
+  """Sorts the tokens' routing choices by expert and gathers their rows.
+
+  Args:
+    x: [T, d] tokens (float32, bfloat16 or float16).
+    experts: [T, k] integer expert ids, each token's choices (best first, as jax.lax.top_k gives them).
+    num_experts: E.
+    capacity: None, or the most rows an expert keeps (see the module docstring for which).
+    pad_to: round each group up to a multiple of this with zero rows (1: no padding).
+
+  Returns:
+    rows [R, d] in x's dtype, group_sizes [E] int32, plan. Differentiable in x.
+  """
+  check_dispatch_args(x, experts, num_experts, capacity, pad_to)
+  T, k = experts.shape
+  if T * k == 0 or x.shape[1] == 0 or num_rows(T, k, num_experts, capacity, pad_to) == 0:
+    return reference_moe.dispatch(x, experts, num_experts, capacity=capacity, pad_to=pad_to)  # nothing to run
+  if jnp.result_type(experts) != jnp.int32:  # out-of-range ids to -1 first, so that the cast cannot wrap them
+    experts = jnp.where((experts >= 0) & (experts < num_experts), experts, -1).astype(jnp.int32)
+  return _dispatch(x, experts, num_experts, capacity, pad_to)
+
+
+def row_weights(weights: jax.Array, plan: Plan) -> jax.Array:
+  """weights [T, k] (the router's, per choice) permuted to the rows: [R], 0 on padding rows. Pass it as
+  grouped_mlp's `scales` to weigh the rows inside the expert MLP. Its VJP is the inverse gather."""
+  T, k = plan.row_of_slot.shape
+  if jnp.shape(weights) != (T, k):
+    raise ValueError(f"weights: got shape {tuple(jnp.shape(weights))}, expected [T, k] = [{T}, {k}]")
+  return _row_weights(weights, plan)
+
+
+def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None) -> jax.Array:
+  """y[t] = sum over token t's kept choices j of weights[t, j] * rows[plan.row_of_slot[t, j]] (weights
+  None: 1), accumulated in float32 in choice order; returns [T, d] in rows' dtype. Differentiable in rows
+  and weights (their gradient is float32 dot products of the rows with dy)."""
+  check_combine_args(rows, plan, weights)
+  T, k = plan.row_of_slot.shape
+  if T * k == 0 or rows.shape[0] == 0 or rows.shape[1] == 0:
+    return reference_moe.combine(rows, plan, weights)
+  if weights is None:
+    return _combine_unweighted(rows, plan)
+  return _combine_weighted(rows, plan, weights.astype(jnp.float32))
+
+
+# ---- the custom calls -------------------------------------------------------------------------------
+
+def _cuda_module():
+  if not _ffi.cuda_devices():
+    return None  # platform_dependent traces the CUDA branch everywhere; without a device it is never lowered
+  if _ffi._cuda is None:
+    raise RuntimeError(f"jaxmlp's CUDA handlers are unavailable: {_ffi.CUDA_BUILD_ERROR}")
+  return _ffi._cuda
+
+
+def _call(target: str, outs: list, *args, workspace_bytes=None, **attrs):
+  """`target` on the CPU, or on CUDA with a workspace result of `workspace_bytes(cuda_module)` bytes."""
+  sds = _ffi._result_types(*args)
+  outs = [sds(*o) for o in outs]
+
+  def cpu(*a):
+    return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*a, **attrs))
+
+  def cuda(*a):
+    if workspace_bytes is None:
+      return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*a, **attrs))
+    module = _cuda_module()
+    ws = _ffi._workspace(workspace_bytes(module) if module else 0, sds)
+    return tuple(jax.ffi.ffi_call(target, outs + [ws], vmap_method="sequential")(*a, **attrs)[:len(outs)])
+
+  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+
+
+def _dispatch_call(x, experts, num_experts, capacity, pad_to):
+  T, k = experts.shape
+  R = num_rows(T, k, num_experts, capacity, pad_to)
+  i32 = jnp.int32
+  outs = [((R, x.shape[1]), x.dtype), ((num_experts,), i32), ((num_experts,), i32), ((T, k), i32), ((R,), i32)]
+  rows, group_sizes, counts, row_of_slot, slot_of_row = _call(
+      "jaxmlp_dispatch", outs, x, experts, workspace_bytes=lambda m: m.dispatch_workspace_bytes(T * k, num_experts),
+      num_experts=np.int64(num_experts), capacity=np.int64(-1 if capacity is None else capacity),
+      pad_to=np.int64(pad_to))
+  return rows, group_sizes, Plan(row_of_slot, slot_of_row, counts)
+
+
+def _combine_call(rows, row_of_slot, weights):
+  T = row_of_slot.shape[0]
+  w = jnp.zeros((0,), jnp.float32) if weights is None else weights
+  return _call("jaxmlp_combine", [((T, rows.shape[1]), rows.dtype)], rows, row_of_slot, w)[0]
+
+
+def _combine_backward_call(dy, rows, plan: Plan, weights):
+  """(drows, dweights): drows[r] = weights[slot] * dy[token of r] (0 on padding rows); dweights[t, j] =
+  <dy[t], rows[row_of_slot[t, j]]> in float32 (0 if dropped). Unweighted: rows and dweights are unused."""
+  weighted = weights is not None
+  empty = jnp.zeros((0,), jnp.float32)
+  outs = [((plan.slot_of_row.shape[0], dy.shape[1]), dy.dtype), (plan.row_of_slot.shape if weighted else (0,),
+                                                                  jnp.float32)]
+  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, rows if weighted else empty.astype(dy.dtype),
+                          plan.row_of_slot, plan.slot_of_row, weights if weighted else empty)
+  return drows, (dweights if weighted else None)
+
+
+def _zero_plan_cotangent(plan: Plan) -> Plan:
+  return Plan(*(None for _ in plan))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dispatch(x, experts, num_experts, capacity, pad_to):
+  return _dispatch_call(x, experts, num_experts, capacity, pad_to)
+
+
+def _dispatch_fwd(x, experts, num_experts, capacity, pad_to):
+  rows, group_sizes, plan = _dispatch_call(x, experts, num_experts, capacity, pad_to)
+  return (rows, group_sizes, plan), plan
+
+
+def _dispatch_bwd(num_experts, capacity, pad_to, plan, cotangents):
+  drows = cotangents[0]
+  return _combine_call(drows, plan.row_of_slot, None), None  # dx[t]: the sum of its rows' gradients
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _row_weights(weights, plan):
+  return take_or_zero(weights.reshape(-1), plan.slot_of_row)
+
+
+def _row_weights_fwd(weights, plan):
+  return _row_weights(weights, plan), plan
+
+
+def _row_weights_bwd(plan, dscales):
+  # The inverse permutation is a gather too (a choice has at most one row): no scatter-add.
+  dw = take_or_zero(dscales, plan.row_of_slot.reshape(-1))
+  return dw.reshape(plan.row_of_slot.shape), _zero_plan_cotangent(plan)
+
+
+_row_weights.defvjp(_row_weights_fwd, _row_weights_bwd)
+
+
+@jax.custom_vjp
+def _combine_unweighted(rows, plan):
+  return _combine_call(rows, plan.row_of_slot, None)
+
+
+def _combine_unweighted_fwd(rows, plan):
+  return _combine_unweighted(rows, plan), plan
+
+
+def _combine_unweighted_bwd(plan, dy):
+  return _combine_backward_call(dy, None, plan, None)[0], _zero_plan_cotangent(plan)
+
+
+_combine_unweighted.defvjp(_combine_unweighted_fwd, _combine_unweighted_bwd)
+
+
+@jax.custom_vjp
+def _combine_weighted(rows, plan, weights):
+  return _combine_call(rows, plan.row_of_slot, weights)
+
+
+def _combine_weighted_fwd(rows, plan, weights):
+  return _combine_weighted(rows, plan, weights), (rows, plan, weights)
+
+
+def _combine_weighted_bwd(res, dy):
+  rows, plan, weights = res
+  drows, dweights = _combine_backward_call(dy.astype(rows.dtype), rows, plan, weights)
+  return drows, _zero_plan_cotangent(plan), dweights
+
+
+_combine_weighted.defvjp(_combine_weighted_fwd, _combine_weighted_bwd)

@@ -1,0 +1,257 @@
+"""The MoE layer of jaxmlp.moe run expert-parallel: the E experts split over a mesh axis of size P, each
+device holding E/P of them and a 1/P share of the tokens, inside jax.shard_map.
+
+Each device routes its own tokens, sorts its (token, choice) rows by global expert (the rows for peer p,
+which owns experts [p*E/P, (p+1)*E/P), are then contiguous), sends them to their experts' devices, runs
+the grouped MLP on the rows its local experts received (sorted a second time, by local expert), sends the
+results back and combines them. The gradient takes the reverse path: both exchanges are linear, and JAX
+transposes each into the exchange the other way.
+
+Two exchanges, picked by backend:
+  - GPUs: jax.lax.ragged_all_to_all (NCCL through XLA), which moves only the rows routed.
+  - otherwise: jax.lax.all_to_all over per-peer blocks padded to the worst case (XLA:CPU has no
+    ragged-all-to-all). Known XLA issues of the GPU one: low NVLink use on 8 GPUs (openxla/xla#33386),
+    and a fault in its gradient worked around with
+    XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true (marin-community/marin#8077).
+Static bounds (T tokens in all, T/P per device, k = top_k, E/P local experts, C the capacity):
+  a device sends at most B = (T/P) * min(k, E/P) rows to one peer (a token's k experts are distinct), and
+  receives at most R = P * B rows; with a capacity (global per expert, see below) both are at most
+  E/P * C.
+  The padded exchange moves P * B rows each way per device (P * min(k, E/P) / k times the T/P * k rows
+  routed on average); the ragged one receives into an R-row buffer. Both run the grouped MLP on R rows.
+  Dropless routing thus sizes buffers for the case where every token picks this device's experts; a
+  capacity_factor cf bounds R by cf * (T/P) * k.
+
+The results equal the single-device layer's (jaxmlp.moe.moe) on all T tokens, up to float rounding:
+  - capacity: C = ceil(cf * T * k / E) per expert over the global batch, served in the single-device
+    order (all first choices before any second one, then in global token order: device by device);
+  - the router losses are those of all T tokens (global counts, probabilities averaged over devices);
+  - the router weights multiply the expert outputs at the combine, not inside the grouped MLP.
+"""
+from __future__ import annotations
+
+import math
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from jax.lax import all_gather, all_to_all, ragged_all_to_all
+from jax.sharding import PartitionSpec as P
+
+from .moe import route, router_losses, sort_by_expert
+
+EXCHANGES = ("all_to_all", "ragged_all_to_all")
+
+
+def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int:
+  """P, the size of `expert_axis` in the current mesh (jax.set_mesh); 1 without an axis or a mesh.
+
+  Raises a ValueError naming the argument when the mesh lacks the axis or E or the tokens do not split
+  evenly over it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if expert_axis is None or mesh.empty:
+    return 1
+  if expert_axis not in mesh.axis_names:
+    raise ValueError(f"expert_axis: {expert_axis!r} is not an axis of the current mesh "
+                     f"(axes {mesh.axis_names})")
+  size = mesh.shape[expert_axis]
+  if size > 1 and mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Manual:
+    raise ValueError(f"expert_axis: {expert_axis!r} is already manual here (inside a shard_map over it); "
+                     "call the layer outside, on the tokens of all devices")
+  if size > 1 and num_experts % size:
+    raise ValueError(f"num_experts: {num_experts} experts do not split over the {size} devices of "
+                     f"expert_axis {expert_axis!r}; expected a multiple of {size}")
+  if size > 1 and num_tokens % size:
+    raise ValueError(f"x: {num_tokens} tokens do not split over the {size} devices of expert_axis "
+                     f"{expert_axis!r}; expected a multiple of {size} tokens")
+  return size
+
+
+def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.Any,
+                        expert_mlp: tp.Callable[..., jax.Array], *, expert_axis: str, top_k: int,
+                        score_func: str = "softmax", renormalize: bool = True,
+                        capacity_factor: float | None = None, aux_loss_coef: float = 0.0,
+                        z_loss_coef: float = 0.0, exchange: str | None = None):
+  """jaxmlp.moe.moe expert-parallel over `expert_axis` of the current mesh (see the module docstring).
+
+  Args:
+    tokens [T, d], logits [T, E]: split over the axis by their leading dimension.
+    expert_params: a pytree of arrays with leading dimension E, split over the axis (the "expert" axis).
+    expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
+    exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on GPUs.
+  Returns (y [T, d], the router_losses dict of all T tokens).
+  """
+  if exchange is None:
+    exchange = "ragged_all_to_all" if jax.default_backend() == "gpu" else "all_to_all"
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange: unknown {exchange!r}; expected one of {', '.join(EXCHANGES)}")
+  num_tokens, num_experts = logits.shape
+  capacity = None
+  if capacity_factor is not None:  # as in moe.moe: per expert, over the global batch
+    capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+  def shard(tokens, logits, params):
+    return _moe_shard(tokens, logits, params, expert_mlp, axis=expert_axis, top_k=top_k,
+                      score_func=score_func, renormalize=renormalize, capacity=capacity,
+                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                      ragged=exchange == "ragged_all_to_all")
+
+  split = P(expert_axis)
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Explicit
+  args = (tokens, logits, expert_params)
+  if explicit:  # shard_map moves Auto operands itself, Explicit ones not
+    args = jax.sharding.reshard(args, split)
+  y, losses = jax.shard_map(shard, in_specs=(split, split, split), out_specs=(split, P()),
+                            axis_names={expert_axis})(*args)
+  if explicit:  # y as the tokens were, so that the caller's reshape is the one it does without EP
+    y = jax.sharding.reshard(y, jax.typeof(tokens).sharding.spec)
+  return y, losses
+
+
+def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, renormalize, capacity,
+               aux_loss_coef, z_loss_coef, ragged):
+  """One device's part: its T/P tokens, its E/P experts (`params`)."""
+  num_peers = jax.lax.axis_size(axis)
+  num_tokens, num_experts = logits.shape
+  local_experts = num_experts // num_peers
+  weights, experts, probs = route(logits, top_k, score_func, renormalize)
+
+  # Routing choices per (choice j, expert) on every device: the global counts and capacity ranks.
+  choice_counts = jnp.bincount((jnp.arange(top_k)[None, :] * num_experts + experts).reshape(-1),
+                               length=top_k * num_experts).reshape(top_k, num_experts)
+  all_counts = all_gather(choice_counts, axis)  # [P, k, E]
+  losses = _global_router_losses(logits, probs, all_counts.sum((0, 1)), top_k, aux_loss_coef,
+                                 z_loss_coef, axis)
+  keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
+  rows, group_sizes, order = _local_dispatch(tokens, experts, num_experts, keep)
+
+  # Per-peer row counts: sent[i, p, e] rows go from device i to peer p's local expert e.
+  sent = all_gather(group_sizes.reshape(num_peers, local_experts), axis)  # [P, P, E/P]
+  me = jax.lax.axis_index(axis)
+  recv_counts = sent[:, me]  # [P, E/P]: rows each peer sends to my local experts
+  # Static bounds (module docstring): B rows from one device to one peer, R rows received in all.
+  per_peer = num_tokens * min(top_k, local_experts)
+  max_rows = num_peers * per_peer
+  if capacity is not None:
+    per_peer, max_rows = min(per_peer, local_experts * capacity), min(max_rows, local_experts * capacity)
+  send = _RaggedExchange(sent, me, axis, max_rows) if ragged else _PaddedExchange(sent, me, axis, per_peer)
+
+  received, starts = send.forward(rows)
+  slot_expert = _slot_experts(received.shape[0], starts, recv_counts)
+  local_rows, local_sizes, local_order = _local_dispatch(received, slot_expert[:, None], local_experts)
+  out = expert_mlp(params, local_rows[:max_rows], local_sizes)
+  out = jnp.pad(out, ((0, received.shape[0] - max_rows), (0, 0)))
+  out = _local_combine(out, local_order, jnp.ones((received.shape[0], 1), jnp.float32), received.shape[0])
+  y = _local_combine(send.backward(out, rows.shape[0]), order, weights, num_tokens)
+  return y, losses
+
+
+def _local_dispatch(tokens, experts, num_experts, keep=None):
+  """Rows of tokens [T, d] for the pairs of experts [T, k] sorted by expert; pairs not kept (keep [T, k]
+  False) after all kept ones. Returns (rows [T*k, d], group_sizes [num_experts] of kept rows, order [T*k]:
+  the pair `j * T + t` of each row, which _local_combine needs to undo it)."""
+  if keep is not None:  # dropped pairs go to the extra expert num_experts: sorted last, not counted
+    experts = jnp.where(keep, experts, num_experts)
+  order, counts, _ = sort_by_expert(experts, num_experts + 1)
+  return tokens[order % tokens.shape[0]], counts[:num_experts], order
+
+
+def _local_combine(rows, order, weights, num_tokens):
+  """y [num_tokens, d]: the rows [T*k, d] of _local_dispatch summed into their tokens, each times its
+  weight (weights [T, k]), accumulated in float32. Rows of dropped pairs must be 0."""
+  scale = weights.T.reshape(-1)[order].astype(jnp.float32)[:, None]
+  y = jnp.zeros((num_tokens, rows.shape[1]), jnp.float32).at[order % num_tokens].add(
+    scale * rows.astype(jnp.float32))
+  return y.astype(rows.dtype)
+
+
+def _global_router_losses(logits, probs, counts, top_k, aux_loss_coef, z_loss_coef, axis):
+  """router_losses of all devices' tokens: with the global counts scaled to one device's share, each
+  device's loss is linear in its mean probabilities and its mean z term, so the mean over the devices
+  (equal token counts) is the loss of all tokens."""
+  local = router_losses(logits, probs, counts / jax.lax.axis_size(axis), top_k, aux_loss_coef, z_loss_coef)
+  return jax.tree.map(lambda v: jax.lax.pmean(v, axis), local)
+
+
+def _within_capacity(experts, all_counts, capacity, axis):
+  """keep [T, k]: whether each pair is among the first `capacity` of its expert in the single-device
+  layer's order over all devices: by choice j, then device, then token."""
+  num_tokens, top_k = experts.shape
+  me = jax.lax.axis_index(axis)
+  counts = all_counts.sum(0)  # [k, E] over all devices
+  mine = all_counts[me]
+  # Pairs of expert e ahead of this device's pairs of choice j: all devices' earlier choices and the
+  # earlier devices' choice j, less this device's earlier choices, which its own rank below counts.
+  ahead = (jnp.cumsum(counts, axis=0) - counts) + (jnp.cumsum(all_counts, axis=0) - all_counts)[me] \
+      - (jnp.cumsum(mine, axis=0) - mine)
+  # The rank among this device's pairs of the same expert, in sort_by_expert's choice-major order.
+  order, local_counts, _ = sort_by_expert(experts, all_counts.shape[-1])
+  sorted_experts = experts.T.reshape(-1)[order]
+  rank = jnp.arange(order.shape[0]) - (jnp.cumsum(local_counts) - local_counts)[sorted_experts]
+  rank = rank + ahead[order // num_tokens, sorted_experts]
+  return jnp.zeros(order.shape, bool).at[order].set(rank < capacity).reshape(top_k, num_tokens).T
+
+
+def _slot_experts(num_slots, starts, recv_counts):
+  """The local expert of each received row (slot), or E/P for a slot no row landed in: peer p's rows
+  start at slot starts[p], sorted by local expert with recv_counts[p] rows each."""
+  local_experts = recv_counts.shape[1]
+  group_starts = (starts[:, None] + jnp.cumsum(recv_counts, axis=1) - recv_counts).reshape(-1)
+  group_ends = group_starts + recv_counts.reshape(-1)
+  slots = jnp.arange(num_slots)
+  group = jnp.clip(jnp.searchsorted(group_starts, slots, side="right") - 1, 0, group_starts.shape[0] - 1)
+  return jnp.where(slots < group_ends[group], group % local_experts, local_experts).astype(jnp.int32)
+
+
+class _PaddedExchange:
+  """jax.lax.all_to_all of [P, B, d] blocks: block p holds the rows for peer p, then zeros."""
+
+  def __init__(self, sent, me, axis, per_peer):
+    self.sizes = sent[me].sum(1)  # [P] rows I send to each peer
+    self.offsets = jnp.cumsum(self.sizes) - self.sizes
+    self.axis, self.per_peer = axis, per_peer
+
+  def forward(self, rows):
+    num_peers = self.sizes.shape[0]
+    b = jnp.arange(self.per_peer)
+    index = jnp.where(b < self.sizes[:, None], self.offsets[:, None] + b, rows.shape[0])  # [P, B]
+    blocks = jnp.take(rows, index.reshape(-1), axis=0, mode="fill", fill_value=0)
+    received = all_to_all(blocks.reshape(num_peers, self.per_peer, -1), self.axis, 0, 0)
+    return received.reshape(num_peers * self.per_peer, -1), jnp.arange(num_peers) * self.per_peer
+
+  def backward(self, out, num_rows):
+    num_peers = self.sizes.shape[0]
+    back = all_to_all(out.reshape(num_peers, self.per_peer, -1), self.axis, 0, 0).reshape(out.shape)
+    r = jnp.arange(num_rows)
+    peer = jnp.clip(jnp.searchsorted(jnp.cumsum(self.sizes), r, side="right"), 0, num_peers - 1)
+    index = jnp.where(r < self.sizes.sum(), peer * self.per_peer + r - self.offsets[peer], out.shape[0])
+    return jnp.take(back, index, axis=0, mode="fill", fill_value=0)
+
+
+class _RaggedExchange:
+  """jax.lax.ragged_all_to_all: the rows for each peer move as one slice into a max_rows buffer, where
+  the slices from peers 0, 1, ... lie one after the other."""
+
+  def __init__(self, sent, me, axis, max_rows):
+    sizes = sent.sum(2)  # [P, P]: rows device i sends to device p
+    self.send_sizes, self.recv_sizes = sizes[me], sizes[:, me]
+    self.send_offsets = jnp.cumsum(self.send_sizes) - self.send_sizes  # where my slices start in my rows
+    self.recv_offsets = jnp.cumsum(self.recv_sizes) - self.recv_sizes  # where peers' slices land in mine
+    # Where my slice lands on each peer p, after the slices of devices before me: sum_{i<me} sizes[i, p].
+    self.remote_recv_offsets = (jnp.cumsum(sizes, axis=0) - sizes)[me]
+    # Where peer p's results come back to in my rows: my slice for p began at send_offsets[p]; for p's
+    # return trip it sends to me at the offset where its slice for me began in its rows.
+    self.remote_send_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]
+    self.axis, self.max_rows = axis, max_rows
+
+  def forward(self, rows):
+    output = jnp.zeros((self.max_rows, rows.shape[1]), rows.dtype)
+    received = ragged_all_to_all(rows, output, self.send_offsets, self.send_sizes,
+                                 self.remote_recv_offsets, self.recv_sizes, axis_name=self.axis)
+    return received, self.recv_offsets
+
+  def backward(self, out, num_rows):
+    output = jnp.zeros((num_rows, out.shape[1]), out.dtype)
+    return ragged_all_to_all(out, output, self.recv_offsets, self.recv_sizes, self.remote_send_offsets,
+                             self.send_sizes, axis_name=self.axis)

@@ -1,0 +1,145 @@
+"""FP8 training of the grouped MLP: the recipes, and their semantics as an emulation in JAX.
+
+`jaxmlp.grouped_mlp(..., fp8="tensorwise")` runs FC1 and FC2, forward and backward, as FP8 e4m3 products
+with float32 accumulation. Every operand of a product is quantized with *current* scaling (stateless, no
+amax history): its scale is computed from its own absolute maximum in the same call,
+
+    scale = amax / 448      (1 where amax is 0: an all-zero tensor)
+    q     = e4m3(v * (448 / amax))      round to nearest even, saturating at +-448, NaN kept
+
+in float32 arithmetic (16-bit data puts many v * 448 / amax exactly on an e4m3 rounding tie, which the
+float32 rounding of 448 / amax decides: it is part of the definition),
+
+and a product of quantized operands is `(q_a @ q_b) * (scale_a * scale_b)`, rounded once to x's dtype.
+Activations (x, the activation output, the output gradient dy and the FC1 gradient dh) take one scale per
+tensor over the rows in groups (padding rows are ignored); the weights one scale per tensor.
+
+Where each quantization happens, which is what makes a result bit-reproducible:
+
+  forward   h  = round((q(x) @ q(w1)) * sx sw1)               h: the saved FC1 output, x.dtype
+            a  = act(h) * scales                              float32, then q(a) for FC2
+            y  = round((q(a) @ q(w2)) * sa sw2)
+  backward  da = round((q(dy) @ q(w2)^T) * sdy sw2)           x.dtype
+            dh = da * scales * act'(h)                         float32, then q(dh)
+            dw2 = round((q(a)^T @ q(dy)) * sa sdy), dx = round((q(dh) @ q(w1)^T) * sdh sw1),
+            dw1 = round((q(x)^T @ q(dh)) * sx sdh), dscales = round(sum_j da * act(h))
+
+The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes). All FP8 data is
+e4m3, gradients included: with per-tensor current scaling its 3 mantissa bits beat e5m2's range, which
+current scaling does not need (the scale adapts every call).
+
+This module's functions compute exactly that with dequantized float32 operands, around any grouped
+GEMM: with `jax.lax.ragged_dot` it is the reference (jaxmlp.reference), with jaxmlp's CPU handlers the
+CPU backend. The CUDA backend computes the same in two custom calls (ffi/cuda/fp8_mlp_cuda.cu).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+
+from .activations import Activation
+
+E4M3_MAX = 448.0
+RECIPES = ("tensorwise",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+  """An FP8 recipe of the grouped MLP.
+
+  name: "tensorwise" (one scale per tensor, current scaling; see the module docstring).
+  fast_accumulation: the forward's products accumulate in the tensor cores' faster, less precise FP8
+    accumulator (cuBLASLt's FAST_ACCUM; the backward never does), as TransformerEngine's recipes do. Only
+    the CUDA backend has it; its results then differ from the emulation by ~1e-2 (tests/test_fp8.py).
+  """
+
+  name: str = "tensorwise"
+  fast_accumulation: bool = True
+
+  def __post_init__(self):
+    if self.name not in RECIPES:
+      raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
+
+
+def resolve(fp8: str | Fp8Recipe | None) -> Fp8Recipe | None:
+  """None, a recipe name or an Fp8Recipe; raises a clear error for anything else."""
+  if fp8 is None or isinstance(fp8, Fp8Recipe):
+    return fp8
+  if isinstance(fp8, str):
+    return Fp8Recipe(fp8)
+  raise TypeError(f"fp8: expected None, a recipe name ({', '.join(RECIPES)}) or jaxmlp.Fp8Recipe, "
+                  f"got {type(fp8).__name__}")
+
+
+def amax(v: jax.Array, valid_rows: jax.Array | None = None) -> jax.Array:
+  """float32 absolute maximum of v, over the rows where valid_rows is true (all rows if None)."""
+  a = jnp.abs(v.astype(jnp.float32))
+  if valid_rows is not None:
+    a = jnp.where(valid_rows.reshape((-1,) + (1,) * (v.ndim - 1)), a, 0)
+  return jnp.max(a, initial=0.0)
+
+
+def scale_of(a: jax.Array) -> jax.Array:
+  """The dequantization scale of a tensor with absolute maximum a: a / 448, or 1 where a is 0."""
+  return jnp.where(a > 0, a / E4M3_MAX, 1.0).astype(jnp.float32)
+
+
+def quantize(v: jax.Array, a: jax.Array) -> jax.Array:
+  """v quantized to e4m3 with the scale of amax a, returned as the float32 values of the e4m3 numbers."""
+  inverse = jnp.where(a > 0, E4M3_MAX / a, 1.0).astype(jnp.float32)
+  q = jnp.clip(v.astype(jnp.float32) * inverse, -E4M3_MAX, E4M3_MAX)
+  return q.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+class Gemm(tp.Protocol):
+  """A float32 grouped product under the group_sizes policy (see GemmOp in ffi/common.h): "nn" lhs @
+  rhs[g], "nt" lhs @ rhs[g].T, "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]."""
+
+  def __call__(self, op: str, lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array: ...
+
+
+def _activation_and_grads(act: Activation, h: jax.Array):
+  """act(h) and its partial derivatives d act / d h (float32 [M, F1]) for a unit output gradient."""
+  value, vjp = jax.vjp(act, h)
+  return value, vjp
+
+
+def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
+  """(y, h, amaxes [4]: x, w1, w2, a) of the FP8 forward; `valid` marks the rows in groups."""
+  dtype = x.dtype
+  ax, aw1, aw2 = amax(x, valid), amax(w1), amax(w2)
+  h = gemm("nn", quantize(x, ax), quantize(w1, aw1), sizes) * (scale_of(ax) * scale_of(aw1))
+  h = jnp.where(valid[:, None], h, 0).astype(dtype)
+  a = act(h.astype(jnp.float32))
+  if scales is not None:
+    a = a * scales.astype(jnp.float32)[:, None]
+  a = jnp.where(valid[:, None], a, 0)
+  aa = amax(a)
+  y = gemm("nn", quantize(a, aa), quantize(w2, aw2), sizes) * (scale_of(aa) * scale_of(aw2))
+  return jnp.where(valid[:, None], y, 0).astype(dtype), h, jnp.stack([ax, aw1, aw2, aa])
+
+
+def emulated_backward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation, h, amaxes, dy):
+  """(dx, dw1, dw2, dscales or None) of the FP8 backward, from the forward's h and amaxes."""
+  dtype = x.dtype
+  ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
+  rows = valid[:, None]
+  dy = jnp.where(rows, dy.astype(jnp.float32), 0)
+  ady = amax(dy)
+  qdy = quantize(dy, ady)
+  da = (gemm("nt", qdy, quantize(w2, aw2), sizes) * (scale_of(ady) * scale_of(aw2))).astype(dtype)
+  da = jnp.where(rows, da.astype(jnp.float32), 0)
+  value, vjp = _activation_and_grads(act, h.astype(jnp.float32))
+  s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
+  qa = quantize(jnp.where(rows, value * s, 0), aa)
+  dh = jnp.where(rows, vjp(da * s)[0], 0)
+  adh = amax(dh)
+  qdh = quantize(dh, adh)
+  dw2 = gemm("tn", qa, qdy, sizes) * (scale_of(aa) * scale_of(ady))
+  dx = gemm("nt", qdh, quantize(w1, aw1), sizes) * (scale_of(adh) * scale_of(aw1))
+  dw1 = gemm("tn", quantize(x, ax), qdh, sizes) * (scale_of(ax) * scale_of(adh))
+  dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
+  return dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype), dscales

@@ -1,0 +1,349 @@
+"""jaxmlp.dispatch (dispatch, row_weights, combine) against a float64 NumPy reference written here as plain
+loops, and against jaxmlp.reference_moe (the argsort path) on every backend; outputs are poisoned."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import BACKENDS, TOLERANCE, check_close, cuda_reason
+
+from jaxmlp import _ffi
+from jaxmlp import dispatch as D
+from jaxmlp import reference_moe
+
+# Dispatch and combine have one CUDA handler each (no GEMM path): cpu and cuda-fallback cover them.
+backends = pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] in ("cpu", "cuda-fallback")],
+                                   indirect=True)
+
+# (T, k, E, capacity, pad_to): drops, k > 1, one token, one expert, padding multiples.
+CASES = [
+    (37, 2, 5, None, 1),
+    (37, 3, 4, 6, 1),
+    (50, 8, 16, None, 16),
+    (64, 2, 8, 10, 128),
+    (300, 4, 3, 250, 1),  # long runs of one expert, drops in every choice round
+    (1, 1, 1, None, 1),
+    (1, 2, 1, None, 4),
+    (20, 2, 1, 5, 1),
+    (9, 2, 3, 0, 1),  # capacity 0: every choice dropped
+]
+
+
+def numpy_dispatch(x, experts, E, capacity, pad_to):
+  """The semantics as loops: choices served choice-major then in token order; ids outside [0, E) dropped."""
+  T, k = experts.shape
+  cap = math.inf if capacity is None else capacity
+  counts, kept = np.zeros(E, np.int64), [[] for _ in range(E)]
+  for j in range(k):
+    for t in range(T):
+      e = int(experts[t, j])
+      if 0 <= e < E:
+        counts[e] += 1
+        if len(kept[e]) < cap:
+          kept[e].append(t * k + j)
+  sizes = np.array([-(-len(s) // pad_to) * pad_to for s in kept], np.int64)
+  offsets = np.concatenate([[0], np.cumsum(sizes)])
+  R = reference_moe.num_rows(T, k, E, capacity, pad_to)
+  rows, row_of_slot, slot_of_row = np.zeros((R, x.shape[1])), -np.ones(T * k, np.int64), -np.ones(R, np.int64)
+  for e in range(E):
+    for i, s in enumerate(kept[e]):
+      r = offsets[e] + i
+      rows[r], row_of_slot[s], slot_of_row[r] = x[s // k], r, s
+  return rows, sizes, row_of_slot.reshape(T, k), slot_of_row, counts
+
+
+def numpy_combine(rows, row_of_slot, weights):
+  T, k = row_of_slot.shape
+  y = np.zeros((T, rows.shape[1]))
+  for t in range(T):
+    for j in range(k):
+      if row_of_slot[t, j] >= 0:
+        y[t] += (1.0 if weights is None else weights[t, j]) * rows[row_of_slot[t, j]]
+  return y
+
+
+def random_case(rng, T, k, E, d, dtype, invalid=True):
+  x = rng.standard_normal((T, d)).astype(np.float32)
+  lo, hi = (-3, E + 3) if invalid else (0, E)  # ids out of range: negative and >= E
+  experts = rng.integers(lo, hi, (T, k)).astype(np.int32)
+  weights = rng.random((T, k)).astype(np.float32)
+  return jnp.asarray(x, dtype), experts, weights
+
+
+@backends
+@pytest.mark.parametrize("T,k,E,capacity,pad_to", CASES)
+def test_dispatch_matches_numpy(backend, rng, T, k, E, capacity, pad_to):
+  x, experts, _ = random_case(rng, T, k, E, 21, jnp.bfloat16)  # odd rows: the CUDA gather's 2-byte copies
+  rows, group_sizes, plan = jax.jit(D.dispatch, static_argnums=2, static_argnames=("capacity", "pad_to"))(
+      x, experts, E, capacity=capacity, pad_to=pad_to)
+  want = numpy_dispatch(np.asarray(x, np.float64), experts, E, capacity, pad_to)
+  got = (rows, group_sizes, plan.row_of_slot, plan.slot_of_row, plan.counts)
+  for name, g, w in zip(("rows", "group_sizes", "row_of_slot", "slot_of_row", "counts"), got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float64), w, err_msg=name)  # a gather is exact
+  for g, w in zip(jax.tree.leaves((rows, group_sizes, plan)),
+                  jax.tree.leaves(reference_moe.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to))):
+    np.testing.assert_array_equal(g, w)
+
+
+@backends
+def test_dispatch_drops_every_out_of_range_id(backend, rng):
+  """Ids far outside [0, E), in a wider integer dtype, must neither wrap into range nor index out of bounds."""
+  x, _, _ = random_case(rng, 16, 2, 4, 8, jnp.float32)
+  experts = np.array([[2**15 - 1, -(2**15)], [4, -1]] * 8, np.int16)
+  experts[3] = [1, 3]
+  rows, group_sizes, plan = D.dispatch(x, jnp.asarray(experts), 4)
+  np.testing.assert_array_equal(plan.counts, [0, 1, 0, 1])
+  np.testing.assert_array_equal(group_sizes, [0, 1, 0, 1])
+  assert (np.asarray(plan.row_of_slot) >= 0).sum() == 2 and not np.asarray(rows)[2:].any()
+
+
+@backends
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("T,k,E,capacity,pad_to", CASES[:5] + CASES[6:])
+def test_combine_and_gradients_match_numpy(backend, rng, dtype, weighted, T, k, E, capacity, pad_to):
+  """combine(rows * c, plan, weights) for per-row factors c, and its gradients in x and the weights
+  through dispatch (jax.vjp), against the float64 loops; also the same through row_weights."""
+  d = 42 if dtype == "float32" else 24  # CUDA: 8-byte gathers, 1-wide combine; 16-byte gathers, 8-wide combine
+  x, experts, weights = random_case(rng, T, k, E, d, dtype)
+  R = reference_moe.num_rows(T, k, E, capacity, pad_to)
+  c = rng.standard_normal((R, 1)).astype(np.float32)
+  dy = rng.standard_normal((T, d)).astype(np.float32)
+
+  def layer(x, w):
+    rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+    return D.combine(rows * jnp.asarray(c, rows.dtype), plan, w if weighted else None)
+
+  y, vjp = jax.vjp(jax.jit(layer), x, jnp.asarray(weights))
+  dx, dw = vjp(jnp.asarray(dy, y.dtype))
+  assert y.dtype == x.dtype and dx.dtype == x.dtype
+
+  x64 = np.asarray(x, np.float64)
+  _, _, row_of_slot, _, _ = numpy_dispatch(x64, experts, E, capacity, pad_to)
+  w64 = weights.astype(np.float64) if weighted else np.ones((T, k))
+  c64 = np.append(np.asarray(jnp.asarray(c, x.dtype), np.float64)[:, 0], 0)  # row -1 (dropped): factor 0
+  kept = row_of_slot >= 0
+  factor = w64 * c64[row_of_slot]  # token t's factor of its own row, per choice
+  tol = TOLERANCE[dtype]
+  check_close(y, x64 * factor.sum(1, keepdims=True), tol, "y")
+  check_close(dx, dy * factor.sum(1, keepdims=True), tol, "dx")
+  if weighted:
+    want_dw = c64[row_of_slot] * (dy * x64).sum(1, keepdims=True)
+    check_close(dw, want_dw, tol, "dweights")
+    np.testing.assert_array_equal(np.asarray(dw)[~kept], 0)
+
+  # The same contraction with the weights applied to the rows (grouped_mlp's scales) instead.
+  def layer_scaled(x, w):
+    rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+    scales = D.row_weights(w, plan) if weighted else 1.0
+    return D.combine(rows * (jnp.asarray(c[:, 0]) * scales)[:, None].astype(rows.dtype), plan)
+
+  y2, vjp2 = jax.vjp(jax.jit(layer_scaled), x, jnp.asarray(weights))
+  dx2, dw2 = vjp2(jnp.asarray(dy, y.dtype))
+  check_close(y2, x64 * factor.sum(1, keepdims=True), tol, "y (row_weights)")
+  if weighted:
+    check_close(dw2, want_dw, tol, "dweights (row_weights)")
+
+
+@backends
+@pytest.mark.parametrize("weighted", [False, True])
+def test_combine_matches_the_argsort_reference(backend, rng, weighted):
+  """Results and gradients equal jaxmlp.reference_moe's (argsort, gather, scatter-add) through jax.vjp."""
+  T, k, E, d = 45, 3, 6, 32
+  x, experts, weights = random_case(rng, T, k, E, d, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((T, d)), jnp.float32)
+
+  def layer(ops, x, w):
+    rows, group_sizes, plan = ops.dispatch(x, experts, E, capacity=20, pad_to=8)
+    return ops.combine(jnp.tanh(rows), plan, w if weighted else None)
+
+  results = []
+  for ops in (D, reference_moe):
+    y, vjp = jax.vjp(lambda x, w: layer(ops, x, w), x, jnp.asarray(weights))
+    results.append((y, *vjp(dy)))
+  for name, got, want in zip(("y", "dx", "dweights"), *results):
+    check_close(got, want, 1e-5, name)
+
+
+@backends
+def test_combine_numpy_plan_and_poisoned_outputs(backend, rng):
+  """combine on a plan made here, with rows nothing points to and an index out of range in each map:
+  those are treated as none (no out-of-bounds access), and every output element is written."""
+  T, k, R, d = 5, 2, 12, 16
+  rows = jnp.asarray(rng.standard_normal((R, d)), jnp.float32)
+  row_of_slot = np.array([[0, 3], [-1, 7], [2, -1], [11, 40], [-5, 1]], np.int32)
+  slot_of_row = -np.ones(R, np.int32)
+  for s, r in enumerate(row_of_slot.reshape(-1)):
+    if 0 <= r < R:
+      slot_of_row[r] = s
+  slot_of_row[5] = 999  # out of range: a padding row
+  plan = D.Plan(jnp.asarray(row_of_slot), jnp.asarray(slot_of_row), jnp.zeros((3,), jnp.int32))
+  weights = rng.random((T, k)).astype(np.float32)
+  clean = np.where((row_of_slot >= 0) & (row_of_slot < R), row_of_slot, -1)
+  want = numpy_combine(np.asarray(rows, np.float64), clean, weights)
+  y, vjp = jax.vjp(lambda r, w: D.combine(r, plan, w), rows, jnp.asarray(weights))
+  check_close(y, want, 1e-5, "y")
+  drows, dw = vjp(jnp.ones_like(y))
+  assert np.isfinite(drows).all() and np.isfinite(dw).all()
+  assert not np.asarray(drows)[[4, 5, 6, 8, 9, 10]].any() and np.asarray(dw)[3, 1] == 0
+
+
+def test_rejects_bad_arguments():
+  x, experts = jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32)
+  for call, message in (
+      (lambda: D.dispatch(x[0], experts, 4), r"x: got shape \(8,\), expected \[T, d\]"),
+      (lambda: D.dispatch(x, experts[:3], 4), r"experts: got shape \(3, 2\), expected \[T, k\] = \[4, k\]"),
+      (lambda: D.dispatch(x, experts.astype(jnp.float32), 4), "experts: got dtype float32"),
+      (lambda: D.dispatch(x, experts, 0), "num_experts: got 0"),
+      (lambda: D.dispatch(x, experts, 4, capacity=-1), "capacity: got -1"),
+      (lambda: D.dispatch(x, experts, 4, pad_to=0), "pad_to: got 0"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      call()
+  rows, _, plan = D.dispatch(x, experts, 4)
+  with pytest.raises(ValueError, match=re.escape("rows: got shape (7, 8), expected [R, d] = [8, d]")):
+    D.combine(rows[:7], plan)
+  with pytest.raises(ValueError, match=re.escape("weights: got shape (4, 3), expected [T, k] = [4, 2]")):
+    D.combine(rows, plan, jnp.zeros((4, 3)))
+
+
+def test_empty_problems_need_no_custom_call():
+  rows, group_sizes, plan = D.dispatch(jnp.zeros((0, 8)), jnp.zeros((0, 2), jnp.int32), 4, pad_to=4)
+  assert rows.shape == (12, 8) and not rows.any() and not group_sizes.any()
+  assert D.combine(rows, plan).shape == (0, 8)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_layer_fwd_bwd_holds_no_sort_and_no_scatter(capacity_factor):
+  """The MoE layer's training step, lowered: the argsort, its gather's scatter-add and the combine's
+  scatter-add are gone (top_k stays: it is the router's, not a sort of the tokens)."""
+  nnx = pytest.importorskip("flax.nnx")
+  import jaxmlp.nnx
+
+  def lowered(impl):
+    moe = jaxmlp.nnx.MoE(8, 16, 32, 2, capacity_factor=capacity_factor, impl=impl, rngs=nnx.Rngs(0))
+
+    def loss(moe, x):
+      y, aux = moe(x)
+      return jnp.sum(y) + aux["aux_loss"]
+    return jax.jit(nnx.grad(loss)).lower(moe, jnp.ones((16, 16))).as_text()
+
+  text = lowered("jaxmlp")
+  assert "stablehlo.sort" not in text and "stablehlo.scatter" not in text
+  assert "jaxmlp_dispatch" in text and "jaxmlp_combine" in text
+  assert "stablehlo.sort" in lowered("reference")  # the check can fail
+
+
+# ---- CUDA only: sizes past one sort block, command buffers ------------------------------------------
+
+def skip_without_cuda():
+  reason = cuda_reason("fallback")
+  if reason:
+    pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,E,capacity,pad_to", [(4096, 8, 128, 300, 128), (8192, 2, 8, None, 1),
+                                                   (3000, 4, 1536, 10, 16)])
+def test_cuda_dispatch_at_moe_sizes(rng, T, k, E, capacity, pad_to):
+  """Many sort blocks (2048 choices each), skewed routing (experts drawn from a narrow range, so the
+  capacity drops fall across blocks), the largest E the CUDA sort takes; twice, bitwise equal."""
+  skip_without_cuda()
+  x, _, weights = random_case(rng, T, k, E, 256, jnp.bfloat16)
+  experts = np.minimum(rng.geometric(0.05, (T, k)) - 2, E).astype(np.int32)  # -1 and E: out of range
+  with jax.default_device(_ffi.cuda_devices()[0]):
+    @jax.jit
+    def layer(x, w):
+      rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+      return D.combine(rows, plan, w)
+    out = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+    y1, y2 = layer(x, jnp.asarray(weights)), layer(x, jnp.asarray(weights))
+  want = numpy_dispatch(np.asarray(x, np.float64), experts, E, capacity, pad_to)
+  got = (out[0], out[1], out[2].row_of_slot, out[2].slot_of_row, out[2].counts)
+  for name, g, w in zip(("rows", "group_sizes", "row_of_slot", "slot_of_row", "counts"), got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float64), w, err_msg=name)
+  check_close(y1, numpy_combine(want[0], want[2], weights), TOLERANCE["bfloat16"], "y")
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y2, np.float32))  # no atomics
+
+
+COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jaxmlp import _ffi, dispatch as D
+    rng = np.random.default_rng(0)
+    T, k, E, d = 2048, 4, 16, 256
+    x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+    experts = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    def loss(x, w):
+      rows, _, plan = D.dispatch(x, experts, E, capacity=600, pad_to=16)
+      y = D.combine(jnp.tanh(rows), plan, w) + D.combine(rows, plan)
+      return jnp.sum(y.astype(jnp.float32) ** 2)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    losses = []
+    for i in range(30):
+      if i == 10:
+        warm = _ffi._cuda.handler_host_calls()
+      v, g = jax.block_until_ready(step(x, weights))
+      losses.append(float(v))
+    assert len(set(losses)) == 1
+    print(json.dumps({"host_calls": _ffi._cuda.handler_host_calls() - warm, "loss": float(v),
+                      "grads": [np.asarray(a, np.float32).tolist() for a in g]}))
+""")
+
+
+@pytest.mark.gpu
+def test_dispatch_and_combine_inside_command_buffers():
+  """The handlers are captured into an XLA command buffer (sync-free) and give identical results."""
+  skip_without_cuda()
+
+  def run(flags):
+    env = dict(os.environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    out = subprocess.run([sys.executable, "-P", "-c", COMMAND_BUFFER_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+  with_cb = run("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+  without = run("--xla_gpu_enable_command_buffer=")
+  # Per step: dispatch, 2 combines, their 2 backwards, dispatch's backward (a combine): 6 host executions.
+  assert without["host_calls"] == 20 * 6
+  assert with_cb["host_calls"] == 0, "the dispatch custom calls were not replayed from a command buffer"
+  assert with_cb["loss"] == without["loss"]
+  for a, b in zip(with_cb["grads"], without["grads"]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@backends
+def test_inside_shard_map(backend, rng):
+  """Data parallel: each device dispatches and combines its own tokens (the results' types vary over the
+  mesh axis, as the operands' do); values and gradients equal the single-device calls, shard by shard."""
+  devices = jax.devices("cpu") if backend == "cpu" else _ffi.cuda_devices()
+  mesh = jax.make_mesh((len(devices),), ("dev",), devices=devices)
+  n, T, k, E, d = len(devices), 24, 2, 4, 16
+  x, experts, weights = random_case(rng, n * T, k, E, d, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((n * T, d)), jnp.float32)
+
+  def layer(x, experts, w):
+    rows, _, plan = D.dispatch(x, experts, E, capacity=8, pad_to=4)
+    return D.combine(jnp.tanh(rows), plan, w)
+
+  def step(x, experts, w, dy):
+    y, vjp = jax.vjp(lambda x, w: layer(x, experts, w), x, w)
+    return y, *vjp(dy)
+
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=jax.P("dev"), out_specs=jax.P("dev")))
+  put = lambda a: jax.device_put(jnp.asarray(a), jax.sharding.NamedSharding(mesh, jax.P("dev")))  # noqa: E731
+  got = sharded(put(x), put(experts), put(weights), put(dy))
+  for i in range(n):
+    part = slice(i * T, (i + 1) * T)
+    want = step(x[part], jnp.asarray(experts[part]), jnp.asarray(weights[part]), dy[part])
+    for name, g, w in zip(("y", "dx", "dweights"), got, want):
+      np.testing.assert_allclose(np.asarray(g)[part], w, rtol=1e-6, atol=1e-6, err_msg=name)

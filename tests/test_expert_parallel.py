@@ -1,0 +1,245 @@
+"""The MoE layer expert-parallel (jaxmlp.expert_parallel) on 8 CPU devices (conftest): output, router
+losses and every gradient equal to the same layer on one device, which test_flax checks against the
+dense float64 reference. The GPU exchange (jax.lax.ragged_all_to_all, which XLA:CPU cannot run) is
+checked here through a pure-JAX emulation of its documented semantics, and traced to HLO as it is."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, check_close
+from flax import nnx
+from jax.sharding import AxisType
+
+import jaxmlp.linen
+import jaxmlp.nnx
+from jaxmlp import expert_parallel, moe
+from jaxmlp.examples import train_moe
+
+E, D, F, TOP_K = 16, 16, 24, 3
+AXIS = "expert"
+TOL = TOLERANCE["float32"]
+
+
+def mesh_of(n, axis_type=AxisType.Auto):
+  return jax.make_mesh((n,), (AXIS,), axis_types=(axis_type,), devices=jax.devices("cpu")[:n])
+
+
+def nnx_loss(module, x, dy):
+  """A loss that reaches y and all router losses, so that every gradient is checked."""
+  y, aux = module(x)
+  return jnp.sum(y * dy) + 10.0 * aux["aux_loss"], (y, aux)
+
+
+def nnx_run(module, x, dy, mesh=None):
+  """(y, aux, gradients of params and x) of `module` under `mesh` (none: one device)."""
+  step = jax.jit(nnx.grad(nnx_loss, argnums=(0, 1), has_aux=True))
+  if mesh is None:
+    return _flat(step(module, x, dy))
+  with jax.set_mesh(mesh):
+    return _flat(step(module, x, dy))
+
+
+def _flat(result):
+  (param_grads, x_grad), (y, aux) = result
+  return y, aux, {**nnx.to_pure_dict(param_grads), "x": x_grad}
+
+
+def check_same(got, want):
+  (y, aux, grads), (want_y, want_aux, want_grads) = got, want
+  check_close(y, want_y, TOL, "y")
+  for name in want_aux:
+    np.testing.assert_allclose(aux[name], want_aux[name], rtol=1e-5, err_msg=name)
+  flat, want_flat = jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(want_grads)
+  assert len(flat) == len(want_flat)
+  for (path, g), w in zip(flat, want_flat):
+    assert np.abs(w).max() > 0, jax.tree_util.keystr(path)  # a zero gradient would check nothing
+    check_close(g, w, TOL, jax.tree_util.keystr(path))
+
+
+def inputs(rng, shape):
+  x = jnp.asarray(rng.standard_normal((*shape, D)), jnp.float32)
+  return x, jnp.asarray(rng.standard_normal((*shape, D)), jnp.float32)
+
+
+OPTIONS = [
+    dict(),
+    dict(capacity_factor=1.0, use_bias=True),  # some experts overflow: drops across devices
+    dict(capacity_factor=0.3, score_func="sigmoid", activation="gelu"),  # most rows dropped
+    dict(top_k=1, renormalize=False),
+]
+CASES = [(8, options) for options in OPTIONS] + [(2, OPTIONS[0]), (4, OPTIONS[1])]  # (devices, options)
+
+
+@pytest.mark.parametrize("devices, options", CASES,
+                         ids=lambda c: f"{c}dev" if isinstance(c, int) else
+                         ",".join(f"{k}={v}" for k, v in c.items()) or "dropless")
+def test_nnx_moe_expert_parallel_equals_one_device(rng, options, devices):
+  options = {"top_k": TOP_K, "aux_loss_coef": 0.1, "z_loss_coef": 0.01, **options}
+  seed = int(rng.integers(1 << 30))
+  module = lambda axis: jaxmlp.nnx.MoE(E, D, F, rngs=nnx.Rngs(seed), expert_axis=axis,
+                                       bias_init=jax.nn.initializers.normal(0.3), **options)
+  x, dy = inputs(rng, (4, 12))
+  check_same(nnx_run(module(AXIS), x, dy, mesh_of(devices)), nnx_run(module(None), x, dy))
+
+
+def test_nnx_moe_expert_parallel_with_explicit_axes_and_sharded_params(rng):
+  """An Explicit mesh axis, the experts' weights split over it by the logical axis rules, and x split
+  over it too: the layout of a real expert-parallel model."""
+  mesh = mesh_of(8, AxisType.Explicit)
+  seed = int(rng.integers(1 << 30))
+  x, dy = inputs(rng, (8, 6))
+  want = nnx_run(jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(seed)), x, dy)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules((("expert", AXIS), ("embed", None), ("mlp", None))):
+    module = jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(seed), expert_axis=AXIS)
+    assert module.experts.w1[...].sharding.spec[0] == AXIS
+    x_split = jax.sharding.reshard(x, jax.P(AXIS))
+  check_same(nnx_run(module, x_split, dy, mesh), want)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_linen_moe_expert_parallel_equals_one_device(rng, capacity_factor):
+  options = dict(capacity_factor=capacity_factor, use_bias=True, bias_init=jax.nn.initializers.normal(0.3))
+  x, dy = inputs(rng, (2, 16))
+  variables = jaxmlp.linen.MoE(E, D, F, TOP_K, **options).init(jax.random.key(int(rng.integers(1 << 30))), x)
+
+  def run(axis, mesh):
+    layer = jaxmlp.linen.MoE(E, D, F, TOP_K, expert_axis=axis, **options)
+
+    def loss(variables, x):
+      y, aux = layer.apply(variables, x)
+      return jnp.sum(y * dy) + 10.0 * aux["aux_loss"], (y, aux)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    with jax.set_mesh(mesh):
+      (grads, x_grad), (y, aux) = step(variables, x)
+      # Initialising under the mesh gives the parameters of the one-device layer.
+      init = jax.jit(layer.init)(jax.random.key(0), x)
+    assert jax.tree.map(jnp.shape, init) == jax.tree.map(jnp.shape, variables)
+    return y, aux, {**nn.meta.unbox(grads), "x": x_grad}
+
+  check_same(run(AXIS, mesh_of(8)), run(None, mesh_of(8)))
+
+
+# ---- The GPU exchange, jax.lax.ragged_all_to_all ------------------------------------------------------
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+  """jax.lax.ragged_all_to_all as its docstring defines it, from all_gather: device i sends
+  operand[input_offsets[j]:][:send_sizes[j]] to device j, which writes it at output_offsets[j] of its
+  output. A recv_sizes that does not match what was sent poisons the result with NaN."""
+  num_devices, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+  operands = jax.lax.all_gather(operand, axis_name)
+  starts, sizes, offsets = (jax.lax.all_gather(a, axis_name)[:, me]
+                            for a in (input_offsets, send_sizes, output_offsets))
+  slots = jnp.arange(output.shape[0])
+  result = output
+  for i in range(num_devices):
+    written = (slots >= offsets[i]) & (slots < offsets[i] + sizes[i])
+    source = jnp.clip(starts[i] + slots - offsets[i], 0, operand.shape[0] - 1)
+    result = jnp.where(written[:, None], operands[i][source], result)
+  return jnp.where(jnp.all(recv_sizes == sizes), result, jnp.nan)
+
+
+def test_emulation_follows_the_documented_example():
+  """The example of jax.lax.ragged_all_to_all's docstring, on 2 devices."""
+  args = [np.array(a, np.float32)[:, None] for a in ([1, 2, 2, 3, 4, 0], [0] * 8)]
+  offsets = [np.array(a, np.int32) for a in ([0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])]
+  sharded = jax.shard_map(lambda *a: emulated_ragged_all_to_all(*a, axis_name=AXIS), mesh=mesh_of(2),
+                          in_specs=jax.P(AXIS), out_specs=jax.P(AXIS))
+  np.testing.assert_array_equal(sharded(*args, *offsets)[:, 0], [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+def moe_functions(rng, options):
+  """moe.moe and moe_expert_parallel over the same GroupedMLP parameters, as plain functions."""
+  mlp = jaxmlp.nnx.GroupedMLP(E, D, F, use_bias=True, bias_init=jax.nn.initializers.normal(0.3),
+                              rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  graphdef, params = nnx.split(mlp)
+
+  def one_device(tokens, logits, params):
+    return moe.moe(tokens, logits, nnx.merge(graphdef, params), **options)
+
+  def parallel(tokens, logits, params, exchange):
+    apply = lambda local, rows, sizes: nnx.merge(graphdef, local)(rows, sizes)
+    return expert_parallel.moe_expert_parallel(tokens, logits, params, apply, expert_axis=AXIS,
+                                               exchange=exchange, **options)
+
+  return one_device, parallel, params
+
+
+def value_and_grads(f, tokens, logits, params, dy):
+  def loss(tokens, logits, params):
+    y, aux = f(tokens, logits, params)
+    return jnp.sum(y * dy) + 10.0 * aux["aux_loss"], (y, aux)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, (y, aux)), grads = step(tokens, logits, params)
+  return y, aux, grads
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.7])
+def test_ragged_exchange_equals_one_device(rng, monkeypatch, capacity_factor):
+  monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+  options = dict(top_k=TOP_K, capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
+  one_device, parallel, params = moe_functions(rng, options)
+  tokens, dy = inputs(rng, (48,))
+  logits = jnp.asarray(rng.standard_normal((48, E)), jnp.float32)
+  want = value_and_grads(one_device, tokens, logits, params, dy)
+  with jax.set_mesh(mesh_of(8)):
+    for exchange in expert_parallel.EXCHANGES:
+      check_same(value_and_grads(lambda *a: parallel(*a, exchange), tokens, logits, params, dy), want)
+
+
+def test_ragged_exchange_traces_with_its_gradient(rng):
+  """The real jax.lax.ragged_all_to_all path lowers, value and gradient (XLA:CPU stops at compiling):
+  two exchanges forward and their two transposes (the gradient of the router weights needs the second
+  exchange's value)."""
+  _, parallel, params = moe_functions(rng, dict(top_k=TOP_K))
+  tokens, logits = jnp.zeros((48, D)), jnp.zeros((48, E))
+  loss = lambda *a: jnp.sum(parallel(*a, "ragged_all_to_all")[0])
+  with jax.set_mesh(mesh_of(8)):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(tokens, logits, params).as_text()
+  assert text.count("ragged_all_to_all") == 4
+
+
+# ---- Where the layer runs locally, and bad input ------------------------------------------------------
+
+
+def test_one_device_axis_or_no_mesh_runs_locally(rng):
+  x, dy = inputs(rng, (3, 5))  # 15 tokens: no split over several devices needed
+  module = jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS)
+  want = nnx_run(jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(0)), x, dy)
+  check_same(nnx_run(module, x, dy), want)
+  check_same(nnx_run(module, x, dy, mesh_of(1)), want)
+
+
+@pytest.mark.parametrize("num_experts, shape, axis, message", [
+    (12, (4, 8), AXIS, "num_experts: 12 experts"),
+    (E, (3, 5), AXIS, "x: 15 tokens"),
+    (E, (4, 8), "data", "expert_axis: 'data' is not an axis"),
+])
+def test_bad_input_names_the_argument(num_experts, shape, axis, message):
+  module = jaxmlp.nnx.MoE(num_experts, D, F, TOP_K, rngs=nnx.Rngs(0), expert_axis=axis)
+  linen_module = jaxmlp.linen.MoE(num_experts, D, F, TOP_K, expert_axis=axis)
+  x = jnp.zeros((*shape, D))
+  with jax.set_mesh(mesh_of(8)):
+    with pytest.raises(ValueError, match=message):
+      module(x)
+    with pytest.raises(ValueError, match=message):
+      linen_module.init(jax.random.key(0), x)
+
+
+def test_train_example_expert_parallel_matches_one_device():
+  result = train_moe.main(["--steps", "2", "--config", "tiny", "--impl", "jaxmlp", "--expert-parallel"])
+  assert {"expert-parallel loss diff", "expert-parallel grad error"} <= set(result["checks"])
+  assert result["match"]
+  assert np.all(np.isfinite(result["runs"]["jaxmlp"].losses))
+
+
+def test_inside_a_shard_map_over_the_axis_is_an_error():
+  module = jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS)
+  graphdef, state = nnx.split(module)
+  inside = lambda x: nnx.merge(graphdef, state)(x)[0]
+  with jax.set_mesh(mesh_of(8)), pytest.raises(ValueError, match="expert_axis: 'expert' is already manual"):
+    jax.shard_map(inside, in_specs=jax.P(AXIS), out_specs=jax.P(AXIS))(jnp.zeros((64, D)))

@@ -1,0 +1,154 @@
+"""grouped_mlp(fp8=...) against the float64 NumPy model of the recipe and against the exact MLP, on the CPU
+emulation and, where a GPU can run it, the CUDA FP8 path; the CUDA path also against the CPU emulation."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import check_close, check_padding_rows_zero, rel_error
+
+import jaxmlp
+import numpy_fp8_reference as fp8_ref
+import numpy_reference as ref
+from jaxmlp import _ffi
+
+# (M, d, f, group_sizes): empty groups, a skewed group, sizes that are not multiples of 16, padding rows.
+CASES = {
+    "uneven": (96, 32, 48, [20, 0, 50, 10]),
+    "skewed": (160, 64, 32, [0, 131, 3, 0, 1, 17]),
+    "one_group": (48, 16, 16, [48]),
+    "all_empty": (32, 16, 32, [0, 0]),
+}
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def fp8_reason():
+  ok, why = _ffi.fp8_status()
+  return None if ok else why
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def platform(request):
+  if request.param == "cuda":
+    reason = fp8_reason()
+    if reason:
+      pytest.skip(reason)
+  with jax.default_device(jax.devices(request.param)[0]):
+    yield request.param
+
+
+def inputs(rng, M, d, f, sizes, act, dtype, scales=True):
+  E, F1 = len(sizes), (2 * f if act in ref.GATED else f)
+  cast = lambda a: jnp.asarray(a, dtype)
+  args = dict(x=cast(rng.standard_normal((M, d))), w1=cast(rng.standard_normal((E, d, F1)) / np.sqrt(d)),
+              w2=cast(rng.standard_normal((E, f, d)) / np.sqrt(f)), scales=cast(rng.uniform(0.1, 1.0, M)) if scales else None)
+  return args, jnp.asarray(sizes, jnp.int32), cast(rng.standard_normal((M, d)))
+
+
+def run(fn, args, sizes, dy, act, **kw):
+  """y and the gradients of x, w1, w2 (and scales) through jax.vjp."""
+  names = [k for k in args if args[k] is not None]
+
+  def f(*diff):
+    kw_args = dict(zip(names, diff))
+    return fn(kw_args.pop("x"), kw_args.pop("w1"), kw_args.pop("w2"), sizes, activation=act, **kw_args, **kw)
+
+  y, vjp = jax.vjp(f, *[args[k] for k in names])
+  return y, dict(zip(names, vjp(dy)))
+
+
+# The recipe without fast accumulation, which only the CUDA path has (its error: the test below).
+EXACT = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=False)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_follows_the_recipe(platform, rng, case, act, dtype):
+  """Every output against the float64 NumPy model of the recipe: the same quantization, products and
+  rounding, up to float32 accumulation (and, where an element sits on a rounding boundary, its e4m3
+  neighbour)."""
+  M, d, f, sizes = CASES[case]
+  args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.dtype(dtype))
+  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=EXACT)
+  n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
+  want_y, want = fp8_ref.grouped_mlp(n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"), np.asarray(dy, np.float64),
+                                     DTYPES[dtype])
+  assert y.dtype == jnp.dtype(dtype)
+  check_close(y, want_y, 1e-2, "y")
+  for k in grads:
+    assert grads[k].dtype == args[k].dtype, k
+    check_close(grads[k], want[k], 1e-2, k)
+  check_padding_rows_zero(M, sizes, y, grads["x"])
+
+
+def test_fp8_quantizes(rng):
+  """FP8's error against the exact MLP lies in a band: above the bfloat16 path's (the products were
+  quantized) and below FP8's bound (a few e4m3 ulps of 2^-3)."""
+  M, d, f, sizes = 256, 128, 128, [100, 60, 0, 96]
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  n = {k: np.asarray(v, np.float64) for k, v in args.items()}
+  want_y, want = ref.grouped_mlp(n["x"], n["w1"], n["w2"], sizes, "swiglu", scales=n["scales"],
+                                 dy=np.asarray(dy, np.float64))
+  y16, g16 = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")
+  y8, g8 = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu", fp8="tensorwise")
+  for k, got8, got16, exact in [("y", y8, y16, want_y)] + [(k, g8[k], g16[k], want[k]) for k in g8]:
+    e8, e16 = rel_error(got8, exact), rel_error(got16, exact)
+    assert 2 * e16 < e8 < 0.1, (k, e8, e16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_fp8_equals_the_cpu_emulation(rng, case, fast):
+  """The CUDA path and the CPU emulation quantize the same values: their results differ by float32
+  accumulation order (and the rounding of the result that follows from it)."""
+  reason = fp8_reason()
+  if reason:
+    pytest.skip(reason)
+  M, d, f, sizes = CASES[case]
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  recipe = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=fast)
+  results = {}
+  for platform in ("cpu", "cuda"):
+    with jax.default_device(jax.devices(platform)[0]):
+      y, grads = run(jaxmlp.grouped_mlp, jax.device_put(args, jax.devices(platform)[0]),
+                     jax.device_put(gs, jax.devices(platform)[0]), jax.device_put(dy, jax.devices(platform)[0]),
+                     "swiglu", fp8=recipe)
+      results[platform] = {"y": y, **grads}
+  # Fast accumulation keeps fewer bits than float32 in the forward's sums; the difference reaches every
+  # gradient through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
+  for k in results["cpu"]:
+    check_close(results["cuda"][k], results["cpu"][k], 2e-2 if fast else 5e-3, k)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(fp8="blockwise8"), ValueError, "fp8: unknown recipe 'blockwise8'"),
+    (dict(fp8=3), TypeError, "fp8: expected None, a recipe name"),
+    (dict(fp8="tensorwise", b2=jnp.zeros((2, 16), jnp.bfloat16)), NotImplementedError, "biases"),
+])
+def test_fp8_bad_arguments(kwargs, error, match):
+  x, w1, w2 = jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros((2, 16, 32), jnp.bfloat16), jnp.zeros((2, 16, 16), jnp.bfloat16)
+  with pytest.raises(error, match=match):
+    jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), **kwargs)
+
+
+def test_fp8_needs_16bit_operands_and_aligned_widths():
+  gs = jnp.array([4, 4])
+  with pytest.raises(TypeError, match="fp8: x.dtype float32"):
+    jaxmlp.grouped_mlp(jnp.zeros((8, 16)), jnp.zeros((2, 16, 32)), jnp.zeros((2, 16, 16)), gs, fp8="tensorwise")
+  with pytest.raises(ValueError, match="multiples of 16"):
+    jaxmlp.grouped_mlp(jnp.zeros((8, 24), jnp.bfloat16), jnp.zeros((2, 24, 32), jnp.bfloat16),
+                       jnp.zeros((2, 16, 24), jnp.bfloat16), gs, fp8="tensorwise")
+
+
+def test_fp8_reference_is_the_emulation(rng):
+  """jaxmlp.reference.grouped_mlp(fp8=...) and the CPU backend compute the same recipe."""
+  M, d, f, sizes = CASES["uneven"]
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  with jax.default_device(jax.devices("cpu")[0]):
+    got = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu", fp8="tensorwise")
+    want = run(jaxmlp.reference.grouped_mlp, args, gs, dy, "swiglu", fp8="tensorwise")
+  check_close(got[0], want[0], 1e-3, "y")
+  for k in got[1]:
+    check_close(got[1][k], want[1][k], 1e-3, k)

@@ -1,0 +1,32 @@
+"""benchmarks/moe_layer.py runs end to end (CPU mode here, the tiny shape): every part of both JAX paths
+timed, the two layers agree, and the report is written."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_layer.py"
+
+
+def test_moe_layer_benchmark_runs_on_the_cpu(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, str(BENCH), "--no-torch", "--repeats", "1", "--budget-s", "0.1", "--out", str(tmp_path)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  results = json.loads((tmp_path / "moe_layer.json").read_text())
+  assert results["meta"]["mode"] == "cpu"
+  case = results["cases"]["tiny"]
+  for path in ("jaxmlp", "argsort"):
+    for part in ("router", "dispatch", "mlp", "combine", "layer"):
+      assert case["paths"][path][part]["s"] > 0, (path, part)
+  assert case["check"]["y"] < 1e-5 and case["check"]["dx"] < 1e-5, case["check"]
+  assert case["paths"]["torch"]["status"] == "skipped"
+  assert "| jaxmlp |" in (tmp_path / "moe_layer.md").read_text()
+
+
+def test_moe_layer_benchmark_rejects_unknown_shapes(tmp_path):
+  proc = subprocess.run([sys.executable, str(BENCH), "--shapes", "nope", "--out", str(tmp_path)],
+                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode != 0 and "--shapes: 'nope'" in proc.stderr
