@@ -2,9 +2,9 @@
 requirements when JAXMLP_CUDA=pip.
 
 Build requirements are static in pyproject.toml, and a CPU-only install must not download 130 MB of
-compiler and 440 MB of cuBLAS (whose headers the build needs); so they are added here, on request only. Those wheels (nvcc, cicc, the CUDA runtime and CCCL
-headers, cuBLAS's headers) unpack into one toolkit root, site-packages/nvidia/cu13, where CMakeLists.txt
-finds them. They are the wheels `jax[cuda13]` installs anyway, so pip's cache usually holds them.
+compiler and 440 MB of cuBLAS (whose headers the build needs); so they are added here, on request only.
+Those wheels (nvcc, cicc, the CUDA runtime and CCCL headers, cuBLAS's headers) unpack into one toolkit
+root, site-packages/nvidia/cu13, where CMakeLists.txt finds them. They are the wheels `jax[cuda13]` installs anyway, so pip's cache usually holds them.
 """
 from __future__ import annotations
 
