@@ -29,8 +29,8 @@ _openblas = ctypes.CDLL(  # the CPU handlers' sgemm: loaded here so that _cpu fi
     os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(fullname=True)))
 if "OPENBLAS_NUM_THREADS" not in os.environ:
   # One thread per call: XLA runs custom calls on its own threads, and OpenBLAS's pool, which spins
-  # between calls, then competes with them for the cores (6 to 35x slower on 2 busy cores), while one call's GEMMs
-  # at the CPU's shapes are too small to gain from splitting.
+  # between calls, then competes with them for the cores (6 to 35x slower on 2 busy cores), while one
+  # call's GEMMs at the CPU's shapes are too small to gain from splitting.
   _openblas.scipy_openblas_set_num_threads(1)
 from . import _cpu  # noqa: E402
 from ._checks import MlpShape, sizes_as_int32
