@@ -42,8 +42,7 @@ COMMAND_BUFFER_FLAGS = {
     "default": None,
     "on": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
 }
-# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, where jaxmlp's
-# handlers are plain loops.
+# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, to keep the run short.
 OVERHEAD_LAYER = {"gpu": dict(E=8, d=256, f=512, M=256, dtype="bfloat16"),
                   "cpu": dict(E=4, d=64, f=128, M=64, dtype="float32")}
 

@@ -354,7 +354,7 @@ print(jaxmlp.backend_info()["cuda"]["why"])
 
 
 @pytest.mark.parametrize("how, says", [
-    ("missing", "the jaxmlp._cuda extension was not built (it is built when nvcc and the cuBLAS headers"),
+    ("missing", "the jaxmlp._cuda extension was not built ("),  # and the reason CMake recorded
     ("broken", "the jaxmlp._cuda extension failed to load: _cuda.so: undefined symbol: cudaGetDevice"),
 ])
 def test_backend_info_says_why_the_cuda_handlers_are_missing(how, says):

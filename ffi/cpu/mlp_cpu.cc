@@ -2,12 +2,14 @@
 //
 // They round intermediates to the input dtype where the CUDA handlers store them in that dtype (the FC1
 // output h, the activation output a, the FC2 input gradient and dh), so both backends compute the same
-// function. Speed matters only enough to keep the test suite and the CPU example short.
+// function. The GEMMs are OpenBLAS's sgemm, one per group (the library jaxmlp/_ffi.py loads and sets to one
+// thread): the CPU backend is what users without a GPU, and CI, run.
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "../activations.h"
+#include "cblas.h"  // OpenBLAS from the scipy-openblas32 wheel: its symbols carry the scipy_ prefix
 #include "../common.h"
 #include "buffers.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,47 +29,28 @@ std::vector<int64_t> Offsets(const AnyBuffer& group_sizes, int64_t M) {
   return off;
 }
 
-// ---- grouped GEMM in float -------------------------------------------------------------------------
+// ---- grouped GEMM in float: one OpenBLAS sgemm per group ---------------------------------------------
 // See GemmOp in common.h for the three products. `out` is overwritten (rows outside every group and the
 // weight gradients of empty groups become 0).
 void GroupedGemm(GemmOp op, const float* lhs, const float* rhs, const std::vector<int64_t>& off, int64_t M,
                  int64_t K, int64_t N, float* out) {
-  int64_t E = int64_t(off.size()) - 1;
-  switch (op) {
-    case GemmOp::kNN:  // lhs [M, K] @ rhs[g] [K, N] -> [M, N]
-      std::fill(out, out + M * N, 0.0f);
-      for (int64_t g = 0; g < E; ++g)
-        for (int64_t r = off[g]; r < off[g + 1]; ++r)
-          for (int64_t k = 0; k < K; ++k) {
-            float a = lhs[r * K + k];
-            const float* w = rhs + (g * K + k) * N;
-            float* o = out + r * N;
-            for (int64_t n = 0; n < N; ++n) o[n] += a * w[n];
-          }
-      break;
-    case GemmOp::kNT:  // lhs [M, N] @ rhs[g]^T [N, K] -> [M, K]
-      std::fill(out, out + M * K, 0.0f);
-      for (int64_t g = 0; g < E; ++g)
-        for (int64_t r = off[g]; r < off[g + 1]; ++r)
-          for (int64_t k = 0; k < K; ++k) {
-            const float* w = rhs + (g * K + k) * N;
-            const float* a = lhs + r * N;
-            float acc = 0.0f;
-            for (int64_t n = 0; n < N; ++n) acc += a[n] * w[n];
-            out[r * K + k] = acc;
-          }
-      break;
-    case GemmOp::kTN:  // lhs[rows of g]^T [K, c] @ rhs[rows of g] [c, N] -> out[g] [K, N]
-      std::fill(out, out + E * K * N, 0.0f);
-      for (int64_t g = 0; g < E; ++g)
-        for (int64_t r = off[g]; r < off[g + 1]; ++r)
-          for (int64_t k = 0; k < K; ++k) {
-            float a = lhs[r * K + k];
-            const float* b = rhs + r * N;
-            float* o = out + (g * K + k) * N;
-            for (int64_t n = 0; n < N; ++n) o[n] += a * b[n];
-          }
-      break;
+  const int64_t E = int64_t(off.size()) - 1;
+  const CBLAS_ORDER kRow = CblasRowMajor;
+  const CBLAS_TRANSPOSE kN = CblasNoTrans, kT = CblasTrans;
+  for (int64_t g = 0; g < E; ++g) {
+    const int64_t o = off[g], c = off[g + 1] - off[g];
+    if (op == GemmOp::kTN) {  // lhs[rows of g]^T [K, c] @ rhs[rows of g] [c, N] -> out[g] [K, N]
+      if (c == 0) std::fill(out + g * K * N, out + (g + 1) * K * N, 0.0f);
+      else scipy_cblas_sgemm(kRow, kT, kN, K, N, c, 1.0f, lhs + o * K, K, rhs + o * N, N, 0.0f, out + g * K * N, N);
+    } else if (c > 0 && op == GemmOp::kNN) {  // lhs [c, K] @ rhs[g] [K, N] -> [c, N]
+      scipy_cblas_sgemm(kRow, kN, kN, c, N, K, 1.0f, lhs + o * K, K, rhs + g * K * N, N, 0.0f, out + o * N, N);
+    } else if (c > 0) {  // kNT: lhs [c, N] @ rhs[g]^T [N, K] -> [c, K]
+      scipy_cblas_sgemm(kRow, kN, kT, c, K, N, 1.0f, lhs + o * N, N, rhs + g * K * N, N, 0.0f, out + o * K, K);
+    }
+  }
+  if (op != GemmOp::kTN) {  // rows past the last group
+    const int64_t width = op == GemmOp::kNN ? N : K;
+    std::fill(out + off.back() * width, out + M * width, 0.0f);
   }
 }
 
