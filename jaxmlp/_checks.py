@@ -99,8 +99,7 @@ def _fail_widths(w1, w2, act: Activation):
     hint = (f"{act.name!r} is not gated, so w1 has f columns"
             + (f" (w1 is 2f wide: for a gated MLP use one of {GATED_NAMES})" if F1 == 2 * f else ""))
     expected = f"[E, d, f] = [{E}, {d}, {f}]"
-  raise ValueError(f"w1: got shape {tuple(_shape(w1))}, expected {expected} (f = {f} from w2 {tuple(_shape(w2))}): "
-                   f"{hint}")
+  raise ValueError(f"w1: got shape {_shape(w1)}, expected {expected} (f = {f} from w2 {_shape(w2)}): {hint}")
 
 
 def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, *, float64: bool = False):

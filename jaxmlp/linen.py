@@ -68,8 +68,7 @@ class GroupedMLP(nn.Module):
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
-    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2,
-                                scales=scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales)
 
 
 class MoE(nn.Module):

@@ -123,8 +123,7 @@ class GroupedMLP(nnx.Module):
     b2 = self.b2[...] if self.b2 is not None else None
     x, w1, w2, b1, b2, scales = dtypes.promote_dtype(
       (x, self.w1[...], self.w2[...], b1, b2, scales), dtype=self.dtype)
-    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2,
-                                scales=scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2, scales=scales)
 
 
 class MoE(nnx.Module):
