@@ -377,3 +377,77 @@ def test_reference_differentiates_again_in_float64(rng):
     fd = (grad(args["x"] + eps * v) - grad(args["x"] - eps * v)) / (2 * eps)
     assert rel_error(hvp, fd) < 1e-6
     assert np.asarray(hvp)[3].any() and not np.delete(np.asarray(hvp), 3, axis=0).any()  # rows do not interact
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=jnp.ones((4, 8, 2))), r"x: got shape \(4, 8, 2\), expected \[M, d\]"),
+    (dict(w1=jnp.ones((2, 9, 16))), r"w1: got shape \(2, 9, 16\), expected \[E, d, 2f\] = \[2, 8, 16\]"),
+    (dict(w1=jnp.ones((2, 8, 15))), r"w1: .*even last dimension"),
+    (dict(w1=jnp.ones((0, 8, 16)), w2=jnp.ones((0, 8, 8)), group_sizes=jnp.ones((0,), jnp.int32)),
+     r"w1: got shape \(0, 8, 16\), expected \[E, 8, 2f\] with E >= 1"),
+    (dict(w2=jnp.ones((2, 8, 9))), r"w2: got shape \(2, 8, 9\), expected \[E, f, d\] = \[2, 8, 8\]"),
+    (dict(w1=jnp.ones((2, 8, 8))),  # ungated weights with the default, gated, activation: w1 is to blame
+     r"w1: got shape \(2, 8, 8\), expected \[E, d, 2f\] = \[2, 8, 16\] \(f = 8 from w2 \(2, 8, 8\)\): the gated "
+     r"'swiglu' takes the gate and the linear part in w1, 2f columns \(w1 is f wide: for an ungated MLP use one "
+     r"of gelu, relu, silu, squared_relu\)"),
+    (dict(activation="relu"),  # gated weights with an ungated activation
+     r"w1: got shape \(2, 8, 16\), expected \[E, d, f\] = \[2, 8, 8\] \(f = 8 from w2 \(2, 8, 8\)\): 'relu' is not "
+     r"gated, so w1 has f columns \(w1 is 2f wide: for a gated MLP use one of swiglu, geglu, reglu, clamped_swiglu\)"),
+    (dict(w2=jnp.ones((2, 6, 8))), r"w1: got shape \(2, 8, 16\), expected \[E, d, 2f\] = \[2, 8, 12\] \(f = 6 from w2"),
+    (dict(w2=jnp.ones((3, 8, 8))), r"w2: got shape \(3, 8, 8\), expected \[E, f, d\] = \[2, 8, 8\] \(E and f from w1"),
+    (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes: got shape \(3,\), expected \[2\]"),
+    (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes: expected an integer dtype"),
+    (dict(group_sizes=[8, 8]), r"group_sizes: expected an integer array \(\[E\] int32, on the device\), got list"),
+    (dict(b1=jnp.ones((2, 8))), r"b1: got shape \(2, 8\), expected \[E, 2f\] = \[2, 16\]"),
+    (dict(b2=jnp.ones((8,))), r"b2: got shape \(8,\), expected \[E, d\] = \[2, 8\]"),
+    (dict(scales=jnp.ones((3,))), r"scales: got shape \(3,\), expected \[M\] = \[16\]"),
+    (dict(w2=jnp.ones((2, 8, 8), jnp.bfloat16)), r"w2: dtype bfloat16 differs from x.dtype float32"),
+    (dict(x=jnp.ones((16, 8), jnp.int32), w1=jnp.ones((2, 8, 16), jnp.int32), w2=jnp.ones((2, 8, 8), jnp.int32)),
+     r"x: dtype int32 is not supported"),
+    (dict(activation="swish"), r"activation: unknown name 'swish'"),
+])
+def test_bad_input_names_the_argument(change, match):
+  args = dict(x=jnp.ones((16, 8)), w1=jnp.ones((2, 8, 16)), w2=jnp.ones((2, 8, 8)),
+              group_sizes=jnp.asarray([8, 8], jnp.int32))
+  args.update(change)
+  act = args.pop("activation", "swiglu")
+  with pytest.raises((ValueError, TypeError), match=match):
+    jax.eval_shape(lambda a: jaxmlp.grouped_mlp(**a, activation=act), args)
+
+
+def test_backend_info_reports_each_platform():
+  info = jaxmlp.backend_info()
+  assert {"jax", "cpu", "cuda"} <= set(info)
+  assert "built" in info["cuda"]
+  if info["cuda"]["devices"]:
+    assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
+    assert info["cuda"]["small_gemm_path"] in ("tiled", "grouped", "fallback") and info["cuda"]["small_why"]
+    assert info["cuda"]["cublaslt_version"] > 0
+
+
+# Imports jaxmlp with its CUDA extension hidden (None in sys.modules: what Python does for a module that
+# is not there) or failing to load (a finder that raises, as a shared library with a missing symbol does).
+HIDDEN_CUDA_SCRIPT = """
+import importlib.abc, sys
+if sys.argv[1] == "missing":
+  sys.modules["jaxmlp._cuda"] = None
+else:
+  class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+      if name == "jaxmlp._cuda":
+        raise ImportError("_cuda.so: undefined symbol: cudaGetDevice")
+  sys.meta_path.insert(0, Broken())
+import jaxmlp
+print(jaxmlp.backend_info()["cuda"]["why"])
+"""
+
+
+@pytest.mark.parametrize("how, says", [
+    ("missing", "the jaxmlp._cuda extension was not built (it is built when nvcc and the cuBLAS headers"),
+    ("broken", "the jaxmlp._cuda extension failed to load: _cuda.so: undefined symbol: cudaGetDevice"),
+])
+def test_backend_info_says_why_the_cuda_handlers_are_missing(how, says):
+  out = subprocess.run([sys.executable, "-P", "-c", HIDDEN_CUDA_SCRIPT, how], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr
+  assert says in out.stdout
