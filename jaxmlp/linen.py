@@ -9,17 +9,21 @@ nn.get_partition_spec and map them onto a mesh with nn.logical_axis_rules.
 """
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+try:
+  import flax.linen as nn
+except ModuleNotFoundError as e:  # flax is an extra: say which
+  raise ModuleNotFoundError("jaxmlp.linen needs flax: pip install 'jaxmlp[flax]' "
+                            f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
-                  tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -64,8 +68,7 @@ class GroupedMLP(nn.Module):
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
-    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes, activation,
-                              b1, b2, scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales)
 
 
 class MoE(nn.Module):

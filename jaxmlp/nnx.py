@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+try:
+  from flax import nnx
+except ModuleNotFoundError as e:  # flax is an extra: say which
+  raise ModuleNotFoundError("jaxmlp.nnx needs flax: pip install 'jaxmlp[flax]' "
+                            f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
-                  tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -119,8 +123,7 @@ class GroupedMLP(nnx.Module):
     b2 = self.b2[...] if self.b2 is not None else None
     x, w1, w2, b1, b2, scales = dtypes.promote_dtype(
       (x, self.w1[...], self.w2[...], b1, b2, scales), dtype=self.dtype)
-    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes, self.activation,
-                              b1, b2, scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2, scales=scales)
 
 
 class MoE(nnx.Module):

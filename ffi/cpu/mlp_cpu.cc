@@ -62,12 +62,24 @@ void AddGroupBias(std::vector<float>& v, const std::vector<float>& bias, const s
       for (int64_t j = 0; j < n; ++j) v[r * n + j] += bias[g * n + j];
 }
 
-// Per-group column sums of v [M, n] -> [E, n].
-std::vector<float> GroupColumnSums(const std::vector<float>& v, const std::vector<int64_t>& off, int64_t n) {
-  std::vector<float> out((off.size() - 1) * n, 0.0f);
+// Adds scales[r] * bias[g] to each row r of group g, the product rounded to `t`: the CUDA handlers store
+// it in y's dtype before FC2 accumulates onto it.
+void AddScaledGroupBias(DataType t, std::vector<float>& v, const std::vector<float>& bias,
+                        const std::vector<float>& scales, const std::vector<int64_t>& off, int64_t n) {
   for (size_t g = 0; g + 1 < off.size(); ++g)
     for (int64_t r = off[g]; r < off[g + 1]; ++r)
-      for (int64_t j = 0; j < n; ++j) out[g * n + j] += v[r * n + j];
+      for (int64_t j = 0; j < n; ++j) v[r * n + j] += RoundTo(t, scales[r] * bias[g * n + j]);
+}
+
+// Per-group column sums of v [M, n] -> [E, n], each row weighted by scales[r] when scales is not empty.
+std::vector<float> GroupColumnSums(const std::vector<float>& v, const std::vector<int64_t>& off, int64_t n,
+                                   const std::vector<float>& scales = {}) {
+  std::vector<float> out((off.size() - 1) * n, 0.0f);
+  for (size_t g = 0; g + 1 < off.size(); ++g)
+    for (int64_t r = off[g]; r < off[g + 1]; ++r) {
+      const float s = scales.empty() ? 1.0f : scales[r];
+      for (int64_t j = 0; j < n; ++j) out[g * n + j] += s * v[r * n + j];
+    }
   return out;
 }
 
@@ -100,7 +112,9 @@ Error MlpForward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
     }
   std::vector<float> Y(m.M * m.d);
   GroupedGemm(GemmOp::kNN, A.data(), W2.data(), off, m.M, m.f, m.d, Y.data());
-  if (m.has_b2) AddGroupBias(Y, ToFloat(b2), off, m.d);
+  // scales weigh the whole expert output, b2 included (an MoE's combine weights).
+  if (m.has_b2 && m.has_scales) AddScaledGroupBias(t, Y, ToFloat(b2), S, off, m.d);
+  else if (m.has_b2) AddGroupBias(Y, ToFloat(b2), off, m.d);
   Store(Y, *y);
   Store(H, *h_out);
   return Error::Success();
@@ -117,7 +131,6 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
   const DataType t = x.element_type();
   const ActParams p{static_cast<Act>(act), alpha, limit};
   auto off = Offsets(group_sizes, m.M);
-  const int64_t total = off.back();
   const bool gated = IsGated(p.act);
 
   std::vector<float> X = ToFloat(x), W1 = ToFloat(w1), W2 = ToFloat(w2), S = ToFloat(scales);
@@ -128,19 +141,24 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
   RoundAll(t, dA);
 
   std::vector<float> dH(m.M * m.F1, 0.0f), As(m.M * m.f, 0.0f), dS(m.M, 0.0f);
-  for (int64_t r = 0; r < total; ++r) {
-    float s = m.has_scales ? S[r] : 1.0f, ds = 0.0f;
-    for (int64_t j = 0; j < m.f; ++j) {
-      float gate = H[r * m.F1 + j], up = gated ? H[r * m.F1 + m.f + j] : 0.0f;
-      ActGrad g = ActivationGrad(p, gate, up);
-      float da = dA[r * m.f + j];
-      ds += da * g.val;
-      As[r * m.f + j] = RoundTo(t, g.val * s);
-      dH[r * m.F1 + j] = RoundTo(t, da * s * g.dgate);
-      if (gated) dH[r * m.F1 + m.f + j] = RoundTo(t, da * s * g.dup);
+  const std::vector<float> B2 = m.has_b2 && m.has_scales ? ToFloat(b2) : std::vector<float>();
+  for (size_t grp = 0; grp + 1 < off.size(); ++grp)
+    for (int64_t r = off[grp]; r < off[grp + 1]; ++r) {
+      float s = m.has_scales ? S[r] : 1.0f, ds = 0.0f;
+      for (int64_t j = 0; j < m.f; ++j) {
+        float gate = H[r * m.F1 + j], up = gated ? H[r * m.F1 + m.f + j] : 0.0f;
+        ActGrad g = ActivationGrad(p, gate, up);
+        float da = dA[r * m.f + j];
+        ds += da * g.val;
+        As[r * m.f + j] = RoundTo(t, g.val * s);
+        dH[r * m.F1 + j] = RoundTo(t, da * s * g.dgate);
+        if (gated) dH[r * m.F1 + m.f + j] = RoundTo(t, da * s * g.dup);
+      }
+      // y = s * (a @ w2 + b2): the scale's gradient also takes <dy, b2[g]>.
+      if (!B2.empty())
+        for (int64_t j = 0; j < m.d; ++j) ds += dY[r * m.d + j] * B2[grp * m.d + j];
+      dS[r] = ds;
     }
-    dS[r] = ds;
-  }
 
   std::vector<float> dX(m.M * m.d), dW1(m.E * m.d * m.F1), dW2(m.E * m.f * m.d);
   GroupedGemm(GemmOp::kTN, As.data(), dY.data(), off, m.M, m.f, m.d, dW2.data());
@@ -153,7 +171,7 @@ Error MlpBackward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes
     Store(GroupColumnSums(dH, off, m.F1), *db1);
   }
   if (m.has_b2) {
-    Store(GroupColumnSums(dY, off, m.d), *db2);
+    Store(GroupColumnSums(dY, off, m.d, S), *db2);  // S is empty without scales
   }
   if (m.has_scales) {
     Store(dS, *dscales);
