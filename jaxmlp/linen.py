@@ -21,6 +21,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
+from .fp8 import Fp8Recipe
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
@@ -50,6 +51,7 @@ class GroupedMLP(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = default_bias_init
   impl: str = "jaxmlp"
+  fp8: str | Fp8Recipe | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None) -> jax.Array:
@@ -68,7 +70,8 @@ class GroupedMLP(nn.Module):
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
-    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales,
+                            fp8=self.fp8)
 
 
 class MoE(nn.Module):
@@ -100,6 +103,7 @@ class MoE(nn.Module):
   bias_init: Initializer = default_bias_init
   impl: str = "jaxmlp"
   expert_axis: str | None = None
+  fp8: str | Fp8Recipe | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -113,7 +117,7 @@ class MoE(nn.Module):
     experts = GroupedMLP(self.num_experts, self.d_model, self.d_ff, activation=self.activation,
                          use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                          kernel_init=self.kernel_init, bias_init=self.bias_init, impl=self.impl,
-                         name="experts")
+                         fp8=self.fp8, name="experts")
     options = dict(top_k=self.top_k, score_func=self.score_func, renormalize=self.renormalize,
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
                    z_loss_coef=self.z_loss_coef)
