@@ -277,7 +277,7 @@ def mlp_fp8_forward(x, w1, w2, group_sizes, scales, act: Activation, recipe, s: 
   args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
           _optional(scales, dt))
   sds = _result_types(x, w1, w2, group_sizes, *([] if scales is None else [scales]))
-  ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt])
+  ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32),
                                                  _workspace(ws, sds)], vmap_method="sequential")
   return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:3])
@@ -290,7 +290,7 @@ def mlp_fp8_backward(x, w1, w2, group_sizes, scales, h, amax, dy, act: Activatio
   args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
           _optional(scales, dt), h, dy, amax)
   sds = _result_types(x, w1, w2, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
-  ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt])
+  ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
           sds((s.M,) if scales is not None else (0,), dt), _workspace(ws, sds)]
   dx, dw1, dw2, dscales = jax.ffi.ffi_call("jaxmlp_mlp_fp8_bwd", outs, vmap_method="sequential")(

@@ -188,7 +188,7 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
   log_every = max(1, len(batches) // 10)
   losses = []
   start = None
-  label = impl + (f" {fp8}" if fp8 else "")
+  label = impl + (" fp8" if fp8 else "")
   with tqdm(total=len(batches), desc=f"{label:>9}", unit="step", leave=True) as progress:
     for step, batch in enumerate(batches):
       params, opt_state, loss = train_step(params, opt_state, batch)
