@@ -5,10 +5,10 @@
   python benchmarks/bench.py --write-results    # also update benchmarks/RESULTS.md and RESULTS.png
 
 Measures the SwiGLU expert MLP (forward, and fwd+bwd through jax.vjp) with jaxmlp.grouped_mlp,
-jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm (eager and under
-torch.compile) and a dense GEMM of equal FLOPs; the host overhead of a stack of small layers (wall time,
-and the host's own time) with XLA command buffers off and on; and
-the peak memory of fwd+bwd. Without a GPU it runs tiny shapes on the CPU backend and says so.
+jax.lax.ragged_dot (jaxmlp.reference), tokamax.ragged_dot, torch._grouped_mm and its FP8 form over
+torch._scaled_grouped_mm (eager and under torch.compile) and a dense GEMM of equal FLOPs; the host
+overhead of a stack of small layers (wall time, and the host's own time) with XLA command buffers off
+and on; and the peak memory of fwd+bwd. Without a GPU it runs tiny shapes on the CPU backend and says so.
 Writes bench.json, bench.md and bench.png to --out and prints the Markdown at the end.
 """
 from __future__ import annotations
@@ -29,8 +29,11 @@ import cases
 import report
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
-TORCH_IMPLS = {"torch": [], "torch_compile": ["--compile"]}  # torch_mlp.py's flags for each
+IMPLS = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "torch_fp8", "torch_fp8_compile",
+         "dense")
+# The script (in benchmarks/) and its flags for each torch impl.
+TORCH_IMPLS = {"torch": ["torch_mlp.py"], "torch_compile": ["torch_mlp.py", "--compile"],
+               "torch_fp8": ["torch_fp8_mlp.py"], "torch_fp8_compile": ["torch_fp8_mlp.py", "--compile"]}
 
 # Command buffers (CUDA graphs) are chosen by an XLA flag that is read once, when JAX initialises its
 # backend, hence one subprocess per setting. "default" leaves XLA_FLAGS as the user has it.
@@ -39,8 +42,7 @@ COMMAND_BUFFER_FLAGS = {
     "default": None,
     "on": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL",
 }
-# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, where jaxmlp's
-# handlers are plain loops.
+# The overhead stack's layer: tiny on the GPU by design; smaller still on the CPU, to keep the run short.
 OVERHEAD_LAYER = {"gpu": dict(E=8, d=256, f=512, M=256, dtype="bfloat16"),
                   "cpu": dict(E=4, d=64, f=128, M=64, dtype="float32")}
 
@@ -57,7 +59,7 @@ def parse_args():
                  f"(default: {', '.join(cases.GPU_SHAPES)} on a GPU, {', '.join(cases.CPU_SHAPES)} on the CPU)")
   p.add_argument("--routing", default=",".join(cases.ROUTINGS), help="balanced, skewed or both")
   p.add_argument("--impls", help=f"comma-separated, from {', '.join(IMPLS)} (default: all that are installed; "
-                 "without a GPU all but torch and torch_compile)")
+                 "without a GPU all but the torch and FP8 ones)")
   p.add_argument("--repeats", type=int, help="timed samples per measurement (default 10 on GPU, 5 on CPU)")
   p.add_argument("--max-call-s", type=float, default=2.0,
                  help="a call slower than this is timed once and marked too slow (default 2)")
@@ -217,7 +219,7 @@ def make_cases(shape_names: list[str], routings: list[str]) -> list[dict]:
 def skip_reason(impl: str, mode: str, named: bool) -> str | None:
   """Why `impl` is not measured here, or None. Decided without importing torch or JAX."""
   package = "torch" if impl in TORCH_IMPLS else impl
-  if impl == "jaxmlp_fp8" and mode == "cpu":
+  if impl in ("jaxmlp_fp8", "torch_fp8", "torch_fp8_compile") and mode == "cpu":
     return "FP8 takes 16-bit operands; the CPU run is float32"
   if package in ("torch", "tokamax") and importlib.util.find_spec(package) is None:
     return f"{package} is not installed"
@@ -229,11 +231,12 @@ def skip_reason(impl: str, mode: str, named: bool) -> str | None:
 
 
 def run_torch(impl: str, case_list: list[dict], mode: str, dtype: str, timing: dict, progress) -> dict:
-  """torch._grouped_mm, eager or compiled (`impl`, a key of TORCH_IMPLS), on every case, one subprocess
-  each. Returns the torch versions for the metadata."""
+  """torch._grouped_mm or its FP8 form, eager or compiled (`impl`, a key of TORCH_IMPLS), on every case,
+  one subprocess each. Returns the torch versions for the metadata."""
   meta = {}
   for case in case_list:
-    cmd = [sys.executable, str(HERE / "torch_mlp.py"), *TORCH_IMPLS[impl],
+    script, *flags = TORCH_IMPLS[impl]
+    cmd = [sys.executable, str(HERE / script), *flags,
            "--device", "cuda" if mode == "gpu" else "cpu", "--E", str(case["E"]), "--d", str(case["d"]),
            "--f", str(case["f"]), "--group-sizes", ",".join(map(str, case["group_sizes"])),
            "--sets", str(timing["sets"]), "--repeats", str(timing["repeats"]),
@@ -251,7 +254,7 @@ def run_torch(impl: str, case_list: list[dict], mode: str, dtype: str, timing: d
       case["impls"][impl] = r
       log(f"{impl}: {r['reason']}")
       continue
-    tol = cases.TOLERANCE[dtype]
+    tol = cases.TOLERANCE["fp8" if impl.startswith("torch_fp8") else dtype]
     worst = max(r["check"].values())
     r["check"] = {**r["check"], "max": worst, "tolerance": tol, "ok": worst <= tol}
     case["impls"][impl] = r

@@ -17,12 +17,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "dense")
+IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "torch_fp8",
+              "torch_fp8_compile", "dense")
 IMPL_LABELS = {"jaxmlp": "jaxmlp", "jaxmlp_fp8": "jaxmlp FP8 (tensorwise)", "ragged_dot": "jax.lax.ragged_dot", "tokamax": "tokamax.ragged_dot",
                "torch": "torch._grouped_mm (eager)", "torch_compile": "torch._grouped_mm (torch.compile)",
+               "torch_fp8": "torch._scaled_grouped_mm FP8 (row-wise, eager)",
+               "torch_fp8_compile": "torch._scaled_grouped_mm FP8 (row-wise, torch.compile)",
                "dense": "dense GEMM (ceiling)"}
 COLORS = {"jaxmlp": "#d62728", "jaxmlp_fp8": "#8c1515", "ragged_dot": "#1f77b4", "tokamax": "#9467bd", "torch": "#ff7f0e",
-          "torch_compile": "#bcbd22", "dense": "#7f7f7f"}
+          "torch_compile": "#bcbd22", "torch_fp8": "#8c564b", "torch_fp8_compile": "#e377c2", "dense": "#7f7f7f"}
 OVERHEAD_TARGET_US = 10.0  # per layer, fwd+bwd, with command buffers, on an H100/H200
 OVERHEAD_LABELS = {"jaxmlp": "jaxmlp", "ragged_dot": "jax.lax.ragged_dot",
                    "elementwise": "element-wise layer (for comparison)"}
@@ -39,9 +42,13 @@ def rate(case: dict, impl: str, mode: str, scale: float) -> float | None:
   return case["flops"][mode] / t["s"] / scale if t and "s" in t else None
 
 
-def speedup(case: dict, impl: str, mode: str) -> float | None:
-  """How many times faster jaxmlp is than `impl`: time(impl) / time(jaxmlp)."""
-  mine, theirs = (case["impls"].get(i, {}).get(mode) for i in ("jaxmlp", impl))
+# FP8 implementations: compared among themselves and with jaxmlp's bf16 path in a section of their own.
+FP8_IMPLS = ("jaxmlp_fp8", "torch_fp8", "torch_fp8_compile")
+
+
+def speedup(case: dict, impl: str, mode: str, base: str = "jaxmlp") -> float | None:
+  """How many times faster `base` (jaxmlp) is than `impl`: time(impl) / time(base)."""
+  mine, theirs = (case["impls"].get(i, {}).get(mode) for i in (base, impl))
   if not mine or not theirs or "s" not in mine or "s" not in theirs:
     return None
   return theirs["s"] / mine["s"]
@@ -68,9 +75,10 @@ def _bytes(n: int | None) -> str:
   return f"{num(n / 2**30)} GiB" if n >= 2**30 else f"{num(n / 2**20)} MiB"
 
 
-def _impls_present(results: dict) -> list[str]:
+def _impls_present(results: dict, fp8: bool = False) -> list[str]:
+  """The measured implementations, in IMPL_ORDER: the 16-bit ones, or (fp8) the FP8 ones."""
   seen = {impl for case in results["cases"] for impl, r in case["impls"].items() if "fwd" in r}
-  return [i for i in IMPL_ORDER if i in seen]
+  return [i for i in IMPL_ORDER if i in seen and (i in FP8_IMPLS) == fp8]
 
 
 def header(results: dict) -> str:
@@ -112,6 +120,32 @@ def headline(results: dict) -> str:
     else:
       lines.append(f"- is **{_span([f'{s:.2f}' for s in ratios])}×** as fast as {IMPL_LABELS[impl]}")
   return "jaxmlp, forward + backward, over the shapes below:\n\n" + "\n".join(lines) if lines else ""
+
+
+def fp8_section(results: dict) -> str:
+  """jaxmlp's FP8 path against its bf16 path and against the PyTorch FP8 MLP, fwd+bwd."""
+  fp8 = _impls_present(results, fp8=True)
+  if "jaxmlp_fp8" not in fp8:
+    return ""
+  unit, scale = flop_unit(results["meta"]["mode"])
+  bases = [i for i in ("jaxmlp", *fp8) if i != "jaxmlp_fp8" and i in {*fp8, *_impls_present(results)}]
+  lines = []
+  for base in bases:
+    ratios = [s for c in results["cases"] if (s := speedup(c, base, "fwd_bwd", "jaxmlp_fp8")) is not None]
+    if ratios:
+      lines.append(f"- is **{_span([f'{s:.2f}' for s in ratios])}×** as fast as {IMPL_LABELS[base]}")
+  impls = ["jaxmlp"] * ("jaxmlp" in bases) + fp8
+  cols = ["shape (E, d, f, M)", "routing"] + [IMPL_LABELS[i] for i in impls]
+  cols += [f"FP8 vs {IMPL_LABELS[b]}" for b in bases]
+  rows = [f"| {' | '.join(cols)} |", "|" + "---|" * len(cols)]
+  for c in results["cases"]:
+    cells = [f"{c['shape']} ({c['E']}, {c['d']}, {c['f']}, {c['M']})", c["routing"]]
+    cells += [num(rate(c, i, "fwd_bwd", scale)) + _wrong(c, i) for i in impls]
+    cells += [num(speedup(c, b, "fwd_bwd", "jaxmlp_fp8"), "{:.2f}×") for b in bases]
+    rows.append(f"| {' | '.join(cells)} |")
+  return ("## FP8\n\njaxmlp FP8 (tensorwise), forward + backward:\n\n" + "\n".join(lines) +
+          f"\n\nfwd+bwd throughput in {unit} (FLOPs counted as for bf16) and jaxmlp FP8's speedup (time of the "
+          "other / time of jaxmlp FP8):\n\n" + "\n".join(rows))
 
 
 def _span(values: list[str]) -> str:
@@ -246,6 +280,8 @@ def markdown(results: dict, image: str | None) -> str:
   if image:
     parts.append(f"![fwd+bwd throughput per shape and implementation]({image})")
   parts.append("## Throughput\n\n" + summary_table(results))
+  if fp8_section(results):
+    parts.append(fp8_section(results))
   parts.append("## Details\n\n" + detail_table(results))
   parts.append("Speedup = time of that implementation / time of jaxmlp (above 1: jaxmlp is faster). "
                "Peak memory: XLA's compiled memory analysis (arguments + outputs + temporaries) for JAX, "

@@ -72,8 +72,10 @@ def check(run, inputs, offs, sizes) -> dict:
           for name, g, w in zip(names, got, want)}
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(mlp_fn=mlp, doc=__doc__, cpu_skip=None):
+  """Checks and times `mlp_fn` (torch_fp8_mlp.py passes its FP8 MLP, its docstring as `doc`, and as
+  `cpu_skip` why it has no CPU run) and prints the JSON object bench.py reads."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--E", type=int, required=True)
   p.add_argument("--d", type=int, required=True)
   p.add_argument("--f", type=int, required=True)
@@ -94,6 +96,9 @@ def main():
   if cuda and not torch.cuda.is_available():
     print(json.dumps({**result, "status": "skipped", "reason": "torch sees no CUDA device"}))
     return
+  if cpu_skip and not cuda:
+    print(json.dumps({**result, "status": "skipped", "reason": cpu_skip}))
+    return
   if a.compile and not cuda:
     print(json.dumps({**result, "status": "skipped",
                       "reason": "torch.compile traces torch._grouped_mm for bfloat16 only; the CPU run is float32"}))
@@ -105,7 +110,7 @@ def main():
   sync = torch.cuda.synchronize if cuda else (lambda: None)
 
   inputs = make_inputs(a.E, a.d, a.f, M, a.device, dtype, seed=0)
-  run = torch.compile(mlp) if a.compile else mlp
+  run = torch.compile(mlp_fn) if a.compile else mlp_fn
   result["check"] = check(run, inputs, offs, sizes)  # compiles, under --compile: before anything is timed
   if cuda:
     # Memory first, with a single input set alive: the peak counts inputs, gradients and

@@ -39,24 +39,34 @@ def check_group_sizes(group_sizes, E: int | None = None, name: str = "group_size
     raise TypeError(f"{name}: expected an integer dtype (int32), got {jnp.result_type(group_sizes)}")
 
 
-def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=None) -> MlpShape:
-  """Validates the grouped MLP operands (see jaxmlp.grouped_mlp) and returns their sizes."""
+GATED_NAMES = "swiglu, geglu, reglu, clamped_swiglu"
+UNGATED_NAMES = "gelu, relu, silu, squared_relu"
+
+
+def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=None, *,
+              float64: bool = False) -> MlpShape:
+  """Validates the grouped MLP operands (see jaxmlp.grouped_mlp) and returns their sizes.
+
+  float64: also accept float64 operands (jaxmlp.reference, under jax_enable_x64).
+  """
+  w1_dims = f"[E, d, {'2f' if act.gated else 'f'}]"
   if len(_shape(x)) != 2:
     _fail("x", _shape(x), "[M, d]")
   M, d = _shape(x)
   if len(_shape(w1)) != 3:
-    _fail("w1", _shape(w1), f"[E, {d}, {'2f' if act.gated else 'f'}]")
+    _fail("w1", _shape(w1), w1_dims)
   E, _, F1 = _shape(w1)
   if E == 0:
     _fail("w1", _shape(w1), f"[E, {d}, {'2f' if act.gated else 'f'}] with E >= 1 (at least one expert)")
+  if _shape(w1)[1] != d:
+    _fail("w1", _shape(w1), f"{w1_dims} = [{E}, {d}, {F1}] (d from x)")
   if act.gated and F1 % 2:
-    _fail("w1", _shape(w1), f"[E, {d}, 2f] with an even last dimension for the gated {act.name!r}")
+    _fail("w1", _shape(w1), f"[E, d, 2f] with an even last dimension for the gated {act.name!r}")
   f = F1 // 2 if act.gated else F1
-  if _shape(w1) != (E, d, F1):
-    _fail("w1", _shape(w1), f"[E, d, {'2f' if act.gated else 'f'}] = [{E}, {d}, {F1}] (d from x)")
-  if _shape(w2) != (E, f, d):
-    gated = f" (f = {F1} / 2: w1 holds gate and linear part for the gated {act.name!r})" if act.gated else ""
-    _fail("w2", _shape(w2), f"[E, f, d] = [{E}, {f}, {d}]{gated}")
+  if len(_shape(w2)) != 3 or _shape(w2)[0] != E or _shape(w2)[2] != d:
+    _fail("w2", _shape(w2), f"[E, f, d] = [{E}, {f}, {d}] (E and f from w1, d from x)")
+  if _shape(w2)[1] != f:
+    _fail_widths(w1, w2, act)
   check_group_sizes(group_sizes, E)
   if b1 is not None and _shape(b1) != (E, F1):
     _fail("b1", _shape(b1), f"[E, {'2f' if act.gated else 'f'}] = [{E}, {F1}]")
@@ -65,8 +75,10 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
   if scales is not None and _shape(scales) != (M,):
     _fail("scales", _shape(scales), f"[M] = [{M}]")
   dtype = jnp.result_type(x)
-  if dtype not in FLOAT_DTYPES:
-    raise TypeError(f"x: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
+  allowed = FLOAT_DTYPES + ((jnp.dtype(jnp.float64),) if float64 else ())
+  if dtype not in allowed:
+    raise TypeError(f"x: dtype {dtype} is not supported; expected float32, bfloat16 or float16"
+                    + (" (or float64)" if float64 else " (float64: jaxmlp.reference, under jax_enable_x64)"))
   for name, a in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("scales", scales)):
     if a is not None and jnp.result_type(a) != dtype:
       raise TypeError(f"{name}: dtype {jnp.result_type(a)} differs from x.dtype {dtype}; "
@@ -74,8 +86,25 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
   return MlpShape(M=M, d=d, f=f, F1=F1, E=E)
 
 
-def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
-  """Validates jaxmlp.ragged_dot's operands; returns (the dtype they are multiplied in, the output dtype)."""
+def _fail_widths(w1, w2, act: Activation):
+  """w1's FC1 width does not fit w2's hidden width f. w2 says what f is; w1 is blamed, with the gating
+  that decides its width."""
+  E, d, F1 = _shape(w1)
+  f = _shape(w2)[1]
+  if act.gated:
+    hint = (f"the gated {act.name!r} takes the gate and the linear part in w1, 2f columns"
+            + (f" (w1 is f wide: for an ungated MLP use one of {UNGATED_NAMES})" if F1 == f else ""))
+    expected = f"[E, d, 2f] = [{E}, {d}, {2 * f}]"
+  else:
+    hint = (f"{act.name!r} is not gated, so w1 has f columns"
+            + (f" (w1 is 2f wide: for a gated MLP use one of {GATED_NAMES})" if F1 == 2 * f else ""))
+    expected = f"[E, d, f] = [{E}, {d}, {f}]"
+  raise ValueError(f"w1: got shape {_shape(w1)}, expected {expected} (f = {f} from w2 {_shape(w2)}): {hint}")
+
+
+def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, *, float64: bool = False):
+  """Validates jaxmlp.ragged_dot's operands; returns (the dtype they are multiplied in, the output dtype).
+  float64: also accept float64 (jaxmlp.reference, under jax_enable_x64)."""
   if len(_shape(lhs)) != 2:
     _fail("lhs", _shape(lhs), "[m, k]")
   k = _shape(lhs)[1]
@@ -83,10 +112,11 @@ def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
     _fail("rhs", _shape(rhs), f"[g, {k}, n] with g >= 1 (k from lhs)")
   check_group_sizes(group_sizes, _shape(rhs)[0])
   dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
-  if dtype not in FLOAT_DTYPES:
+  allowed = FLOAT_DTYPES + ((jnp.dtype(jnp.float64),) if float64 else ())
+  if dtype not in allowed:
     raise TypeError(f"lhs, rhs: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
   out_dtype = jnp.dtype(preferred_element_type or dtype)
-  if out_dtype not in FLOAT_DTYPES:
+  if out_dtype not in allowed:
     raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected float32, bfloat16 or "
                     "float16")
   return dtype, out_dtype

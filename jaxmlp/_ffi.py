@@ -13,6 +13,7 @@ result buffer, so XLA plans it and no call allocates.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import glob
 import importlib
@@ -22,8 +23,16 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy_openblas32
 
-from . import _cpu
+_openblas = ctypes.CDLL(  # the CPU handlers' sgemm: loaded here so that _cpu finds it by its soname
+    os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(fullname=True)))
+if "OPENBLAS_NUM_THREADS" not in os.environ:
+  # One thread per call: XLA runs custom calls on its own threads, and OpenBLAS's pool, which spins
+  # between calls, then competes with them for the cores (6 to 35x slower on 2 busy cores), while one
+  # call's GEMMs at the CPU's shapes are too small to gain from splitting.
+  _openblas.scipy_openblas_set_num_threads(1)
+from . import _cpu  # noqa: E402
 from ._checks import MlpShape, sizes_as_int32
 from .activations import Activation
 
@@ -33,8 +42,12 @@ try:
 except ImportError as e:  # CPU only. `from . import` would word a missing module as a circular import.
   _cuda = None
   if isinstance(e, ModuleNotFoundError) and e.name == f"{__package__}._cuda":
-    CUDA_BUILD_ERROR = ("the jaxmlp._cuda extension was not built (it is built when nvcc and the cuBLAS headers "
-                        "are found at install time)")
+    try:  # the reason CMakeLists.txt wrote at build time
+      from ._build_info import CUDA_NOT_BUILT_BECAUSE
+    except ImportError:
+      CUDA_NOT_BUILT_BECAUSE = "reason not recorded"
+    CUDA_BUILD_ERROR = (f"the jaxmlp._cuda extension was not built ({CUDA_NOT_BUILT_BECAUSE}). Without a CUDA "
+                        "toolkit, install with JAXMLP_CUDA=pip pip install \".[cuda13]\" (README, Install)")
   else:  # a broken build or a missing shared library
     CUDA_BUILD_ERROR = f"the jaxmlp._cuda extension failed to load: {e}"
 
@@ -131,8 +144,7 @@ def _cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> 
     # platform_dependent traces the CUDA branch everywhere; without a CUDA device it is never lowered.
     return "fallback"
   if _cuda is None:
-    raise RuntimeError(f"jaxmlp's CUDA handlers are unavailable: {CUDA_BUILD_ERROR}. Reinstall with nvcc and the "
-                       "cuBLAS headers available (see README, Install)")
+    raise RuntimeError(f"jaxmlp's CUDA handlers are unavailable: {CUDA_BUILD_ERROR}")
   return gemm_path(dtype, *row_lengths, problem=problem)[0]
 
 

@@ -14,7 +14,7 @@ from .activations import Activation, resolve
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
                 scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipes.Fp8Recipe | None = None):
-  """Mixture-of-Experts expert MLP over rows sorted by expert: `act(x @ w1[g] + b1[g]) * scales @ w2[g] + b2[g]`.
+  """Mixture-of-Experts expert MLP over rows sorted by expert: `scales * (act(x @ w1[g] + b1[g]) @ w2[g] + b2[g])`.
 
   Args:
     x: [M, d] rows sorted by group; group g owns rows [offset_g, offset_g + group_sizes[g]).
@@ -25,15 +25,22 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     activation: a name (swiglu, geglu, reglu, gelu, relu, silu, squared_relu, clamped_swiglu) or a
       jaxmlp.Activation with parameters.
     b1: optional [E, 2f] or [E, f] FC1 bias. b2: optional [E, d] FC2 bias.
-    scales: optional [M] per-row factor applied to the activation output (router weights); differentiable.
-    check_group_sizes: raise at run time if group_sizes holds negative sizes or sums past M (costs a
-      device-to-host copy; for debugging).
+    scales: optional [M] per-row factor on the row's whole expert output, b2 included (an MoE's
+      router weights); differentiable.
+    check_group_sizes: raise ValueError if group_sizes holds negative sizes or sums past M. Concrete
+      sizes (NumPy, or a jax.Array outside jit) are checked at once; traced ones (under jit) at run time,
+      by a host callback, whose ValueError JAX reports as jax.errors.JaxRuntimeError with the same message
+      (costs a device-to-host copy; for debugging).
     fp8: None (x's dtype throughout), "tensorwise" or a jaxmlp.Fp8Recipe: FC1 and FC2, forward and
       backward, as FP8 e4m3 products (see jaxmlp.fp8 for the recipe); bfloat16 or float16 operands,
       d and f multiples of 16, no biases.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
+
+  Differentiable once, in reverse mode (grad, vjp, value_and_grad, jacrev). Forward mode (jax.jvp,
+  jax.jacfwd) and derivatives of the gradient (grad of grad, jax.hessian) are not implemented: use
+  jaxmlp.reference.grouped_mlp there.
   """
   act = resolve(activation)
   recipe = fp8_recipes.resolve(fp8)
@@ -49,25 +56,25 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   if recipe is not None:
     return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
-  return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act)
+  return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _mlp(x, w1, w2, group_sizes, b1, b2, scales, act):
-  return _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act)[0]
+# The operands were checked once, in grouped_mlp: the rules get their sizes (`shape`, static and
+# hashable) instead of checking them again.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape):
+  return _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape)[0]
 
 
-def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act):
-  shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
-  y, h = _ffi.mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
+def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape):
+  y, h = _not_differentiable(_ffi.mlp_forward, x, w1, w2, group_sizes, b1, b2, scales, act, shape)
   # Residuals: the inputs and the FC1 output; the activation output is recomputed in the backward.
   return y, (x, w1, w2, group_sizes, b1, b2, scales, h)
 
 
-def _mlp_bwd(act, res, dy):
+def _mlp_bwd(act, shape, res, dy):
   x, w1, w2, group_sizes, b1, b2, scales, h = res
-  shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
-  grads = _ffi.mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
+  grads = _not_differentiable(_ffi.mlp_backward, x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
   dx, dw1, dw2, db1, db2, dscales = map(_summed_like, grads, (x, w1, w2, b1, b2, scales))
   return dx, dw1, dw2, _integer_cotangent(group_sizes), db1, db2, dscales
 
@@ -101,7 +108,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ragged_dot(lhs, rhs, group_sizes, out_dtype):
   m, n = lhs.shape[0], rhs.shape[2]
-  return _ffi.grouped_gemm("nn", lhs, rhs, group_sizes, (m, n), out_dtype)
+  return _not_differentiable(_ffi.grouped_gemm, "nn", lhs, rhs, group_sizes, (m, n), out_dtype)
 
 
 def _ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype):
@@ -111,12 +118,43 @@ def _ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype):
 def _ragged_dot_bwd(out_dtype, res, dout):
   lhs, rhs, group_sizes = res
   dout = dout.astype(lhs.dtype)
-  dlhs = _ffi.grouped_gemm("nt", dout, rhs, group_sizes, lhs.shape, lhs.dtype)
-  drhs = _ffi.grouped_gemm("tn", lhs, dout, group_sizes, rhs.shape, rhs.dtype)
+  dlhs = _not_differentiable(_ffi.grouped_gemm, "nt", dout, rhs, group_sizes, lhs.shape, lhs.dtype)
+  drhs = _not_differentiable(_ffi.grouped_gemm, "tn", lhs, dout, group_sizes, rhs.shape, rhs.dtype)
   return _summed_like(dlhs, lhs), _summed_like(drhs, rhs), _integer_cotangent(group_sizes)
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+SECOND_ORDER_ERROR = (
+    "jaxmlp's custom calls have a first derivative only, in reverse mode: a derivative of the gradient "
+    "(grad of grad, jax.hessian) is not implemented. Use jaxmlp.reference.grouped_mlp or "
+    "jaxmlp.reference.ragged_dot: pure JAX, which differentiates them again (grad of grad, "
+    "Hessian-vector products, jax.jvp), in float64 too under jax_enable_x64.")
+
+
+def _not_differentiable(call, *args):
+  """`call(*args)`, raising SECOND_ORDER_ERROR at trace time where JAX would differentiate it.
+
+  The ops' custom_vjp rules are what JAX differentiates once; it reaches the custom calls inside those
+  rules only when differentiating again (grad of grad, jax.hessian), and would then fail with its own
+  "cannot be differentiated" message. Non-array arguments (activation, shapes, dtypes) pass through.
+  """
+  static = tuple(i for i, a in enumerate(args) if not _is_operand(a))
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=static)
+  def guarded(*args):
+    return call(*args)
+
+  @guarded.defjvp
+  def _(*args_and_tangents):
+    raise NotImplementedError(SECOND_ORDER_ERROR)
+
+  return guarded(*args)
+
+
+def _is_operand(a) -> bool:
+  return a is None or isinstance(a, (jax.Array, np.ndarray, np.generic))
 
 
 def _summed_like(grad, primal):
@@ -144,7 +182,10 @@ def _check_group_sizes_at_run_time(group_sizes, m: int) -> None:
     if wrong:
       raise ValueError(f"group_sizes {sizes.tolist()}: {' and '.join(wrong)} (check_group_sizes=True)")
 
-  if isinstance(group_sizes, (np.ndarray, np.generic)):
-    check(group_sizes)  # already on the host, and before JAX could narrow an int64 array by wrapping
+  if not isinstance(group_sizes, jax.core.Tracer):
+    # Concrete: check now, a ValueError at the call (a NumPy array before JAX could narrow an int64
+    # array by wrapping).
+    check(np.asarray(group_sizes))
   else:
+    # Under jit: at run time, from a host callback; JAX reports its ValueError as a JaxRuntimeError.
     jax.debug.callback(check, group_sizes)

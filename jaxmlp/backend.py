@@ -18,7 +18,7 @@ def backend_info() -> dict:
   emulation everywhere, and on a GPU where `fp8_available` says so.
   """
   info = {"jax": jax.__version__,
-          "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "loops"}}
+          "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group"}}
   cuda = {"built": _ffi._cuda is not None, "devices": [str(d) for d in _ffi.cuda_devices()]}
   if _ffi._cuda is None:
     cuda["why"] = _ffi.CUDA_BUILD_ERROR

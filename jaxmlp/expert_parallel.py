@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.lax import all_gather, all_to_all, ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
+from .dispatch import combine, dispatch
 from .moe import route, router_losses, sort_by_expert
 
 EXCHANGES = ("all_to_all", "ragged_all_to_all")
@@ -78,11 +79,12 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     tokens [T, d], logits [T, E]: split over the axis by their leading dimension.
     expert_params: a pytree of arrays with leading dimension E, split over the axis (the "expert" axis).
     expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
-    exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on GPUs.
+    exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on a mesh of GPUs.
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
-  if exchange is None:
-    exchange = "ragged_all_to_all" if jax.default_backend() == "gpu" else "all_to_all"
+  if exchange is None:  # by the mesh's devices, not the default backend: a CPU mesh on a GPU machine
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    exchange = "ragged_all_to_all" if device is not None and device.platform in ("gpu", "cuda") else "all_to_all"
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange: unknown {exchange!r}; expected one of {', '.join(EXCHANGES)}")
   num_tokens, num_experts = logits.shape
@@ -124,7 +126,7 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
   losses = _global_router_losses(logits, probs, all_counts.sum((0, 1)), top_k, aux_loss_coef,
                                  z_loss_coef, axis)
   keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
-  rows, group_sizes, order = _local_dispatch(tokens, experts, num_experts, keep)
+  rows, group_sizes, plan = _local_dispatch(tokens, experts, num_experts, keep)
 
   # Per-peer row counts: sent[i, p, e] rows go from device i to peer p's local expert e.
   sent = all_gather(group_sizes.reshape(num_peers, local_experts), axis)  # [P, P, E/P]
@@ -139,31 +141,27 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
 
   received, starts = send.forward(rows)
   slot_expert = _slot_experts(received.shape[0], starts, recv_counts)
-  local_rows, local_sizes, local_order = _local_dispatch(received, slot_expert[:, None], local_experts)
+  local_rows, local_sizes, local_plan = _local_dispatch(received, slot_expert[:, None], local_experts)
   out = expert_mlp(params, local_rows[:max_rows], local_sizes)
   out = jnp.pad(out, ((0, received.shape[0] - max_rows), (0, 0)))
-  out = _local_combine(out, local_order, jnp.ones((received.shape[0], 1), jnp.float32), received.shape[0])
-  y = _local_combine(send.backward(out, rows.shape[0]), order, weights, num_tokens)
+  out = _local_combine(out, local_plan)
+  y = _local_combine(send.backward(out, rows.shape[0]), plan, weights)
   return y, losses
 
 
 def _local_dispatch(tokens, experts, num_experts, keep=None):
-  """Rows of tokens [T, d] for the pairs of experts [T, k] sorted by expert; pairs not kept (keep [T, k]
-  False) after all kept ones. Returns (rows [T*k, d], group_sizes [num_experts] of kept rows, order [T*k]:
-  the pair `j * T + t` of each row, which _local_combine needs to undo it)."""
-  if keep is not None:  # dropped pairs go to the extra expert num_experts: sorted last, not counted
-    experts = jnp.where(keep, experts, num_experts)
-  order, counts, _ = sort_by_expert(experts, num_experts + 1)
-  return tokens[order % tokens.shape[0]], counts[:num_experts], order
+  """Rows of tokens [T, d] for the pairs of experts [T, k] sorted by expert (jaxmlp.dispatch: no sort);
+  pairs not kept (keep [T, k] False) get no row. Returns (rows [T*k, d], group_sizes [num_experts] of kept
+  rows, the plan that _local_combine needs to undo it)."""
+  if keep is not None:  # an expert id out of range is dropped: not counted, no row
+    experts = jnp.where(keep, experts, -1)
+  return dispatch(tokens, experts, num_experts)
 
 
-def _local_combine(rows, order, weights, num_tokens):
-  """y [num_tokens, d]: the rows [T*k, d] of _local_dispatch summed into their tokens, each times its
-  weight (weights [T, k]), accumulated in float32. Rows of dropped pairs must be 0."""
-  scale = weights.T.reshape(-1)[order].astype(jnp.float32)[:, None]
-  y = jnp.zeros((num_tokens, rows.shape[1]), jnp.float32).at[order % num_tokens].add(
-    scale * rows.astype(jnp.float32))
-  return y.astype(rows.dtype)
+def _local_combine(rows, plan, weights=None):
+  """y [T, d]: the rows [T*k, d] of _local_dispatch summed into their tokens, each times its weight
+  (weights [T, k]; None: 1), accumulated in float32 (jaxmlp.combine: no scatter-add)."""
+  return combine(rows, plan, weights)
 
 
 def _global_router_losses(logits, probs, counts, top_k, aux_loss_coef, z_loss_coef, axis):
@@ -245,13 +243,18 @@ class _RaggedExchange:
     self.remote_send_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]
     self.axis, self.max_rows = axis, max_rows
 
+  def _buffer(self, num_rows, like):
+    """The zeros the exchange writes into, typed as varying over the axis like the rows that land there
+    (a plain zeros array is invariant, and so would be the exchange's result, whose gradient varies)."""
+    return jax.lax.pcast(jnp.zeros((num_rows, like.shape[1]), like.dtype), self.axis, to="varying")
+
   def forward(self, rows):
-    output = jnp.zeros((self.max_rows, rows.shape[1]), rows.dtype)
+    output = self._buffer(self.max_rows, rows)
     received = ragged_all_to_all(rows, output, self.send_offsets, self.send_sizes,
                                  self.remote_recv_offsets, self.recv_sizes, axis_name=self.axis)
     return received, self.recv_offsets
 
   def backward(self, out, num_rows):
-    output = jnp.zeros((num_rows, out.shape[1]), out.dtype)
+    output = self._buffer(num_rows, out)
     return ragged_all_to_all(out, output, self.recv_offsets, self.recv_sizes, self.remote_send_offsets,
                              self.send_sizes, axis_name=self.axis)

@@ -9,17 +9,22 @@ nn.get_partition_spec and map them onto a mesh with nn.logical_axis_rules.
 """
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+try:
+  import flax.linen as nn
+except ModuleNotFoundError as e:  # flax is an extra: say which
+  raise ModuleNotFoundError("jaxmlp.linen needs flax: pip install 'jaxmlp[flax]' "
+                            f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
+from .fp8 import Fp8Recipe
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
-                  tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -46,6 +51,7 @@ class GroupedMLP(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = default_bias_init
   impl: str = "jaxmlp"
+  fp8: str | Fp8Recipe | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None) -> jax.Array:
@@ -64,8 +70,8 @@ class GroupedMLP(nn.Module):
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
     x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
-    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes, activation,
-                              b1, b2, scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales,
+                            fp8=self.fp8)
 
 
 class MoE(nn.Module):
@@ -97,6 +103,7 @@ class MoE(nn.Module):
   bias_init: Initializer = default_bias_init
   impl: str = "jaxmlp"
   expert_axis: str | None = None
+  fp8: str | Fp8Recipe | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -110,7 +117,7 @@ class MoE(nn.Module):
     experts = GroupedMLP(self.num_experts, self.d_model, self.d_ff, activation=self.activation,
                          use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                          kernel_init=self.kernel_init, bias_init=self.bias_init, impl=self.impl,
-                         name="experts")
+                         fp8=self.fp8, name="experts")
     options = dict(top_k=self.top_k, score_func=self.score_func, renormalize=self.renormalize,
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
                    z_loss_coef=self.z_loss_coef)

@@ -10,7 +10,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
-from . import _checks, dispatch, reference, reference_moe
+from . import dispatch, reference, reference_moe
 from .api import grouped_mlp
 # The layer's original argsort path, kept importable here for its callers (jaxmlp.reference_moe defines it).
 from .reference_moe import sort_by_expert  # noqa: F401
@@ -37,26 +37,6 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 def check_impl(impl: str) -> None:
   if impl not in IMPLS:
     raise ValueError(f"impl: unknown {impl!r}; expected one of {', '.join(IMPLS)}")
-
-
-def rows_of(table: jax.Array, group_sizes: jax.Array, num_rows: int) -> jax.Array:
-  """`table[g]` for each row of group g; 0 for padding rows. Follows jaxmlp's group_sizes policy:
-  negative sizes count as 0 and rows past the running total are padding."""
-  group = _checks.row_groups(_checks.clamp_group_sizes(group_sizes, num_rows), num_rows)  # E for padding
-  return jnp.take(table, group, axis=0, mode="fill", fill_value=0)
-
-
-def scaled_grouped_mlp(grouped_mlp_fn, x, w1, w2, group_sizes, activation, b1, b2, scales):
-  """GroupedMLP's computation on promoted operands (shared with jaxmlp.linen).
-
-  The op fuses `scales` into the activation output and adds b2 unscaled; an MoE weighs the whole expert
-  output, so with scales b2 is left out of the op and added here, scaled.
-  """
-  if scales is None or b2 is None:
-    return grouped_mlp_fn(x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales)
-  y = grouped_mlp_fn(x, w1, w2, group_sizes, activation=activation, b1=b1, scales=scales)
-  bias = scales.astype(jnp.float32)[:, None] * rows_of(b2, group_sizes, x.shape[0]).astype(jnp.float32)
-  return (y.astype(jnp.float32) + bias).astype(y.dtype)
 
 
 def check_moe_args(num_experts: int, top_k: int, score_func: str, capacity_factor: float | None) -> None:

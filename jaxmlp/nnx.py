@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+try:
+  from flax import nnx
+except ModuleNotFoundError as e:  # flax is an extra: say which
+  raise ModuleNotFoundError("jaxmlp.nnx needs flax: pip install 'jaxmlp[flax]' "
+                            f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
+from .fp8 import Fp8Recipe
+from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, scaled_grouped_mlp,
-                  tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -60,6 +66,8 @@ class GroupedMLP(nnx.Module):
     bias_init: initializer of b1 and b2.
     impl: "jaxmlp" (jaxmlp.grouped_mlp, the FFI kernels) or "reference" (jaxmlp.reference.grouped_mlp,
       the jax.lax.ragged_dot path).
+    fp8: None, "tensorwise" or a jaxmlp.Fp8Recipe: the expert MLP's products in FP8 (see
+      jaxmlp.grouped_mlp; needs a 16-bit computation dtype and no biases). Parameters stay as they are.
     rngs: rng key.
   """
 
@@ -76,10 +84,12 @@ class GroupedMLP(nnx.Module):
     kernel_init: Initializer = default_kernel_init,
     bias_init: Initializer = default_bias_init,
     impl: str = "jaxmlp",
+    fp8: str | Fp8Recipe | None = None,
     rngs: nnx.Rngs,
   ):
     check_impl(impl)
     self.activation = resolve(activation)
+    self.fp8 = resolve_fp8(fp8)
     fc1_width = 2 * d_ff if self.activation.gated else d_ff
     self.w1 = nnx.Param(_partitioned(kernel_init, W1_AXES)(
       rngs.params(), (num_experts, d_model, fc1_width), param_dtype))
@@ -119,8 +129,8 @@ class GroupedMLP(nnx.Module):
     b2 = self.b2[...] if self.b2 is not None else None
     x, w1, w2, b1, b2, scales = dtypes.promote_dtype(
       (x, self.w1[...], self.w2[...], b1, b2, scales), dtype=self.dtype)
-    return scaled_grouped_mlp(IMPLS[self.impl], x, w1, w2, group_sizes, self.activation,
-                              b1, b2, scales)
+    return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2, scales=scales,
+                            fp8=self.fp8)
 
 
 class MoE(nnx.Module):
@@ -141,7 +151,7 @@ class MoE(nnx.Module):
     d_model: d, the token width.
     d_ff: f, the hidden width of each expert.
     top_k: experts per token.
-    activation, use_bias, kernel_init, bias_init: as for GroupedMLP.
+    activation, use_bias, kernel_init, bias_init, fp8: as for GroupedMLP.
     impl: as for GroupedMLP, and it picks the dispatch and combine too: "jaxmlp" (jaxmlp.dispatch's custom
       calls) or "reference" (jaxmlp.reference_moe: jnp.argsort, a gather and a scatter-add).
     score_func: "softmax" (over the E logits) or "sigmoid" (each logit on its own, as in DeepSeek-V3).
@@ -182,6 +192,7 @@ class MoE(nnx.Module):
     bias_init: Initializer = default_bias_init,
     impl: str = "jaxmlp",
     expert_axis: str | None = None,
+    fp8: str | Fp8Recipe | None = None,
     rngs: nnx.Rngs,
   ):
     check_moe_args(num_experts, top_k, score_func, capacity_factor)
@@ -190,7 +201,7 @@ class MoE(nnx.Module):
       kernel_init=_partitioned(default_router_init, ROUTER_AXES), rngs=rngs)
     self.experts = GroupedMLP(
       num_experts, d_model, d_ff, activation=activation, use_bias=use_bias, dtype=dtype,
-      param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init, impl=impl, rngs=rngs)
+      param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init, impl=impl, fp8=fp8, rngs=rngs)
 
     self.num_experts = num_experts
     self.d_model = d_model

@@ -17,36 +17,46 @@ from .activations import Activation, resolve
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
                 scales=None, fp8=None):
-  """Reference for jaxmlp.grouped_mlp (same arguments and semantics)."""
+  """Reference for jaxmlp.grouped_mlp (same arguments and semantics).
+
+  Pure JAX: without fp8 it takes float64 operands under jax_enable_x64, and JAX differentiates it in
+  forward mode and to higher orders (jax.jvp, grad of grad, Hessian-vector products), where
+  jaxmlp.grouped_mlp stops. Not under jax.jacfwd, jax.jacrev or jax.hessian: they vmap
+  jax.lax.ragged_dot over an axis its batching rule does not take (jax 0.10: "ragged_dot vmap over any
+  dim but 0 - NYI").
+  """
   act = resolve(activation)
-  s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=fp8 is None)
   recipe = fp8_recipes.resolve(fp8)
   if recipe is not None:
     fp8_mlp.check(x, b1, b2, recipe, s)
     return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), scales, act, recipe)
+  acc = jnp.promote_types(x.dtype, jnp.float32)  # the accumulation dtype: float32, or float64
   sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, s.M), s.M)
   rows = _checks.row_groups(sizes, s.M)  # E for padding rows
   valid = (rows < s.E)[:, None]
   expert = jnp.minimum(rows, s.E - 1)
 
-  h = jax.lax.ragged_dot(x, w1, sizes, preferred_element_type=jnp.float32)
+  h = jax.lax.ragged_dot(x, w1, sizes, preferred_element_type=acc)
   if b1 is not None:
-    h = h + b1[expert].astype(jnp.float32)
+    h = h + b1[expert].astype(acc)
   h = h.astype(x.dtype)
-  a = act(h.astype(jnp.float32))
-  if scales is not None:
-    a = a * scales.astype(jnp.float32)[:, None]
-  a = jnp.where(valid, a, 0).astype(x.dtype)
-  y = jax.lax.ragged_dot(a, w2, sizes, preferred_element_type=jnp.float32)
+  a = act(h.astype(acc))
+  scale = scales.astype(acc)[:, None] if scales is not None else 1.0
+  # The scale is applied to the activation output (where the fast path fuses it) and to b2: it weighs
+  # the whole expert output, y = s * (act(h) @ w2 + b2).
+  a = jnp.where(valid, a * scale, 0).astype(x.dtype)
+  y = jax.lax.ragged_dot(a, w2, sizes, preferred_element_type=acc)
   if b2 is not None:
-    y = y + jnp.where(valid, b2[expert].astype(jnp.float32), 0)
+    y = y + jnp.where(valid, scale * b2[expert].astype(acc), 0)
   return jnp.where(valid, y, 0).astype(x.dtype)
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
-  """Reference for jaxmlp.ragged_dot: jax.lax.ragged_dot under jaxmlp's group_sizes policy."""
+  """Reference for jaxmlp.ragged_dot: jax.lax.ragged_dot under jaxmlp's group_sizes policy (float64 too,
+  under jax_enable_x64)."""
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported by jaxmlp.ragged_dot")
-  _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
+  _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type, float64=True)
   sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, lhs.shape[0]), lhs.shape[0])
   return jax.lax.ragged_dot(lhs, rhs, sizes, precision=precision, preferred_element_type=preferred_element_type)

@@ -73,20 +73,22 @@ def grouped_mlp(x, w1, w2, sizes, act, b1=None, b2=None, scales=None, dy=None, a
     r = slice(off[g], off[g + 1])
     h = x[r] @ w1[g] + (np.asarray(b1, np.float64)[g] if b1 is not None else 0)
     val, (dgate, dup) = activation(act, h, alpha, limit)
+    # The scale weighs the whole expert output, b2 included: y = s * (act(h) @ w2 + b2).
     s = np.asarray(scales, np.float64)[r, None] if scales is not None else 1.0
-    a = val * s
-    y[r] = a @ w2[g] + (np.asarray(b2, np.float64)[g] if b2 is not None else 0)
+    bias2 = np.asarray(b2, np.float64)[g] if b2 is not None else np.zeros(w2.shape[2])
+    unscaled = val @ w2[g] + bias2
+    y[r] = s * unscaled
     if dy is None:
       continue
     d = np.asarray(dy, np.float64)[r]
-    da = d @ w2[g].T
-    grads["w2"][g] = a.T @ d
-    dh = np.concatenate([da * s * dgate, da * s * dup], 1) if dup is not None else da * s * dgate
+    da = (s * d) @ w2[g].T  # gradient of act(h)
+    grads["w2"][g] = val.T @ (s * d)
+    dh = np.concatenate([da * dgate, da * dup], 1) if dup is not None else da * dgate
     grads["x"][r] = dh @ w1[g].T
     grads["w1"][g] = x[r].T @ dh
     if b1 is not None: grads["b1"][g] = dh.sum(0)
-    if b2 is not None: grads["b2"][g] = d.sum(0)
-    if scales is not None: grads["scales"][r] = (da * val).sum(1)
+    if b2 is not None: grads["b2"][g] = (s * d).sum(0)
+    if scales is not None: grads["scales"][r] = (d * unscaled).sum(1)
   return (y, grads) if dy is not None else y
 
 

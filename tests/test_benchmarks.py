@@ -122,6 +122,60 @@ def test_torch_check_catches_a_wrong_gradient(monkeypatch):
   assert errs["y"] < 1e-4 and errs["dw1"] > 1e-2, errs
 
 
+def _emulated_scaled_grouped_mm(calls):
+  """torch._scaled_grouped_mm's row-wise FP8 form in float32 on the CPU, with the argument checks of
+  PyTorch's CUDA op (aten/src/ATen/native/cuda/GroupedBlas.cpp) and of its kernel's device asserts;
+  rows of no group are NaN, as unwritten memory may be. Appends each call's form to `calls`."""
+  import torch
+
+  def op(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+    e4m3 = torch.float8_e4m3fn
+    assert a.dtype == b.dtype == e4m3 and scale_a.dtype == scale_b.dtype == torch.float32
+    assert out_dtype == torch.bfloat16 and offs.dtype == torch.int32 and a.dim() == 2
+    assert a.stride(-1) == 1 and b.stride(-2) == 1, "mat_a row-major, mat_b the transposed view of a contiguous"
+    assert a.shape[-1] % 16 == 0 and b.shape[-2] % 16 == 0 and b.shape[-1] % 16 == 0
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    A, B = a.float(), b.float()
+    if b.dim() == 3:  # 2D x 3D: groups of a's rows
+      assert scale_a.shape == (a.shape[0],) and scale_a.is_contiguous()
+      assert scale_b.shape == (b.shape[0], b.shape[2]) and scale_b.stride(1) == 1
+      out = torch.full((a.shape[0], b.shape[2]), float("nan"))
+      for g, (s, e) in enumerate(zip(starts, ends)):
+        out[s:e] = (A[s:e] * scale_a[s:e, None]) @ (B[g] * scale_b[g])
+    else:  # 2D x 2D: groups along the contraction, one set of scales per group
+      K, N, G = a.shape[0], b.shape[1], len(ends)
+      assert scale_a.shape == (K * G,) and scale_b.shape == (N * G,)
+      assert all((e - s) % 16 == 0 for s, e in zip(starts[:-1], ends[:-1])), "TMA alignment of fp8 groups"
+      out = torch.stack([(A[:, s:e] * scale_a[g * K:(g + 1) * K, None]) @ (B[s:e] * scale_b[g * N:(g + 1) * N])
+                         for g, (s, e) in enumerate(zip(starts, ends))])
+    calls.append(f"{a.dim()}d-{b.dim()}d")
+    return out.to(out_dtype)
+  return op
+
+
+def test_torch_fp8_mlp_on_an_emulated_scaled_grouped_mm(monkeypatch):
+  """torch_fp8_mlp's layer on the CPU, its FP8 products emulated: the padding to 16 rows per expert, the
+  operands' layouts and scale shapes as torch._scaled_grouped_mm takes them, and y and every gradient
+  within the FP8 tolerance of torch_mlp's float32 reference, at unaligned and empty groups. Above 1e-3:
+  the operands were quantized to e4m3."""
+  torch = __import__("pytest").importorskip("torch")
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import cases
+  import torch_fp8_mlp
+  import torch_mlp
+
+  calls = []
+  monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm(calls), raising=False)
+  sizes = [37, 0, 100, 19, 16]
+  inputs = torch_mlp.make_inputs(5, 64, 32, sum(sizes), "cpu", torch.bfloat16, seed=int(torch.seed() % 2**31))
+  offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+  errs = torch_mlp.check(torch_fp8_mlp.fp8_mlp, inputs, offs, sizes)
+  assert set(errs) == {"y", "y (fwd+bwd)", "dx", "dw1", "dw2"}, errs
+  assert all(1e-3 < e < cases.TOLERANCE["fp8"] for e in errs.values()), errs
+  assert calls == ["2d-3d"] * 4 + ["2d-3d", "2d-2d"] * 2, calls  # y alone, then y and the backward
+
+
 def test_host_time_discards_samples_that_waited_for_the_device(monkeypatch):
   """timing.host_seconds on a simulated device: each call costs the host 1 s of a fake clock, and the work
   held ahead lasts `hold_s`. A sample counts only if its dispatches ended while that work still ran;

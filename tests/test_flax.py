@@ -5,6 +5,9 @@ combined through masks, with no sorting or grouped GEMM, so a permutation or cap
 shared code.
 """
 import math
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -423,7 +426,44 @@ def test_train_example_runs_and_both_paths_agree(capsys):
   # example trains in bfloat16, where they drift apart within the checks above).
   if jax.default_backend() == "cpu":
     assert result["max_loss_diff"] <= 1e-4
-  assert "speedup" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "speedup" in out and "GRADIENT_TOLERANCE" not in out  # no names from the source
+  assert out.splitlines()[-1] == "OK: gradients and losses match (jaxmlp against the ragged_dot reference)"
+
+
+def test_train_example_verdict_says_what_failed():
+  runs = {"jaxmlp": train_moe.Run("jaxmlp", [2.0, 1.0], 1.0), "reference": train_moe.Run("reference", [2.0, 1.5], 1.0)}
+  checks = {"gradient error at start": (3e-6, 1e-4), "final loss rel. diff": (0.33, 0.02)}
+  verdict = train_moe._verdict({"runs": runs, "checks": checks, "match": False})
+  assert verdict == "FAILED: final loss rel. diff 3.30e-01 > 2e-02"
+  one = {"jaxmlp": train_moe.Run("jaxmlp", [2.0, float("nan")], 1.0)}
+  assert train_moe._verdict({"runs": one, "match": False}) == "FAILED: jaxmlp reached a non-finite loss"
+
+
+# Imports a module with a package hidden (None in sys.modules: what Python does for one not installed).
+WITHOUT_SCRIPT = """
+import sys
+sys.modules[sys.argv[1]] = None
+try:
+  __import__(sys.argv[2])
+except ModuleNotFoundError as e:
+  print(e)
+"""
+
+
+@pytest.mark.parametrize("missing, module, says", [
+    ("flax", "jaxmlp.nnx", "jaxmlp.nnx needs flax: pip install 'jaxmlp[flax]' (missing: flax)"),
+    ("flax", "jaxmlp.linen", "jaxmlp.linen needs flax: pip install 'jaxmlp[flax]' (missing: flax)"),
+    ("optax", "jaxmlp.examples.train_moe",
+     "jaxmlp-train-moe needs the flax extra: pip install 'jaxmlp[flax]' (missing: optax)"),
+    ("tqdm", "jaxmlp.examples.train_moe",
+     "jaxmlp-train-moe needs the flax extra: pip install 'jaxmlp[flax]' (missing: tqdm)"),
+])
+def test_a_missing_extra_is_named(missing, module, says):
+  out = subprocess.run([sys.executable, "-P", "-c", WITHOUT_SCRIPT, missing, module], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == says
 
 
 def test_train_example_gradient_check_sees_a_wrong_gradient():

@@ -125,17 +125,20 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
                                             m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da, dh->untyped_data(),
-                                            m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data()));
+                                            m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data(),
+                                            dy.untyped_data(), Data(b2)));
   // dx first: on the tiled path its blocks, the launch's longest (the reduction runs over F1), then start
   // in the first wave.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   if (m.has_b1)
     JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), s.bias_acc, db1->untyped_data()));
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), nullptr, s.bias_acc,
+                        db1->untyped_data()));
   if (m.has_b2)
     JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), s.bias_acc, db2->untyped_data()));
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), Data(scales), s.bias_acc,
+                        db2->untyped_data()));  // y = s * (a @ w2 + b2): rows weighted by their scale
   return Error::Success();
 }
 

@@ -58,8 +58,15 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
     }
     Store<T, V>(a + row * f + j, out);
   }
-  if (b2)  // FC2 accumulates onto this (beta = 1): the bias costs no extra pass over y
-    for (int64_t j = threadIdx.x * V; j < d; j += blockDim.x * V) Store<T, V>(y + row * d + j, Load<T, V>(b2 + g * d + j));
+  // FC2 accumulates onto this (beta = 1): the bias costs no extra pass over y. The row scale weighs the
+  // whole expert output, b2 included.
+  if (b2)
+    for (int64_t j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+      Vec<T, V> bias = Load<T, V>(b2 + g * d + j);
+      if (scales)
+        for (int k = 0; k < V; ++k) bias.v[k] = Conv<T>::From(Conv<T>::To(bias.v[k]) * s);
+      Store<T, V>(y + row * d + j, bias);
+    }
 }
 
 __device__ float BlockSum(float v) {
@@ -76,7 +83,7 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, int64_t d, const T* h, const T* da,
                                                               const T* scales, T* a_s, T* dh, T* dscales,
-                                                              T* dx) {
+                                                              T* dx, const T* dy, const T* b2) {
   WaitForPrevious();
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
@@ -106,6 +113,13 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
     Store<T, V>(dh + row * F1 + j, dg);
     if (kGated) Store<T, V>(dh + row * F1 + f + j, du);
   }
+  if (dscales && b2) {  // y = s * (a @ w2 + b2): the scale's gradient also takes <dy, b2[g]>
+    const int64_t g = GroupOf(offsets, E, row);
+    for (int64_t j = threadIdx.x * V; j < d; j += blockDim.x * V) {
+      Vec<T, V> dyv = Load<T, V>(dy + row * d + j), bv = Load<T, V>(b2 + g * d + j);
+      for (int k = 0; k < V; ++k) ds += Conv<T>::To(dyv.v[k]) * Conv<T>::To(bv.v[k]);
+    }
+  }
   if (dscales) {
     ds = BlockSum(ds);
     if (threadIdx.x == 0) dscales[row] = Conv<T>::From(ds);
@@ -116,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
 // partial sums meet in float through atomics.
 template <typename T>
 __global__ void ColumnSumKernel(const int64_t* offsets, int64_t E, int64_t n, int64_t rows_per_block, const T* v,
-                                float* acc) {
+                                const T* scales, float* acc) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = min(r0 + rows_per_block, offsets[E]);
@@ -129,7 +143,7 @@ __global__ void ColumnSumKernel(const int64_t* offsets, int64_t E, int64_t n, in
       sum = 0.0f;
       end = offsets[++g + 1];
     }
-    sum += Conv<T>::To(v[r * n + j]);
+    sum += scales ? Conv<T>::To(v[r * n + j]) * Conv<T>::To(scales[r]) : Conv<T>::To(v[r * n + j]);
   }
   atomicAdd(&acc[g * n + j], sum);
 }
@@ -169,13 +183,15 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
 
 ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
-                              const void* scales, void* a_s, void* dh, void* dscales, void* dx) {
+                              const void* scales, void* a_s, void* dh, void* dscales, void* dx, const void* dy,
+                              const void* b2) {
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     auto args = std::make_tuple(p, offsets, E, f, d, static_cast<const T*>(h), static_cast<const T*>(da),
                                 static_cast<const T*>(scales), static_cast<T*>(a_s), static_cast<T*>(dh),
-                                static_cast<T*>(dscales), static_cast<T*>(dx));
+                                static_cast<T*>(dscales), static_cast<T*>(dx), static_cast<const T*>(dy),
+                                static_cast<const T*>(b2));
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V, A> : ActBackwardKernel<T, 1, A>;
@@ -186,13 +202,14 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
 }
 
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
-                           int64_t n, const void* v, float* acc, void* out) {
+                           int64_t n, const void* v, const void* scales, float* acc, void* out) {
   JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream), "zeroing sums"));
   const int64_t rows_per_block = std::max<int64_t>(64, (M + 65534) / 65535);
   dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::max<int64_t>((M + rows_per_block - 1) / rows_per_block, 1)));
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
-    ColumnSumKernel<T><<<grid, kThreads, 0, stream>>>(offsets, E, n, rows_per_block, static_cast<const T*>(v), acc);
+    ColumnSumKernel<T><<<grid, kThreads, 0, stream>>>(offsets, E, n, rows_per_block, static_cast<const T*>(v),
+                                                                static_cast<const T*>(scales), acc);
     ConvertKernel<T><<<unsigned(std::min<int64_t>((E * n + 255) / 256, 4096)), 256, 0, stream>>>(
         acc, static_cast<T*>(out), E * n);
   });
