@@ -243,6 +243,15 @@ def test_layer_fwd_bwd_holds_no_sort_and_no_scatter(capacity_factor):
 
 # ---- CUDA only: sizes past one sort block, command buffers ------------------------------------------
 
+@pytest.mark.skipif(_ffi._cuda is None, reason="built without the CUDA handlers")
+def test_cuda_module_registers_the_targets_and_sizes_the_workspace():
+  """What the CUDA branch needs from jaxmlp._cuda at trace time (checked wherever it is built, GPU or not):
+  the three targets, and a workspace of one counter per sort block (2048 choices) and expert, plus E offsets."""
+  assert {"jaxmlp_dispatch", "jaxmlp_combine", "jaxmlp_combine_bwd"} <= set(_ffi._cuda.registrations())
+  assert _ffi._cuda.dispatch_workspace_bytes(2048, 128) >= (1 + 1) * 128 * 4
+  assert _ffi._cuda.dispatch_workspace_bytes(65536, 128) >= (32 + 1) * 128 * 4
+
+
 def skip_without_cuda():
   reason = cuda_reason("fallback")
   if reason:

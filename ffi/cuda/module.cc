@@ -11,6 +11,7 @@
 
 #include "../common.h"
 #include "cublas_api.h"
+#include "dispatch_kernels.h"
 #include "grouped_gemm.h"
 #include "tiled_gemm.h"
 #include "xla/ffi/api/c_api.h"
@@ -111,4 +112,6 @@ NB_MODULE(_cuda, m) {
         return jaxmlp::GroupedGemmsWorkspaceBytes(PathOf(path), E, /*split_k=*/false);  // one launch per call
       },
       nb::arg("path"), nb::arg("E"), "Scratch bytes of one grouped GEMM call over E groups on a GEMM path.");
+  m.def("dispatch_workspace_bytes", &jaxmlp::DispatchWorkspaceBytes, nb::arg("choices"), nb::arg("E"),
+        "Scratch bytes of one dispatch call over `choices` = T * k routing choices and E experts.");
 }
