@@ -59,6 +59,12 @@ def run(fn, args, sizes, dy, act, **kw):
 
 # The recipe without fast accumulation, which only the CUDA path has (its error: the test below).
 EXACT = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=False)
+# How far the CUDA path may lie from the emulation. Hopper's FP8 tensor cores sum with fewer bits than
+# float32 between cuBLAS's promotions (even without fast accumulation), which moves the 16-bit rounding of
+# h and da for some elements, and through them the e4m3 rounding of a and dh: measured on an H200
+# (cuBLAS 13.10), up to 6e-3 relative error, elements up to 2.6e-2; 1e-2 on the CPU, where the products
+# are float32 sums.
+CUDA_TOLERANCE = 2e-2
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -75,10 +81,11 @@ def test_fp8_follows_the_recipe(platform, rng, case, act, dtype):
   want_y, want = fp8_ref.grouped_mlp(n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"), np.asarray(dy, np.float64),
                                      DTYPES[dtype])
   assert y.dtype == jnp.dtype(dtype)
-  check_close(y, want_y, 1e-2, "y")
+  tol = CUDA_TOLERANCE if platform == "cuda" else 1e-2
+  check_close(y, want_y, tol, "y")
   for k in grads:
     assert grads[k].dtype == args[k].dtype, k
-    check_close(grads[k], want[k], 1e-2, k)
+    check_close(grads[k], want[k], tol, k)
   check_padding_rows_zero(M, sizes, y, grads["x"])
 
 
@@ -101,8 +108,8 @@ def test_fp8_quantizes(rng):
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_fp8_equals_the_cpu_emulation(rng, case, fast):
-  """The CUDA path and the CPU emulation quantize the same values: their results differ by float32
-  accumulation order (and the rounding of the result that follows from it)."""
+  """The CUDA path and the CPU emulation quantize the same values: their results differ by how the
+  products are accumulated (CUDA_TOLERANCE) and the roundings that follow from it."""
   reason = fp8_reason()
   if reason:
     pytest.skip(reason)
@@ -116,10 +123,10 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, case, fast):
                      jax.device_put(gs, jax.devices(platform)[0]), jax.device_put(dy, jax.devices(platform)[0]),
                      "swiglu", fp8=recipe)
       results[platform] = {"y": y, **grads}
-  # Fast accumulation keeps fewer bits than float32 in the forward's sums; the difference reaches every
-  # gradient through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
+  # Fast accumulation keeps fewer bits still in the forward's sums; the difference reaches every gradient
+  # through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
   for k in results["cpu"]:
-    check_close(results["cuda"][k], results["cpu"][k], 2e-2 if fast else 5e-3, k)
+    check_close(results["cuda"][k], results["cpu"][k], 3e-2 if fast else CUDA_TOLERANCE, k)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
