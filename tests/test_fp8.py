@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import check_close, check_padding_rows_zero, rel_error
+from conftest import check_close, check_padding_rows_zero, max_error, rel_error
 
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
@@ -62,9 +62,16 @@ EXACT = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=False)
 # How far the CUDA path may lie from the emulation. Hopper's FP8 tensor cores sum with fewer bits than
 # float32 between cuBLAS's promotions (even without fast accumulation), which moves the 16-bit rounding of
 # h and da for some elements, and through them the e4m3 rounding of a and dh: measured on an H200
-# (cuBLAS 13.10), up to 6e-3 relative error, elements up to 2.6e-2; 1e-2 on the CPU, where the products
-# are float32 sums.
+# (cuBLAS 13.10), up to 1.2e-2 relative error; single elements, where an e4m3 rounding moved, up to 6e-2
+# of the largest. On the CPU, where the products are float32 sums: 1e-2, elements 2e-2.
 CUDA_TOLERANCE = 2e-2
+
+
+def check_recipe(got, want, platform, name):
+  if platform == "cuda":
+    assert rel_error(got, want) < CUDA_TOLERANCE and max_error(got, want) < 4 * CUDA_TOLERANCE, name
+  else:
+    check_close(got, want, 1e-2, name)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -81,11 +88,10 @@ def test_fp8_follows_the_recipe(platform, rng, case, act, dtype):
   want_y, want = fp8_ref.grouped_mlp(n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"), np.asarray(dy, np.float64),
                                      DTYPES[dtype])
   assert y.dtype == jnp.dtype(dtype)
-  tol = CUDA_TOLERANCE if platform == "cuda" else 1e-2
-  check_close(y, want_y, tol, "y")
+  check_recipe(y, want_y, platform, "y")
   for k in grads:
     assert grads[k].dtype == args[k].dtype, k
-    check_close(grads[k], want[k], tol, k)
+    check_recipe(grads[k], want[k], platform, k)
   check_padding_rows_zero(M, sizes, y, grads["x"])
 
 
