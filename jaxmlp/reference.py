@@ -37,10 +37,10 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   valid = (rows < s.E)[:, None]
   expert = jnp.minimum(rows, s.E - 1)
 
-  h = jax.lax.ragged_dot(x, w1, sizes, preferred_element_type=acc)
+  # h is stored in x.dtype twice, as the fast path does: FC1's output, then with b1 added.
+  h = jax.lax.ragged_dot(x, w1, sizes, preferred_element_type=acc).astype(x.dtype)
   if b1 is not None:
-    h = h + b1[expert].astype(acc)
-  h = h.astype(x.dtype)
+    h = (h.astype(acc) + b1[expert].astype(acc)).astype(x.dtype)
   a = act(h.astype(acc))
   scale = scales.astype(acc)[:, None] if scales is not None else 1.0
   # The scale is applied to the activation output (where the fast path fuses it) and to b2: it weighs

@@ -99,8 +99,13 @@ Error MlpForward(AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
   std::vector<float> X = ToFloat(x), W1 = ToFloat(w1), W2 = ToFloat(w2), S = ToFloat(scales);
   std::vector<float> H(m.M * m.F1);
   GroupedGemm(GemmOp::kNN, X.data(), W1.data(), off, m.M, m.d, m.F1, H.data());
-  if (m.has_b1) AddGroupBias(H, ToFloat(b1), off, m.F1);
-  RoundAll(t, H);  // h is the saved pre-activation, stored in x.dtype
+  // h, the saved pre-activation, is stored in x.dtype: rounded once after FC1 and again after b1 is added,
+  // as the CUDA paths do (the GEMM writes h, the activation kernel adds b1 to it).
+  RoundAll(t, H);
+  if (m.has_b1) {
+    AddGroupBias(H, ToFloat(b1), off, m.F1);
+    RoundAll(t, H);
+  }
 
   std::vector<float> A(m.M * m.f, 0.0f);
   const bool gated = IsGated(p.act);

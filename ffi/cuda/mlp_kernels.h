@@ -1,8 +1,9 @@
 // The MLP's own CUDA kernels, around the grouped GEMMs: activation forward and backward (bias, gating
 // and row scales fused), and per-group bias gradients.
 //
-// All take `offsets` [E + 1] from the setup kernel (GroupedGemms::offsets()): rows at or past offsets[E]
-// are padding, and the group of a row is found by binary search in it.
+// All take `offsets` [E + 1] from GroupedGemms::offsets() (written by the setup kernel, or on the tiled
+// path by its first launch): rows at or past offsets[E] are padding, and the group of a row is found by
+// binary search in it.
 #pragma once
 
 #include <cuda_runtime.h>
