@@ -19,15 +19,6 @@ using ffi::AnyBuffer;
 using ffi::Error;
 using ffi::Result;
 
-Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
-  if (!PoisonOutputs()) return Error::Success();
-  for (AnyBuffer* b : outs)
-    if (b->size_bytes())
-      JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
-                                       "poisoning outputs"));
-  return Error::Success();
-}
-
 template <typename P>
 P* As(AnyBuffer b) {
   return b.element_count() ? static_cast<P*>(b.untyped_data()) : nullptr;

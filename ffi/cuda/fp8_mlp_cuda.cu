@@ -75,20 +75,6 @@ Error CheckFp8(const MlpDims& m, DataType t) {
   return Error::Success();
 }
 
-Error CheckWorkspace(const Carver& c, const AnyBuffer& ws) {
-  if (c.used() <= ws.size_bytes()) return Error::Success();
-  return Error::InvalidArgument("jaxmlp: workspace of " + std::to_string(ws.size_bytes()) + " bytes, need " +
-                                std::to_string(c.used()));
-}
-
-Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
-  if (!PoisonOutputs()) return Error::Success();
-  for (AnyBuffer* b : outs)
-    JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
-                                     "poisoning outputs"));
-  return Error::Success();
-}
-
 Error Zero(cudaStream_t stream, void* p, size_t bytes) {
   return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
 }

@@ -47,6 +47,13 @@ class Carver {
   size_t used_ = 0;
 };
 
+// Whether the workspace result XLA passed holds what the Carver took from it.
+inline ffi::Error CheckWorkspace(const Carver& c, const ffi::AnyBuffer& ws) {
+  if (c.used() <= ws.size_bytes()) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument("jaxmlp: workspace of " + std::to_string(ws.size_bytes()) + " bytes, need " +
+                                     std::to_string(c.used()));
+}
+
 // cuBLASLt workspace; 32 MiB is what cuBLAS recommends on Hopper.
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 

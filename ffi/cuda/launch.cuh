@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -24,6 +25,17 @@ inline ffi::Error CheckCuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return ffi::Error::Success();
   cudaGetLastError();
   return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// JAXMLP_POISON_OUTPUTS (common.h): fills the handler's outputs and scratch with 0xFF bytes (NaN) on the
+// stream before its kernels run, so that an element no kernel writes fails the tests.
+inline ffi::Error Poison(cudaStream_t stream, std::initializer_list<ffi::AnyBuffer*> outs) {
+  if (!PoisonOutputs()) return ffi::Error::Success();
+  for (ffi::AnyBuffer* b : outs)
+    if (b->size_bytes())
+      JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
+                                       "poisoning outputs"));
+  return ffi::Error::Success();
 }
 
 __device__ __forceinline__ void WaitForPrevious() {

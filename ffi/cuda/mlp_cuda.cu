@@ -50,20 +50,6 @@ BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int es
   return s;
 }
 
-Error CheckWorkspace(const Carver& c, const AnyBuffer& ws) {
-  if (c.used() <= ws.size_bytes()) return Error::Success();
-  return Error::InvalidArgument("jaxmlp: workspace of " + std::to_string(ws.size_bytes()) + " bytes, need " +
-                                std::to_string(c.used()));
-}
-
-Error Poison(cudaStream_t stream, std::initializer_list<AnyBuffer*> outs) {
-  if (!PoisonOutputs()) return Error::Success();
-  for (AnyBuffer* b : outs)
-    JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
-                                     "poisoning outputs"));
-  return Error::Success();
-}
-
 void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
 
 template <GemmPath kPath>
