@@ -218,3 +218,25 @@ def test_tiled_path_at_the_host_overhead_layer(monkeypatch, rng, sizes):
   check_bf16(dlhs, ref.ragged_dot(f64(dout), f64(rhs).transpose(0, 2, 1), sizes))
   check_bf16(drhs, ref.ragged_dot_rhs_grad(f64(lhs), f64(dout), sizes))
   check_padding_rows_zero(M, sizes, y, got[0], got[5], out, dlhs)
+
+
+def test_tiled_split_reductions_are_deterministic(monkeypatch, rng):
+  """The tiled path splits long reductions over up to 4 blocks (here dx reduces over F1 = 2048: 32
+  k-steps, 4 splits); the last block to finish sums the splits in index order, so repeated calls give
+  the same bits whichever block finished last."""
+  reason = cuda_reason("tiled")
+  if reason:
+    pytest.skip(reason)
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "tiled")
+  M, d, f, E = 512, 64, 1024, 1
+  x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, f, d)) / np.sqrt(f), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  gs = jnp.asarray([M], jnp.int32)
+  step = jax.jit(lambda x, w1, w2, dy: jax.vjp(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, gs), x, w1, w2)[1](dy))
+  with jax.default_device(jax.devices("cuda")[0]):
+    first = [np.asarray(g) for g in step(x, w1, w2, dy)]
+    for _ in range(20):
+      for got, want in zip(step(x, w1, w2, dy), first):
+        np.testing.assert_array_equal(np.asarray(got), want)

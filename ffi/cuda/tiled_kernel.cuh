@@ -111,9 +111,10 @@ struct Split {
   int32_t index, count, tile, slot0;
 };
 
-// Adds the partial sums of the other blocks of a split output tile to acc, in the block that finishes
-// last; returns false in the others. Each block leaves its accumulators in its slot, every thread its
-// own registers at [register][thread], so the last block reads them back in its own registers' order.
+// Sums the partial sums of all blocks of a split output tile into acc, in the block that finishes last;
+// returns false in the others. Each block leaves its accumulators in its slot, every thread its own
+// registers at [register][thread], so the last block reads them back in its own registers' order. The
+// sum runs over the splits in index order whichever block is last, so the result is deterministic.
 __device__ bool GatherSplits(Accumulators& acc, const TiledGroups& gr, const Split& split) {
   float* flat = &acc[0][0];
   float* slot = gr.split_partials + int64_t(split.slot0 + split.index) * kTiledTileElems;
@@ -132,11 +133,12 @@ __device__ bool GatherSplits(Accumulators& acc, const TiledGroups& gr, const Spl
   const float* slots = gr.split_partials + int64_t(split.slot0) * kTiledTileElems + threadIdx.x;
 #pragma unroll
   for (int r = 0; r < 32; ++r) {  // unrolled whole, so that the loads are in flight together
-    float others = 0.0f;
+    float total = 0.0f;
 #pragma unroll
     for (int other = 0; other < kMaxSplits; ++other)
-      if (other < split.count && other != split.index) others += __ldcg(slots + other * kTiledTileElems + r * kThreads);
-    flat[r] += others;
+      if (other < split.count)
+        total += other == split.index ? flat[r] : __ldcg(slots + other * kTiledTileElems + r * kThreads);
+    flat[r] = total;
   }
   return true;
 }
