@@ -6,6 +6,9 @@
 # A staged cuBLAS (../shared/device/stage_cublas.py) whose parts were copied to /tmp/jaxmlp-cublas is
 # unpacked first.
 #   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
+#   bash benchmarks/gpu_session.sh kernels ARGS    build + Nsight Compute times of each kernel of a step
+#                                               (benchmarks/kernel_share.py ARGS, e.g. `dsv3 balanced fp8`)
+# SKIP_BUILD=1: use the jaxmlp this machine already has (an earlier call's build).
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
@@ -16,7 +19,7 @@ for tool in .device/*/tool/unpack_cublas.py; do
   [ -e "$tool" ] && ls /tmp/jaxmlp-cublas/part* > /dev/null 2>&1 && python3 "$tool" | tail -2
 done
 # Hopper only on the GPU machine (90a: the tiled kernel's wgmma): a quarter of the build time.
-CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a-real -DJAXMLP_CUDA=ON" \
+[ -n "${SKIP_BUILD:-}" ] || CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a-real -DJAXMLP_CUDA=ON" \
   python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -P - <<'PY' | tee "$OUT/backend_info.json"
@@ -99,8 +102,14 @@ PY
   [[ "$memcheck" == *" dispatch "* ]] && echo "memcheck dispatch: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-dispatch.log") error lines)" | tee -a "$OUT/summary.txt"
   grep -s "ERROR SUMMARY" "$OUT/memcheck-dispatch.log"
   grep -E "passed|failed" "$OUT/pytest.log" | tail -1 | tee -a "$OUT/summary.txt"
+elif [ "$what" = kernels ]; then
+  # (A script's own folder leads sys.path, not the current one: the installed jaxmlp is imported.)
+  csv="$OUT/ncu-$(echo "$@" | tr ' ' '-').csv"
+  ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+    python3 benchmarks/kernel_share.py "$@" > "$csv" 2> "$OUT/ncu.log" \
+    && { echo "kernels of a step: $*"; python3 benchmarks/kernel_share.py --summarize "$csv"; } | tee -a "$OUT/summary.txt"
 elif [ "$what" = moe_layer ]; then
-  python3 -P benchmarks/moe_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -40
+  python3 benchmarks/moe_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -40
 else
   python3 benchmarks/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi

@@ -154,12 +154,11 @@ struct MlpDims {
   bool has_b1, has_b2, has_scales;
 };
 
-// Validates x [M, d], w1 [E, d, F1], w2 [E, f, d], group_sizes [E] int32, and the optional b1 [E, F1],
-// b2 [E, d], scales [M] (a 0-element buffer means absent). All float operands share x's dtype.
-inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
-                           const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
-                           const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,
-                           MlpDims* out) {
+// The shapes of CheckMlp alone (the FP8 backward checks the dtypes of its e4m3 x, w1 and w2 itself).
+inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
+                                 const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
+                                 const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,
+                                 MlpDims* out) {
   if (act < 0 || act >= static_cast<int32_t>(Act::kCount))
     return ffi::Error::InvalidArgument("jaxmlp: unknown activation id " + std::to_string(act));
   if (x.dimensions().size() != 2 || w1.dimensions().size() != 3 || w2.dimensions().size() != 3)
@@ -187,12 +186,22 @@ inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, co
   if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("b1", b1, {m.E, m.F1}));
   if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("b2", b2, {m.E, m.d}));
   if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("scales", scales, {m.M}));
+  *out = m;
+  return ffi::Error::Success();
+}
+
+// Validates x [M, d], w1 [E, d, F1], w2 [E, f, d], group_sizes [E] int32, and the optional b1 [E, F1],
+// b2 [E, d], scales [M] (a 0-element buffer means absent). All float operands share x's dtype.
+inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
+                           const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
+                           const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,
+                           MlpDims* out) {
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, out));
   ffi::DataType t = x.element_type();
   if (!IsFloat(t)) return ffi::Error::InvalidArgument("jaxmlp: x must be float32, bfloat16 or float16");
   for (const ffi::AnyBuffer* b : {&w1, &w2, &b1, &b2, &scales})
     if (b->element_type() != t)
       return ffi::Error::InvalidArgument("jaxmlp: x, w1, w2, b1, b2 and scales must share one dtype");
-  *out = m;
   return ffi::Error::Success();
 }
 

@@ -271,25 +271,27 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
 
 
 def mlp_fp8_forward(x, w1, w2, group_sizes, scales, act: Activation, recipe, s: MlpShape):
-  """The FP8 forward's custom call (CUDA only): (y [M, d], h [M, F1], amax [4] float32 of x, w1, w2, a)."""
+  """The FP8 forward's custom call (CUDA only): (y [M, d], h [M, F1], amax [4] float32 of x, w1, w2, a, and
+  the e4m3 xq [M, d], w1q [E, d, F1], w2q [E, f, d] the backward takes)."""
   _fp8_path_or_raise()
-  dt = x.dtype
+  dt, e4m3 = x.dtype, jnp.float8_e4m3fn
   args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
           _optional(scales, dt))
   sds = _result_types(x, w1, w2, group_sizes, *([] if scales is None else [scales]))
   ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
-  call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32),
-                                                 _workspace(ws, sds)], vmap_method="sequential")
-  return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:3])
+  outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32), sds((s.M, s.d), e4m3),
+          sds((s.E, s.d, s.F1), e4m3), sds((s.E, s.f, s.d), e4m3), _workspace(ws, sds)]
+  call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", outs, vmap_method="sequential")
+  return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:6])
 
 
-def mlp_fp8_backward(x, w1, w2, group_sizes, scales, h, amax, dy, act: Activation, s: MlpShape):
-  """The FP8 backward's custom call (CUDA only): (dx, dw1, dw2, dscales or None)."""
+def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activation, s: MlpShape):
+  """The FP8 backward's custom call (CUDA only), from the forward's residuals: (dx, dw1, dw2, dscales or None)."""
   _fp8_path_or_raise()
-  dt = x.dtype
-  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
+  dt = h.dtype
+  args = (xq, w1q, w2q, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
           _optional(scales, dt), h, dy, amax)
-  sds = _result_types(x, w1, w2, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
+  sds = _result_types(xq, w1q, w2q, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
   ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
           sds((s.M,) if scales is not None else (0,), dt), _workspace(ws, sds)]

@@ -24,7 +24,8 @@ Where each quantization happens, which is what makes a result bit-reproducible:
             dw2 = round((q(a)^T @ q(dy)) * sa sdy), dx = round((q(dh) @ q(w1)^T) * sdh sw1),
             dw1 = round((q(x)^T @ q(dh)) * sx sdh), dscales = round(sum_j da * act(h))
 
-The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes). All FP8 data is
+The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes) and its quantized
+q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights). All FP8 data is
 e4m3, gradients included: with per-tensor current scaling its 3 mantissa bits beat e5m2's range, which
 current scaling does not need (the scale adapts every call).
 
@@ -87,11 +88,15 @@ def scale_of(a: jax.Array) -> jax.Array:
   return jnp.where(a > 0, a / E4M3_MAX, 1.0).astype(jnp.float32)
 
 
+def quantize_e4m3(v: jax.Array, a: jax.Array) -> jax.Array:
+  """v quantized to e4m3 (float8_e4m3fn) with the scale of amax a."""
+  inverse = jnp.where(a > 0, E4M3_MAX / a, 1.0).astype(jnp.float32)
+  return jnp.clip(v.astype(jnp.float32) * inverse, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
 def quantize(v: jax.Array, a: jax.Array) -> jax.Array:
   """v quantized to e4m3 with the scale of amax a, returned as the float32 values of the e4m3 numbers."""
-  inverse = jnp.where(a > 0, E4M3_MAX / a, 1.0).astype(jnp.float32)
-  q = jnp.clip(v.astype(jnp.float32) * inverse, -E4M3_MAX, E4M3_MAX)
-  return q.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  return quantize_e4m3(v, a).astype(jnp.float32)
 
 
 class Gemm(tp.Protocol):
@@ -108,29 +113,31 @@ def _activation_and_grads(act: Activation, h: jax.Array):
 
 
 def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
-  """(y, h, amaxes [4]: x, w1, w2, a) of the FP8 forward; `valid` marks the rows in groups."""
+  """(y, h, amaxes [4]: x, w1, w2, a, and q(x), q(w1), q(w2) in e4m3) of the FP8 forward; `valid` marks the
+  rows in groups (q(x) of the other rows is unspecified)."""
   dtype = x.dtype
   ax, aw1, aw2 = amax(x, valid), amax(w1), amax(w2)
-  h = gemm("nn", quantize(x, ax), quantize(w1, aw1), sizes) * (scale_of(ax) * scale_of(aw1))
+  xq, w1q, w2q = quantize_e4m3(x, ax), quantize_e4m3(w1, aw1), quantize_e4m3(w2, aw2)
+  h = gemm("nn", xq.astype(jnp.float32), w1q.astype(jnp.float32), sizes) * (scale_of(ax) * scale_of(aw1))
   h = jnp.where(valid[:, None], h, 0).astype(dtype)
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(valid[:, None], a, 0)
   aa = amax(a)
-  y = gemm("nn", quantize(a, aa), quantize(w2, aw2), sizes) * (scale_of(aa) * scale_of(aw2))
-  return jnp.where(valid[:, None], y, 0).astype(dtype), h, jnp.stack([ax, aw1, aw2, aa])
+  y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
+  return jnp.where(valid[:, None], y, 0).astype(dtype), h, jnp.stack([ax, aw1, aw2, aa]), xq, w1q, w2q
 
 
-def emulated_backward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation, h, amaxes, dy):
-  """(dx, dw1, dw2, dscales or None) of the FP8 backward, from the forward's h and amaxes."""
-  dtype = x.dtype
+def emulated_backward(gemm: Gemm, xq, w1q, w2q, sizes, scales, valid, act: Activation, h, amaxes, dy):
+  """(dx, dw1, dw2, dscales or None) of the FP8 backward, from the forward's h, amaxes and e4m3 operands."""
+  dtype = h.dtype
   ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
   rows = valid[:, None]
   dy = jnp.where(rows, dy.astype(jnp.float32), 0)
   ady = amax(dy)
   qdy = quantize(dy, ady)
-  da = (gemm("nt", qdy, quantize(w2, aw2), sizes) * (scale_of(ady) * scale_of(aw2))).astype(dtype)
+  da = (gemm("nt", qdy, w2q.astype(jnp.float32), sizes) * (scale_of(ady) * scale_of(aw2))).astype(dtype)
   da = jnp.where(rows, da.astype(jnp.float32), 0)
   value, vjp = _activation_and_grads(act, h.astype(jnp.float32))
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
@@ -139,7 +146,7 @@ def emulated_backward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activati
   adh = amax(dh)
   qdh = quantize(dh, adh)
   dw2 = gemm("tn", qa, qdy, sizes) * (scale_of(aa) * scale_of(ady))
-  dx = gemm("nt", qdh, quantize(w1, aw1), sizes) * (scale_of(adh) * scale_of(aw1))
-  dw1 = gemm("tn", quantize(x, ax), qdh, sizes) * (scale_of(ax) * scale_of(adh))
+  dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
+  dw1 = gemm("tn", jnp.where(rows, xq.astype(jnp.float32), 0), qdh, sizes) * (scale_of(ax) * scale_of(adh))
   dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
   return dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype), dscales

@@ -3,7 +3,8 @@
 On a GPU each direction is one custom call (jaxmlp_mlp_fp8_fwd / _bwd, ffi/cuda/fp8_mlp_cuda.cu). On the
 CPU, and in jaxmlp.reference, the same recipe is emulated: quantize-dequantize in JAX around float32
 grouped products (jaxmlp's CPU handlers there, jax.lax.ragged_dot in the reference). Both directions
-carry the same residuals on every platform: the inputs, the FC1 output h and the forward's four amaxes.
+carry the same residuals on every platform: the FC1 output h, the forward's four amaxes and its e4m3
+copies of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes).
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def _ragged_dot_gemm(op, lhs, rhs, sizes):
 
 
 def _emulated(gemm, forward: bool):
+  """The emulation of one direction: the forward takes (x, w1, w2, ...), the backward (xq, w1q, w2q, ...)."""
   def run(*args):
     x, w1, w2, sizes, scales, act = args[:6]
     valid = _valid_rows(sizes, x.shape[0])
@@ -87,20 +89,20 @@ def _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape):
   def cuda(x, w1, w2, sizes, scales):
     return _ffi.mlp_fp8_forward(x, w1, w2, sizes, scales, act, recipe, shape)
 
-  y, h, amaxes = jax.lax.platform_dependent(x, w1, w2, group_sizes, scales, cpu=cpu, cuda=cuda)
-  return y, (x, w1, w2, group_sizes, scales, h, amaxes)
+  y, h, amaxes, xq, w1q, w2q = jax.lax.platform_dependent(x, w1, w2, group_sizes, scales, cpu=cpu, cuda=cuda)
+  return y, (xq, w1q, w2q, group_sizes, scales, h, amaxes)
 
 
 def _mlp_bwd(act, recipe, shape, res, dy):
-  x, w1, w2, group_sizes, scales, h, amaxes = res
+  xq, w1q, w2q, group_sizes, scales, h, amaxes = res
 
   def cpu(*a):
     return _emulated(_cpu_gemm, False)(*a[:5], act, *a[5:])
 
-  def cuda(x, w1, w2, sizes, scales, h, amaxes, dy):
-    return _ffi.mlp_fp8_backward(x, w1, w2, sizes, scales, h, amaxes, dy, act, shape)
+  def cuda(xq, w1q, w2q, sizes, scales, h, amaxes, dy):
+    return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, scales, h, amaxes, dy, act, shape)
 
-  dx, dw1, dw2, dscales = jax.lax.platform_dependent(x, w1, w2, group_sizes, scales, h, amaxes, dy.astype(x.dtype),
+  dx, dw1, dw2, dscales = jax.lax.platform_dependent(xq, w1q, w2q, group_sizes, scales, h, amaxes, dy.astype(h.dtype),
                                                      cpu=cpu, cuda=cuda)
   return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
 
@@ -114,13 +116,13 @@ def _reference(x, w1, w2, group_sizes, scales, act, recipe):
 
 
 def _reference_fwd(x, w1, w2, group_sizes, scales, act, recipe):
-  y, h, amaxes = _emulated(_ragged_dot_gemm, True)(x, w1, w2, group_sizes, scales, act)
-  return y, (x, w1, w2, group_sizes, scales, h, amaxes)
+  y, h, amaxes, xq, w1q, w2q = _emulated(_ragged_dot_gemm, True)(x, w1, w2, group_sizes, scales, act)
+  return y, (xq, w1q, w2q, group_sizes, scales, h, amaxes)
 
 
 def _reference_bwd(act, recipe, res, dy):
-  x, w1, w2, group_sizes, scales, h, amaxes = res
-  dx, dw1, dw2, dscales = _emulated(_ragged_dot_gemm, False)(x, w1, w2, group_sizes, scales, act, h, amaxes, dy)
+  xq, w1q, w2q, group_sizes, scales, h, amaxes = res
+  dx, dw1, dw2, dscales = _emulated(_ragged_dot_gemm, False)(xq, w1q, w2q, group_sizes, scales, act, h, amaxes, dy)
   return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
 
 

@@ -17,7 +17,6 @@ constexpr float kE4m3Max = 448.0f;
 constexpr int kThreads = 128;   // activation kernels: a block walks whole rows
 constexpr int kMaxBlocks = 1024;  // grid-stride kernels: few blocks, so few atomics on one amax
 
-__device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 __device__ __forceinline__ float ToFloat(Fp8 v) { return float(v); }

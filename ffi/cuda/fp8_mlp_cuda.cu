@@ -1,9 +1,10 @@
 // CUDA handlers of the FP8 grouped MLP (the recipe: jaxmlp/fp8.py), one custom call per direction, on the
 // cuBLASLt grouped GEMM with FP8 e4m3 operands. cuBLAS takes FP8 only in the "TN" layout (both operands
-// contiguous along the reduction), so the weights are quantized transposed for the forward and as they
-// lie for the backward's data gradients, and the weight gradients read transposed copies of the
-// activations and gradients, each group's rows a 16-aligned column segment (GemmOp::kTNPadded). Group sizes
-// stay on the device: no host sync, command-buffer compatible.
+// contiguous along the reduction), so the forward quantizes the weights in one pass into both layouts:
+// transposed for itself, as they lie for the backward's data gradients (a result, saved for the backward
+// with the e4m3 x). The weight gradients read transposed copies of the activations and gradients, each
+// group's rows a 16-aligned column segment (GemmOp::kTNPadded). Group sizes stay on the device: no host
+// sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -29,13 +30,12 @@ constexpr DataType kFp8 = DataType::F8E4M3FN;
 
 // Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them).
 struct ForwardScratch {
-  float* scale;                  // [4]
-  uint8_t *xq, *w1t, *w2t, *aq;  // [M, d], [E, F1, d], [E, d, f], [M, f]
+  float* scale;             // [4]
+  uint8_t *w1t, *w2t, *aq;  // [E, F1, d], [E, d, f], [M, f]
 };
 ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
   ForwardScratch s;
   s.scale = c.Take<float>(4);
-  s.xq = c.Take<uint8_t>(m.M * m.d);
   s.w1t = c.Take<uint8_t>(m.E * m.F1 * m.d);
   s.w2t = c.Take<uint8_t>(m.E * m.d * m.f);
   s.aq = c.Take<uint8_t>(m.M * m.f);
@@ -43,10 +43,10 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
 }
 
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
-// operands in row layout (w1q, w2q, dyq, aq, dhq) and transposed (xt, dyt, at, dht: [width, L]), and da.
+// operands in row layout (dyq, aq, dhq) and transposed (xt, dyt, at, dht: [width, L]), and da.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
-  uint8_t *w1q, *w2q, *dyq, *aq, *dhq, *xt, *dyt, *at, *dht;
+  uint8_t *dyq, *aq, *dhq, *xt, *dyt, *at, *dht;
   void* da;  // [M, f] in x.dtype
 };
 BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
@@ -54,8 +54,6 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   BackwardScratch s;
   s.amax = c.Take<float>(2);
   s.scale = c.Take<float>(6);
-  s.w1q = c.Take<uint8_t>(m.E * m.d * m.F1);
-  s.w2q = c.Take<uint8_t>(m.E * m.f * m.d);
   s.dyq = c.Take<uint8_t>(m.M * m.d);
   s.aq = c.Take<uint8_t>(m.M * m.f);
   s.dhq = c.Take<uint8_t>(m.M * m.F1);
@@ -65,6 +63,13 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   s.dht = c.Take<uint8_t>(m.F1 * L);
   s.da = c.Take<char>(m.M * m.f * esize);
   return s;
+}
+
+// The forward's e4m3 copies of x, w1 and w2: results of the forward, operands of the backward.
+Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xq, const AnyBuffer& w1q, const AnyBuffer& w2q) {
+  JAXMLP_RETURN_IF_ERROR(CheckResult("xq", xq, {m.M, m.d}, kFp8));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("w1q", w1q, {m.E, m.d, m.F1}, kFp8));
+  return CheckResult("w2q", w2q, {m.E, m.f, m.d}, kFp8);
 }
 
 Error CheckFp8(const MlpDims& m, DataType t) {
@@ -89,11 +94,12 @@ GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const floa
   return s;
 }
 
-// Quantization of weights w [E, rows, cols] of one expert after another: transposed ([E, cols, rows]) or
-// as they lie.
-Fp8Outputs Transposed(void* out, const MlpDims& m, int64_t rows, int64_t cols) {
+// Quantization of weights w [E, rows, cols] of one expert after another, in one pass: as they lie
+// (`lying`) and transposed ([E, cols, rows]: `transposed`).
+Fp8Outputs Weights(void* lying, void* transposed, const MlpDims& m, int64_t rows, int64_t cols) {
   Fp8Outputs o;
-  o.cols_out = out, o.E = m.E, o.group_rows = rows, o.group_stride = rows * cols, o.ld = rows;
+  o.rows_out = lying, o.cols_out = transposed, o.E = m.E, o.group_rows = rows, o.group_stride = rows * cols;
+  o.ld = rows;
   return o;
 }
 
@@ -108,7 +114,8 @@ Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms
 
 Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1,
                     AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit, bool fast_accumulation,
-                    Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> workspace) {
+                    Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xq,
+                    Result<AnyBuffer> w1q, Result<AnyBuffer> w2q, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -116,28 +123,31 @@ Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xq, *w1q, *w2q));
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
                      /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xq, &*w1q, &*w2q, &*workspace}));
   float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
   JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
 
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      Fp8Product(GemmOp::kNT, m.F1, m.d, s.xq, s.scale + 0, s.w1t, s.scale + 1, h->untyped_data(), t, fast_accumulation),
-      Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, s.w2t, s.scale + 2, y->untyped_data(), t, fast_accumulation),
+      Fp8Product(GemmOp::kNT, m.F1, m.d, xq->untyped_data(), s.scale + 0, s.w1t, s.scale + 1, h->untyped_data(), t,
+                 fast_accumulation),
+      Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, s.w2t, s.scale + 2, y->untyped_data(), t,
+                 fast_accumulation),
   }));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w1.untyped_data(), nullptr, 1, m.E * m.d, m.F1, am + 1));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w2.untyped_data(), nullptr, 1, m.E * m.f, m.d, am + 2));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
-                                      Activations(s.xq, nullptr, gemms, m)));
+                                      Activations(xq->untyped_data(), nullptr, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w1.untyped_data(), m.E * m.d, m.F1, am + 1, s.scale + 1,
-                                      Transposed(s.w1t, m, m.d, m.F1)));
+                                      Weights(w1q->untyped_data(), s.w1t, m, m.d, m.F1)));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w2.untyped_data(), m.E * m.f, m.d, am + 2, s.scale + 2,
-                                      Transposed(s.w2t, m, m.f, m.d)));
+                                      Weights(w2q->untyped_data(), s.w2t, m, m.f, m.d)));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
@@ -147,16 +157,21 @@ Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2
   return gemms.Run(1);  // y = a w2
 }
 
+// x, w1 and w2 are the forward's e4m3 copies (xq, w1q, w2q).
 Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                      AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, AnyBuffer amax,
                      int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
                      Result<AnyBuffer> dw2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
-  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
-  const DataType t = x.element_type();
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  const DataType t = h.element_type();
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
-  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, x, h, dy, *dx, *dw1, *dw2, b1, b2, *dscales));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, x, w1, w2));
+  for (const AnyBuffer* b : {&b1, &b2, &scales})
+    if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have h's dtype");
+  // h stands in for x: the gradients take h's dtype, x's in the forward.
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, h, h, dy, *dx, *dw1, *dw2, b1, b2, *dscales));
   JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
   if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
   Carver ws(workspace->untyped_data());
@@ -177,18 +192,14 @@ Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w
   float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
         *sdh = s.scale + 5;
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, s.w2q, sw2, s.da, t, false),                         // da
-      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, false),      // dw2
-      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, s.w1q, sw1, dx->untyped_data(), t, false),          // dx
-      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, false),     // dw1
+      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, false),                 // da
+      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, false),          // dw2
+      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, false),  // dx
+      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, false),         // dw1
   }));
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, fwd + 0, nullptr,
+  // Transposed copies of the FP8 x, a and dh (exact copies: no scale).
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, x.untyped_data(), m.M, m.d, nullptr, nullptr,
                                       Activations(nullptr, s.xt, gemms, m)));
-  Fp8Outputs as_they_lie;
-  as_they_lie.rows_out = s.w1q;
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w1.untyped_data(), m.E * m.d, m.F1, fwd + 1, nullptr, as_they_lie));
-  as_they_lie.rows_out = s.w2q;
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w2.untyped_data(), m.E * m.f, m.d, fwd + 2, nullptr, as_they_lie));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
                                       Activations(s.dyq, s.dyt, gemms, m)));
@@ -200,7 +211,6 @@ Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w
                                                   dx->untyped_data(), s.amax + 1));
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
                                                     s.da, Data(scales), s.amax + 1, sdh, s.dhq));
-  // Transposed copies of the FP8 a and dh (an exact copy: no scale).
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(
       QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
@@ -227,6 +237,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
+                                  .Ret<xla::ffi::AnyBuffer>()   // xq
+                                  .Ret<xla::ffi::AnyBuffer>()   // w1q
+                                  .Ret<xla::ffi::AnyBuffer>()   // w2q
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -234,6 +247,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                               jaxmlp::BindActivationAttrs(
                                   jaxmlp::BindMlpOperands(
                                       xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+                                      // (x, w1, w2: the forward's xq, w1q, w2q)
                                       .Arg<xla::ffi::AnyBuffer>()    // h
                                       .Arg<xla::ffi::AnyBuffer>()    // dy
                                       .Arg<xla::ffi::AnyBuffer>())   // amax of the forward
