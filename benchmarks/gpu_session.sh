@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
 #   bash benchmarks/gpu_session.sh kernels ARGS    build + Nsight Compute times of each kernel of a step
 #                                               (benchmarks/kernel_share.py ARGS, e.g. `dsv3 balanced fp8`)
-# SKIP_BUILD=1: use the jaxmlp this machine already has (an earlier call's build).
+# SKIP_BUILD=1: use the jaxmlp this machine already has (an earlier call's build). JAXMLP_CUDA=pip: build with
+# the CUDA compiler wheels installed in this Python (the README's GPU install) instead of the system toolkit.
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
@@ -19,7 +20,7 @@ for tool in .device/*/tool/unpack_cublas.py; do
   [ -e "$tool" ] && ls /tmp/jaxmlp-cublas/part* > /dev/null 2>&1 && python3 "$tool" | tail -2
 done
 # Hopper only on the GPU machine (90a: the tiled kernel's wgmma): a quarter of the build time.
-[ -n "${SKIP_BUILD:-}" ] || CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a-real -DJAXMLP_CUDA=ON" \
+[ -n "${SKIP_BUILD:-}" ] || CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a-real -DJAXMLP_CUDA=${JAXMLP_CUDA:-ON}" \
   python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 python3 -P - <<'PY' | tee "$OUT/backend_info.json"
