@@ -106,9 +106,10 @@ Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms
   return o;
 }
 
-Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1,
-                    AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit, bool fast_accumulation,
-                    Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> workspace) {
+Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                    AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
+                    bool fast_accumulation, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax,
+                    Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -117,8 +118,8 @@ Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
-                     /*split_k=*/false, ws);
+  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+                     m.M, /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*workspace}));
@@ -147,9 +148,9 @@ Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2
   return gemms.Run(1);  // y = a w2
 }
 
-Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
-                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, AnyBuffer amax,
-                     int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
+Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
+                     AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
+                     AnyBuffer amax, int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
                      Result<AnyBuffer> dw2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
@@ -160,8 +161,8 @@ Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w
   JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
   if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
-                     /*split_k=*/false, ws);
+  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+                     m.M, /*split_k=*/false, ws);
   const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*dscales, &*workspace}));
@@ -212,7 +213,7 @@ Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w
 
 size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
   Carver c(nullptr);
-  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, m.E, m.M, /*split_k=*/false, c);
+  GroupedGemms counted(GemmPath::kGrouped, nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
   if (forward) CarveForward(c, m);
   else CarveBackward(c, m, esize);
   return c.used();
@@ -221,8 +222,7 @@ size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
 }  // namespace jaxmlp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
-                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()))
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice()))
                                   .Attr<bool>("fast_accumulation")
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
@@ -231,15 +231,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
-                              jaxmlp::BindActivationAttrs(
-                                  jaxmlp::BindMlpOperands(
-                                      xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-                                      .Arg<xla::ffi::AnyBuffer>()    // h
-                                      .Arg<xla::ffi::AnyBuffer>()    // dy
-                                      .Arg<xla::ffi::AnyBuffer>())   // amax of the forward
-                                  .Ret<xla::ffi::AnyBuffer>()        // dx
-                                  .Ret<xla::ffi::AnyBuffer>()        // dw1
-                                  .Ret<xla::ffi::AnyBuffer>()        // dw2
-                                  .Ret<xla::ffi::AnyBuffer>()        // dscales
-                                  .Ret<xla::ffi::AnyBuffer>(),       // workspace
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
+                                                              .Arg<xla::ffi::AnyBuffer>()   // h
+                                                              .Arg<xla::ffi::AnyBuffer>()   // dy
+                                                              .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dx
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dw1
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dw2
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dscales
+                                  .Ret<xla::ffi::AnyBuffer>(),                              // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -88,6 +88,42 @@ struct Layouts {
   }
 };
 
+// A matmul preference, destroyed at the end of its scope.
+struct Preference {
+  const CublasApi& api;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Preference() {
+    if (pref) api.LtMatmulPreferenceDestroy(pref);
+  }
+};
+
+// What the heuristic is told about product s: the workspace it may use, how aligned the matrices are,
+// and the average group's dims.
+ffi::Error SetPreferences(const CublasApi& api, const GemmSpec& s, int64_t avg_rows,
+                          cublasLtMatmulPreference_t pref) {
+  size_t ws_bytes = kLtWorkspaceBytes;
+  JAXMLP_CUBLAS(api.LtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                   sizeof(ws_bytes)), "preference MAX_WORKSPACE_BYTES");
+  // The per-group pointers the setup kernel writes (a group may start at any row; rows are multiples of
+  // 16 bytes: K and N multiples of 8 16-bit or of 16 FP8 elements) are only sure to be 16-byte aligned,
+  // and cuBLASLt cannot look at device pointer arrays from the host. The preference's default assumes
+  // 256 bytes, so an algorithm that needs more could be picked; 16 rules those out, and the plan key
+  // needs no alignment field.
+  const uint32_t align = 16;
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    JAXMLP_CUBLAS(api.LtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)), "preference MIN_ALIGNMENT");
+  const bool weight_gradient = s.op == GemmOp::kTN || s.op == GemmOp::kTNPadded;
+  const int64_t rows_d = s.op == GemmOp::kNT ? s.K : s.N;
+  const int64_t cols_d = weight_gradient ? s.K : avg_rows;
+  const int64_t reduction = weight_gradient ? avg_rows : (s.op == GemmOp::kNN ? s.K : s.N);
+  JAXMLP_CUBLAS(SetAverageHint(api, pref, kPrefGroupedAvgRowsD, rows_d), "preference grouped AVG_ROWS_D");
+  JAXMLP_CUBLAS(SetAverageHint(api, pref, kPrefGroupedAvgColsD, cols_d), "preference grouped AVG_COLS_D");
+  JAXMLP_CUBLAS(SetAverageHint(api, pref, kPrefGroupedAvgReductionDim, reduction),
+                "preference grouped AVG_REDUCTION_DIM");
+  return ffi::Error::Success();
+}
+
 // The matmul descriptor of product s: transposes and, for FP8, the operands' scales. cuBLAS's A is our rhs
 // and its B our lhs (see RunGrouped).
 ffi::Error MakeDesc(const CublasApi& api, const GemmSpec& s, Desc* desc) {
@@ -118,9 +154,12 @@ bool GroupedPathAvailable(std::string* reason) {
   if (!api.error.empty()) return *reason = api.error, false;
   if (!api.LtGroupedMatrixLayoutCreate)
     return *reason = "cuBLASLt " + std::to_string(api.lt_version) + " has no grouped GEMM API", false;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // a query: leave no error behind for the next launch to report
+    return *reason = "no CUDA device", false;
+  }
   // Grouped GEMM kernels exist for Hopper from cuBLAS 13.4 and for Blackwell (10.x) from 13.3. Other
   // GPUs take the fallback rather than risk a call that finds no grouped kernel.
   size_t need = major == 10 ? 130300 : 130400;
@@ -140,9 +179,8 @@ bool GroupedPathAvailable(std::string* reason) {
 //   kTN: D(N x K)  = A(N x c)            * B(K x c)^T   A = rhs rows, B = lhs rows, D = out[g]
 ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
   const CublasApi& api = LoadCublas();
+  if (!api.error.empty()) return ffi::Error::Internal("jaxmlp: " + api.error);
   if (!api.LtGroupedMatrixLayoutCreate) return ffi::Error::Internal("jaxmlp: cuBLASLt grouped GEMM unavailable");
-  int device = 0;
-  cudaGetDevice(&device);
   const int32_t* counts = arrays_.counts;
   const int32_t* K = arrays_.dims + (i * 2 + 0) * E_;
   const int32_t* N = arrays_.dims + (i * 2 + 1) * E_;
@@ -178,16 +216,16 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
   }
 
   const int64_t avg_rows = std::max<int64_t>(M_ / E_, 1);
-  const LtKey key{device, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation};
+  const LtKey key{device_, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation};
   cublasLtHandle_t handle;
   LtPlan plan;
   {
     std::lock_guard<std::mutex> lock(lt_mutex);
-    auto h = lt_handles.find(device);
+    auto h = lt_handles.find(device_);
     if (h == lt_handles.end()) {
       cublasLtHandle_t created;
       JAXMLP_CUBLAS(api.LtCreate(&created), "cublasLtCreate");
-      h = lt_handles.emplace(device, created).first;
+      h = lt_handles.emplace(device_, created).first;
     }
     handle = h->second;
     auto it = lt_plans.find(key);
@@ -197,21 +235,13 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
       // call's group sizes, down to -19% where they had others; docs/performance.md.)
       Desc desc{api};
       JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, &desc));
-      cublasLtMatmulPreference_t pref;
-      JAXMLP_CUBLAS(api.LtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
-      size_t ws_bytes = kLtWorkspaceBytes;
-      api.LtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
-      const bool weight_gradient = s.op == GemmOp::kTN || s.op == GemmOp::kTNPadded;
-      const int64_t rows_d = s.op == GemmOp::kNT ? s.K : s.N;
-      const int64_t cols_d = weight_gradient ? s.K : avg_rows;
-      const int64_t reduction = weight_gradient ? avg_rows : (s.op == GemmOp::kNN ? s.K : s.N);
-      SetAverageHint(api, pref, kPrefGroupedAvgRowsD, rows_d);
-      SetAverageHint(api, pref, kPrefGroupedAvgColsD, cols_d);
-      SetAverageHint(api, pref, kPrefGroupedAvgReductionDim, reduction);
+      Preference pref{api};
+      JAXMLP_CUBLAS(api.LtMatmulPreferenceCreate(&pref.pref), "cublasLtMatmulPreferenceCreate");
+      JAXMLP_RETURN_IF_ERROR(SetPreferences(api, s, avg_rows, pref.pref));
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      cublasStatus_t st = api.LtMatmulAlgoGetHeuristic(handle, desc.desc, l.a, l.b, l.d, l.d, pref, 1, &result, &found);
-      api.LtMatmulPreferenceDestroy(pref);
+      cublasStatus_t st =
+          api.LtMatmulAlgoGetHeuristic(handle, desc.desc, l.a, l.b, l.d, l.d, pref.pref, 1, &result, &found);
       if (st != CUBLAS_STATUS_SUCCESS || found == 0)
         return ffi::Error::Internal("jaxmlp: cuBLASLt found no grouped GEMM algorithm for op " +
                                     std::to_string(int(s.op)) + ", K=" + std::to_string(s.K) + ", N=" +
@@ -260,14 +290,12 @@ ffi::Error GroupedGemms::RunFallback(const GemmSpec& s, int i) {
   std::vector<cublasOperation_t> tb(groups, s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N);
   std::vector<float> alpha(groups, 1.0f), beta(groups, s.beta);
   std::vector<int> ones(groups, 1);
-  int device = 0;
-  cudaGetDevice(&device);
   std::lock_guard<std::mutex> lock(lt_mutex);  // the handle's stream and workspace are per call
-  auto h = blas_handles.find(device);
+  auto h = blas_handles.find(device_);
   if (h == blas_handles.end()) {
     cublasHandle_t created;
     JAXMLP_CUBLAS(api.Create(&created), "cublasCreate");
-    h = blas_handles.emplace(device, created).first;
+    h = blas_handles.emplace(device_, created).first;
   }
   JAXMLP_CUBLAS(api.SetStream(h->second, stream_), "cublasSetStream");
   JAXMLP_CUBLAS(api.SetWorkspace(h->second, cublas_ws_, kLtWorkspaceBytes), "cublasSetWorkspace");

@@ -115,17 +115,25 @@ __global__ void __launch_bounds__(kZeroThreads) ZeroEmptyGroupsKernel(const int3
   }
 }
 
-// Zeros rows [offsets[E], M) of out [M, row_bytes].
+// Zeros rows [offsets[E], M) of out [M, row_bytes], 16 bytes a store where the rows allow it (XLA buffers
+// are at least 16-byte aligned).
 __global__ void ZeroRowsKernel(const int64_t* offsets, int64_t E, int64_t M, int64_t row_bytes, char* out) {
-  for (int64_t r = offsets[E] + blockIdx.x; r < M; r += gridDim.x)
-    for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) out[r * row_bytes + i] = 0;
+  for (int64_t r = offsets[E] + blockIdx.x; r < M; r += gridDim.x) {
+    char* row = out + r * row_bytes;
+    if (row_bytes % 16 == 0) {
+      for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+        reinterpret_cast<int4*>(row)[i] = int4{0, 0, 0, 0};
+    } else {
+      for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) row[i] = 0;
+    }
+  }
 }
 
 }  // namespace
 
-GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M,
-                           bool split_k, Carver& ws)
-    : path_(path), stream_(stream), group_sizes_(group_sizes), E_(E), M_(M) {
+GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const int32_t* group_sizes, int64_t E,
+                           int64_t M, bool split_k, Carver& ws)
+    : path_(path), stream_(stream), device_(device), group_sizes_(group_sizes), E_(E), M_(M) {
   arrays_.counts = ws.Take<int32_t>(E);
   arrays_.offsets = ws.Take<int64_t>(E + 1);
   split_arrivals_ = nullptr, split_partials_ = nullptr;
@@ -147,7 +155,7 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* gr
 
 size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
   Carver c(nullptr);
-  GroupedGemms counted(path, nullptr, nullptr, E, 0, split_k, c);
+  GroupedGemms counted(path, nullptr, 0, nullptr, E, 0, split_k, c);
   return c.used();
 }
 
@@ -215,7 +223,7 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
   // A call's first launch writes the group arrays; the kernels after it are all the call's own.
   const bool follows_own_kernel = tiled_launches_++ > 0;
   const TiledGroups groups{group_sizes_, E_, M_, arrays_.counts, arrays_.offsets, split_arrivals_, split_partials_};
-  return RunTiledGemms(stream_, groups, specs, n, follows_own_kernel);
+  return RunTiledGemms(stream_, device_, groups, specs, n, follows_own_kernel);
 }
 
 ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
@@ -235,7 +243,7 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
   // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (docs/performance.md).
   const int64_t sms = std::max<int64_t>(1, OncePerDeviceAndKernel(
-      reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
+      device_, reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
         int count = 0;
         if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) return count;
         cudaGetLastError();  // a query: leave no error behind for the launch to report
