@@ -30,6 +30,28 @@ def _fail(name: str, got, expected: str):
   raise ValueError(f"{name}: got shape {tuple(got)}, expected {expected}")
 
 
+# The handlers take dimensions and row counts as int32 (ffi/common.h CheckExtents), and the CUDA GEMM paths
+# keep 64-bit per-group arrays of a few entries per group and product, indexed below 2^30 groups
+# (GroupedGemms::Prepare). Checked here, at trace time, so that such shapes fail at the call, naming the
+# argument, rather than in the handler (or, for E near 2^30, when the workspace is allocated).
+INDEX_LIMIT = 2**31
+GROUPS_LIMIT = 2**30
+
+
+def check_extents(name: str, shape, **dims: int) -> None:
+  """Raises ValueError naming `name` (of shape `shape`) when one of `dims` (label=size) is 2^31 or more."""
+  for label, size in dims.items():
+    if size >= INDEX_LIMIT:
+      raise ValueError(f"{name}: got shape {tuple(shape)}, {label} = {size} must be below 2^31 (jaxmlp's kernels "
+                       "index rows and columns with int32)")
+
+
+def check_groups(name: str, shape, E: int) -> None:
+  if E >= GROUPS_LIMIT:
+    raise ValueError(f"{name}: got shape {tuple(shape)}, {E} groups; at most 2^30 - 1 (the CUDA GEMM paths' "
+                     "per-group arrays)")
+
+
 def check_group_sizes(group_sizes, E: int | None = None, name: str = "group_sizes") -> None:
   if not hasattr(group_sizes, "dtype"):
     raise TypeError(f"{name}: expected an integer array ([E] int32, on the device), got {type(group_sizes).__name__}")
@@ -67,6 +89,9 @@ def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=
     _fail("w2", _shape(w2), f"[E, f, d] = [{E}, {f}, {d}] (E and f from w1, d from x)")
   if _shape(w2)[1] != f:
     _fail_widths(w1, w2, act)
+  check_extents("x", _shape(x), M=M, d=d)
+  check_extents("w1", _shape(w1), F1=F1)
+  check_groups("w1", _shape(w1), E)
   check_group_sizes(group_sizes, E)
   if b1 is not None and _shape(b1) != (E, F1):
     _fail("b1", _shape(b1), f"[E, {'2f' if act.gated else 'f'}] = [{E}, {F1}]")
@@ -110,6 +135,9 @@ def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, *, floa
   k = _shape(lhs)[1]
   if len(_shape(rhs)) != 3 or _shape(rhs)[1] != k or _shape(rhs)[0] == 0:
     _fail("rhs", _shape(rhs), f"[g, {k}, n] with g >= 1 (k from lhs)")
+  check_extents("lhs", _shape(lhs), m=_shape(lhs)[0], k=k)
+  check_extents("rhs", _shape(rhs), n=_shape(rhs)[2])
+  check_groups("rhs", _shape(rhs), _shape(rhs)[0])
   check_group_sizes(group_sizes, _shape(rhs)[0])
   dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
   allowed = FLOAT_DTYPES + ((jnp.dtype(jnp.float64),) if float64 else ())

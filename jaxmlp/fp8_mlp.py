@@ -37,6 +37,12 @@ def check(x, b1, b2, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape) -> None:
   if shape.d % 16 or shape.f % 16:
     raise ValueError(f"fp8: d = {shape.d} and f = {shape.f} must be multiples of 16 (FP8 rows are 16-byte "
                      "aligned for the tensor cores)")
+  # The weight gradients read transposed copies with every group's rows rounded up to 16, M + 15 E rows
+  # in all (ffi/cuda/grouped_gemm.h PaddedRows), indexed with int32.
+  padded_rows = (shape.M + 15 * shape.E + 15) // 16 * 16
+  if padded_rows >= _checks.INDEX_LIMIT:
+    raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + 15 E must stay below 2^31 "
+                     "(the weight gradients pad each group's rows to a multiple of 16)")
 
 
 def _valid_rows(sizes, m: int):

@@ -23,6 +23,8 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
+from . import _checks
+
 
 class Plan(tp.NamedTuple):
   """Where each routing choice went; produced by dispatch, consumed by row_weights and combine.
@@ -56,12 +58,20 @@ def check_dispatch_args(x, experts, num_experts: int, capacity: int | None, pad_
     raise ValueError(f"capacity: got {capacity}, expected None or >= 0")
   if not 1 <= pad_to <= 4096:
     raise ValueError(f"pad_to: got {pad_to}, expected 1 <= pad_to <= 4096 (e.g. 16 or 128 for FP8)")
+  (T, d), k = jnp.shape(x), jnp.shape(experts)[1]
+  _checks.check_extents("x", (T, d), T=T, d=d)
+  _checks.check_extents("experts", (T, k), k=k, **{"T * k": T * k})
+  R = num_rows(T, k, num_experts, capacity, pad_to)
+  if R >= _checks.INDEX_LIMIT:
+    raise ValueError(f"num_experts, pad_to: the dispatched rows, R = {R} (every kept choice and each group's "
+                     "padding), must be below 2^31")
 
 
 def check_combine_args(rows, plan: Plan, weights) -> None:
   T, k = plan.row_of_slot.shape
   if jnp.ndim(rows) != 2 or rows.shape[0] != plan.slot_of_row.shape[0]:
     raise ValueError(f"rows: got shape {tuple(jnp.shape(rows))}, expected [R, d] = [{plan.slot_of_row.shape[0]}, d]")
+  _checks.check_extents("rows", jnp.shape(rows), d=jnp.shape(rows)[1])
   if weights is not None and jnp.shape(weights) != (T, k):
     raise ValueError(f"weights: got shape {tuple(jnp.shape(weights))}, expected [T, k] = [{T}, {k}]")
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, check_close, check_padding_rows_zero, cuda_reason
+from conftest import TOLERANCE, check_close, check_padding_rows_zero, cuda_reason, skip_unless_served
 
 import jaxmlp
 import numpy_reference as ref
@@ -240,3 +240,32 @@ def test_tiled_split_reductions_are_deterministic(monkeypatch, rng):
     for _ in range(20):
       for got, want in zip(step(x, w1, w2, dy), first):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bias_gradients_are_deterministic(backend, rng, dtype):
+  """db1 and db2 are summed per block of 64 rows, then per group in block order, without float atomics:
+  repeated calls give the same bits. The groups span up to 47 blocks, one is empty, and padding rows
+  follow. A changed summation order shows in float32's last bits (the fallback), and after rounding in
+  some bfloat16 elements (every path). Against float64 too."""
+  if backend == "cpu":
+    pytest.skip("the CUDA bias gradient kernels")
+  skip_unless_served(backend, dtype, 128, 256)
+  M, d, f = 8192, 128, 256
+  sizes = [3000, 0, 1, 2500, 1700]
+  E = len(sizes)
+  make = lambda *shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, dtype)  # noqa: E731
+  x, w1, w2 = make(M, d), make(E, d, 2 * f, scale=d**-0.5), make(E, f, d, scale=f**-0.5)
+  b1, b2, dy = make(E, 2 * f), make(E, d), make(M, d)
+  s = jnp.asarray(rng.uniform(0.2, 1, M), dtype)
+  gs = jnp.asarray(sizes, jnp.int32)
+  mlp = lambda x, w1, w2, b1, b2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=s)  # noqa: E731
+  step = jax.jit(lambda *a: jax.vjp(mlp, *a[:6])[1](a[6])[3:5])
+  first = [np.asarray(g) for g in step(x, w1, w2, b1, b2, s, dy)]
+  _, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", b1=f64(b1), b2=f64(b2), scales=f64(s),
+                            dy=f64(dy))
+  for got, k in zip(first, ("b1", "b2")):
+    check_close(got, want[k], TOLERANCE[jnp.dtype(dtype).name], k)
+  for _ in range(10):
+    for got, want_bits in zip(step(x, w1, w2, b1, b2, s, dy), first):
+      np.testing.assert_array_equal(np.asarray(got), want_bits)

@@ -207,6 +207,16 @@ def test_rejects_bad_arguments():
   ):
     with pytest.raises(ValueError, match=message):
       call()
+  # Extents the kernels cannot index (int32), on abstract operands: nothing that large is allocated.
+  abstract = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  for x_, experts_, options, message in (
+      (abstract(2**31, 8), abstract(2**31, 1, dtype=jnp.int32), {}, r"x: got shape \(2147483648, 8\), T = 2147483648"),
+      (abstract(4, 2**31), experts, {}, r"x: got shape \(4, 2147483648\), d = 2147483648 must be below 2\^31"),
+      (abstract(2**30, 8), abstract(2**30, 2, dtype=jnp.int32), {}, r"experts: .*T \* k = 2147483648 must be"),
+      (x, experts, dict(num_experts=2**20, pad_to=4096), r"num_experts, pad_to: the dispatched rows, R = 4293918728"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      jax.eval_shape(lambda x_, e_: D.dispatch(x_, e_, **{"num_experts": 4, **options}), x_, experts_)
   rows, _, plan = D.dispatch(x, experts, 4)
   with pytest.raises(ValueError, match=re.escape("rows: got shape (7, 8), expected [R, d] = [8, d]")):
     D.combine(rows[:7], plan)

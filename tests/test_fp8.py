@@ -155,6 +155,15 @@ def test_fp8_needs_16bit_operands_and_aligned_widths():
                        jnp.zeros((2, 16, 24), jnp.bfloat16), gs, fp8="tensorwise")
 
 
+def test_fp8_rejects_more_padded_rows_than_int32_indexes():
+  """The weight gradients pad every group's rows to 16: M + 15 E must stay below 2^31, checked at trace
+  time (abstract operands: nothing that large is allocated)."""
+  x = jax.ShapeDtypeStruct((2**31 - 16, 16), jnp.bfloat16)
+  w1, w2 = jax.ShapeDtypeStruct((2, 16, 32), jnp.bfloat16), jax.ShapeDtypeStruct((2, 16, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"M \+ 15 E must stay below 2\^31"):
+    jax.eval_shape(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), fp8="tensorwise"), x, w1, w2)
+
+
 def test_fp8_reference_is_the_emulation(rng):
   """jaxmlp.reference.grouped_mlp(fp8=...) and the CPU backend compute the same recipe."""
   M, d, f, sizes = CASES["uneven"]

@@ -415,6 +415,30 @@ def test_bad_input_names_the_argument(change, match):
     jax.eval_shape(lambda a: jaxmlp.grouped_mlp(**a, activation=act), args)
 
 
+def _abstract(*shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=_abstract(2**31, 8), scales=None), r"x: got shape \(2147483648, 8\), M = 2147483648 must be below 2\^31"),
+    (dict(x=_abstract(16, 2**31), w1=_abstract(2, 2**31, 16), w2=_abstract(2, 8, 2**31)),
+     r"x: got shape \(16, 2147483648\), d = 2147483648 must be below 2\^31"),
+    (dict(w1=_abstract(2, 8, 2**31), w2=_abstract(2, 2**30, 8)),
+     r"w1: got shape \(2, 8, 2147483648\), F1 = 2147483648 must be below 2\^31"),
+    (dict(w1=_abstract(2**30, 8, 16), w2=_abstract(2**30, 8, 8), group_sizes=_abstract(2**30, dtype=jnp.int32)),
+     r"w1: got shape \(1073741824, 8, 16\), 1073741824 groups; at most 2\^30 - 1"),
+])
+def test_extents_the_kernels_cannot_index_fail_at_trace_time(change, match):
+  """Dimensions of 2^31 or more (the handlers index with int32), and 2^30 experts or more (the CUDA
+  paths' per-group arrays), are rejected when the call is traced, naming the argument; abstract operands,
+  so nothing that large is allocated."""
+  args = dict(x=_abstract(16, 8), w1=_abstract(2, 8, 16), w2=_abstract(2, 8, 8),
+              group_sizes=_abstract(2, dtype=jnp.int32))
+  args.update(change)
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda a: jaxmlp.grouped_mlp(**a), args)
+
+
 def test_backend_info_reports_each_platform():
   info = jaxmlp.backend_info()
   assert {"jax", "cpu", "cuda"} <= set(info)

@@ -99,6 +99,20 @@ def test_bad_shapes_name_the_argument(op):
     op(jnp.ones((4, 2), jnp.int32), jnp.ones((1, 2, 3), jnp.int32), jnp.asarray([4], jnp.int32))
 
 
+@pytest.mark.parametrize("lhs, rhs, match", [
+    ((2**31, 2), (1, 2, 3), r"lhs: got shape \(2147483648, 2\), m = 2147483648 must be below 2\^31"),
+    ((4, 2**31), (1, 2**31, 3), r"lhs: got shape \(4, 2147483648\), k = 2147483648 must be below 2\^31"),
+    ((4, 2), (1, 2, 2**31), r"rhs: got shape \(1, 2, 2147483648\), n = 2147483648 must be below 2\^31"),
+    ((4, 2), (2**30, 2, 3), r"rhs: got shape \(1073741824, 2, 3\), 1073741824 groups; at most 2\^30 - 1"),
+])
+def test_extents_the_kernels_cannot_index_fail_at_trace_time(lhs, rhs, match):
+  """Abstract operands (nothing that large is allocated): the error comes when the call is traced."""
+  args = (jax.ShapeDtypeStruct(lhs, jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
+          jax.ShapeDtypeStruct(rhs[:1], jnp.int32))
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(jaxmlp.ragged_dot, *args)
+
+
 @float32_backends
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(1, 48), d=st.integers(1, 12), f=st.integers(1, 12),

@@ -112,10 +112,10 @@ Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms
   return o;
 }
 
-Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1,
-                    AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit, bool fast_accumulation,
-                    Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xq,
-                    Result<AnyBuffer> w1q, Result<AnyBuffer> w2q, Result<AnyBuffer> workspace) {
+Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                    AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
+                    bool fast_accumulation, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax,
+                    Result<AnyBuffer> xq, Result<AnyBuffer> w1q, Result<AnyBuffer> w2q, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -125,8 +125,8 @@ Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2
   JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xq, *w1q, *w2q));
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
-                     /*split_k=*/false, ws);
+  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+                     m.M, /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xq, &*w1q, &*w2q, &*workspace}));
@@ -158,9 +158,9 @@ Error MlpFp8Forward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2
 }
 
 // x, w1 and w2 are the forward's e4m3 copies (xq, w1q, w2q).
-Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
-                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, AnyBuffer amax,
-                     int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
+Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
+                     AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
+                     AnyBuffer amax, int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
                      Result<AnyBuffer> dw2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
@@ -175,8 +175,8 @@ Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w
   JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
   if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(GemmPath::kGrouped, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
-                     /*split_k=*/false, ws);
+  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+                     m.M, /*split_k=*/false, ws);
   const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*dscales, &*workspace}));
@@ -222,7 +222,7 @@ Error MlpFp8Backward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w
 
 size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
   Carver c(nullptr);
-  GroupedGemms counted(GemmPath::kGrouped, nullptr, nullptr, m.E, m.M, /*split_k=*/false, c);
+  GroupedGemms counted(GemmPath::kGrouped, nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
   if (forward) CarveForward(c, m);
   else CarveBackward(c, m, esize);
   return c.used();
@@ -231,8 +231,7 @@ size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
 }  // namespace jaxmlp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
-                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()))
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice()))
                                   .Attr<bool>("fast_accumulation")
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
@@ -244,16 +243,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
-                              jaxmlp::BindActivationAttrs(
-                                  jaxmlp::BindMlpOperands(
-                                      xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-                                      // (x, w1, w2: the forward's xq, w1q, w2q)
-                                      .Arg<xla::ffi::AnyBuffer>()    // h
-                                      .Arg<xla::ffi::AnyBuffer>()    // dy
-                                      .Arg<xla::ffi::AnyBuffer>())   // amax of the forward
-                                  .Ret<xla::ffi::AnyBuffer>()        // dx
-                                  .Ret<xla::ffi::AnyBuffer>()        // dw1
-                                  .Ret<xla::ffi::AnyBuffer>()        // dw2
-                                  .Ret<xla::ffi::AnyBuffer>()        // dscales
-                                  .Ret<xla::ffi::AnyBuffer>(),       // workspace
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
+                                                              // (x, w1, w2: the forward's xq, w1q, w2q)
+                                                              .Arg<xla::ffi::AnyBuffer>()   // h
+                                                              .Arg<xla::ffi::AnyBuffer>()   // dy
+                                                              .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dx
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dw1
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dw2
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dscales
+                                  .Ret<xla::ffi::AnyBuffer>(),                              // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

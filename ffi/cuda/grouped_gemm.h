@@ -94,9 +94,10 @@ struct GroupArrays {
 class GroupedGemms {
  public:
   // Takes its arrays and the cuBLAS workspace from `ws`; on the tiled path with split_k also the 4 MiB
-  // split-K scratch, which only a call with more than one launch uses (see RunTiledGemms).
-  GroupedGemms(GemmPath path, cudaStream_t stream, const int32_t* group_sizes, int64_t E, int64_t M, bool split_k,
-               Carver& ws);
+  // split-K scratch, which only a call with more than one launch uses (see RunTiledGemms). `device` is
+  // the call's (ffi::DeviceOrdinal): it keys the cuBLAS handles and plans and the per-kernel queries.
+  GroupedGemms(GemmPath path, cudaStream_t stream, int device, const int32_t* group_sizes, int64_t E, int64_t M,
+               bool split_k, Carver& ws);
 
   // Writes the dims and pointer arrays of all products (one kernel launch); on the fallback path also
   // copies group_sizes to the host and waits for it. The tiled path launches nothing here.
@@ -123,6 +124,7 @@ class GroupedGemms {
 
   GemmPath path_;
   cudaStream_t stream_;
+  int device_;
   const int32_t* group_sizes_;
   int64_t E_, M_;
   GroupArrays arrays_;

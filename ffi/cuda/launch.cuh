@@ -38,6 +38,12 @@ inline ffi::Error Poison(cudaStream_t stream, std::initializer_list<ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// The context every handler that launches through GroupedGemms or LaunchOverlapped binds: its stream, and
+// the device XLA runs the call on (the stream's), which keys the per-device caches.
+inline auto BindStreamAndDevice() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
 __device__ __forceinline__ void WaitForPrevious() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -50,12 +56,13 @@ __device__ __forceinline__ void WaitForPrevious() {
 // blocks fit at once) do not change while the process runs, and asking the runtime for them costs host
 // time on every call where XLA launches the handlers itself (no command buffers). So `query(device)` runs
 // once per (device, kernel) and its result is kept; a query that failed (std::nullopt) gives Result{}
-// and is asked again by the next call, so that one failure cannot stick for the process.
+// and is asked again by the next call, so that one failure cannot stick for the process. `device` is the
+// call's (ffi::DeviceOrdinal), not cudaGetDevice's: the cache must not depend on which device the calling
+// thread has current.
 template <typename Query>
-auto OncePerDeviceAndKernel(const void* kernel, Query query) -> typename decltype(query(0))::value_type {
+auto OncePerDeviceAndKernel(int device, const void* kernel, Query query) ->
+    typename decltype(query(0))::value_type {
   using Result = typename decltype(query(0))::value_type;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return cudaGetLastError(), Result{};
   static std::mutex mutex;
   static std::map<std::pair<int, const void*>, Result> known;
   std::lock_guard<std::mutex> lock(mutex);
@@ -67,12 +74,14 @@ auto OncePerDeviceAndKernel(const void* kernel, Query query) -> typename decltyp
   return *result;
 }
 
-// Whether `kernel` may be launched programmatically on the current device: the device takes such launches
-// (compute capability 9.0 and newer) and the kernel's code that runs there was compiled for 9.0 or newer,
-// so that it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on
-// Hopper, and must wait for the kernel ahead as a plain launch does).
-inline bool OverlapLaunches(const void* kernel) {
-  return OncePerDeviceAndKernel(kernel, [kernel](int device) -> std::optional<bool> {
+// Whether `kernel` may be launched programmatically on `device`: the device takes such launches (compute
+// capability 9.0 and newer) and the kernel's code that runs there was compiled for 9.0 or newer, so that
+// it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on Hopper, and
+// must wait for the kernel ahead as a plain launch does). cudaFuncGetAttributes asks about the current
+// device, which XLA makes the call's device before it runs a handler (a launch on the stream fails
+// otherwise).
+inline bool OverlapLaunches(int device, const void* kernel) {
+  return OncePerDeviceAndKernel(device, kernel, [kernel](int device) -> std::optional<bool> {
     int major = 0;
     cudaFuncAttributes attrs{};
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -84,9 +93,10 @@ inline bool OverlapLaunches(const void* kernel) {
   });
 }
 
+// Launches `kernel` on `stream` of the call's `device`, overlapped where OverlapLaunches allows.
 template <typename... Params, typename... Args>
 cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                             Args&&... args) {
+                             int device, Args&&... args) {
   cudaLaunchAttribute overlap[1];
   overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   overlap[0].val.programmaticStreamSerializationAllowed = 1;
@@ -96,7 +106,7 @@ cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, s
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = overlap;
-  config.numAttrs = OverlapLaunches(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
+  config.numAttrs = OverlapLaunches(device, reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

@@ -39,21 +39,22 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
 // shapes): dw1 is written by the last GEMM, after a_s has been consumed by the dw2 GEMM. The tiled path
 // computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is).
 struct BackwardScratch {
-  void* da;         // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
-  float* bias_acc;  // [E, max(F1, d)]
+  void* da;              // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
+  float* bias_partials;  // GroupColumnSums' scratch, for n = max(F1, d)
 };
 BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int esize) {
   BackwardScratch s;
   const bool in_dw1 = path != GemmPath::kTiled && m.E * m.d * m.F1 >= m.M * m.f;
   s.da = in_dw1 ? nullptr : c.Take<char>(m.M * m.f * esize);
-  s.bias_acc = (m.has_b1 || m.has_b2) ? c.Take<float>(m.E * std::max(m.F1, m.d)) : nullptr;
+  s.bias_partials =
+      (m.has_b1 || m.has_b2) ? c.Take<float>(GroupColumnSumsScratch(m.E, m.M, std::max(m.F1, m.d))) : nullptr;
   return s;
 }
 
 void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
 
 template <GemmPath kPath>
-Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                  AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
                  Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
@@ -62,7 +63,7 @@ Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, A
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+  GroupedGemms gemms(kPath, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
                      /*split_k=*/true, ws);
   ForwardScratch s = CarveForward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
@@ -75,18 +76,18 @@ Error MlpForward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, A
        m.has_b2 ? 1.0f : 0.0f, false, true},
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
-  JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
-                                           m.f, m.d, h->untyped_data(), Data(b1), Data(scales), s.a,
+  JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
+                                           m.M, m.f, m.d, h->untyped_data(), Data(b1), Data(scales), s.a,
                                            y->untyped_data(), Data(b2)));
   return gemms.Run(1);  // y (+)= a @ w2
 }
 
 template <GemmPath kPath>
-Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                   AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, int32_t act, float alpha,
                   float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
-                  Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales,
-                  Result<AnyBuffer> dh, Result<AnyBuffer> workspace) {
+                  Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> dh,
+                  Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -94,7 +95,7 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
   JAXMLP_RETURN_IF_ERROR(CheckResult("dh", *dh, {m.M, m.F1}, x.element_type()));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+  GroupedGemms gemms(kPath, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
                      /*split_k=*/true, ws);
   BackwardScratch s = CarveBackward(ws, kPath, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
@@ -109,34 +110,33 @@ Error MlpBackward(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, 
       {GemmOp::kTN, d, F1, x.untyped_data(), dh->untyped_data(), dw1->untyped_data(), t, t, 0.0f, true, false},
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
-  JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E, m.M,
-                                            m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da, dh->untyped_data(),
-                                            m.has_scales ? dscales->untyped_data() : nullptr, dx->untyped_data(),
-                                            dy.untyped_data(), Data(b2)));
+  JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
+                                            m.M, m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da,
+                                            dh->untyped_data(), m.has_scales ? dscales->untyped_data() : nullptr,
+                                            dx->untyped_data(), dy.untyped_data(), Data(b2)));
   // dx first: on the tiled path its blocks, the launch's longest (the reduction runs over F1), then start
   // in the first wave.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   if (m.has_b1)
-    JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), nullptr, s.bias_acc,
-                        db1->untyped_data()));
+    JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), nullptr,
+                                           s.bias_partials, db1->untyped_data()));
   if (m.has_b2)
     JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), Data(scales), s.bias_acc,
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), Data(scales), s.bias_partials,
                         db2->untyped_data()));  // y = s * (a @ w2 + b2): rows weighted by their scale
   return Error::Success();
 }
 
 template <GemmPath kPath>
-Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op,
+Error Gemm(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op,
            Result<AnyBuffer> out, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   GemmDims g;
   const GemmOp gop = static_cast<GemmOp>(op);
   JAXMLP_RETURN_IF_ERROR(CheckGemm(gop, lhs, rhs, group_sizes, *out, &g));
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, static_cast<const int32_t*>(group_sizes.untyped_data()), g.E, g.M,
+  GroupedGemms gemms(kPath, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), g.E, g.M,
                      /*split_k=*/false, ws);  // one launch: nothing to split (see RunTiledGemms)
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*out, &*workspace}));
@@ -148,23 +148,22 @@ Error Gemm(cudaStream_t stream, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_si
 }
 
 auto BindForward() {
-  return BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()))
+  return BindActivationAttrs(BindMlpOperands(BindStreamAndDevice()))
       .Ret<AnyBuffer>()   // y
       .Ret<AnyBuffer>()   // h
       .Ret<AnyBuffer>();  // workspace
 }
 
 auto BindBackward() {
-  return BindMlpGradients(BindActivationAttrs(BindMlpOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+  return BindMlpGradients(BindActivationAttrs(BindMlpOperands(BindStreamAndDevice())
                                                   .Arg<AnyBuffer>()    // h
                                                   .Arg<AnyBuffer>()))  // dy
-      .Ret<AnyBuffer>()   // dh, aliased to h
-      .Ret<AnyBuffer>();  // workspace
+      .Ret<AnyBuffer>()                                                // dh, aliased to h
+      .Ret<AnyBuffer>();                                               // workspace
 }
 
 auto BindGemm() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+  return BindStreamAndDevice()
       .Arg<AnyBuffer>()  // lhs
       .Arg<AnyBuffer>()  // rhs
       .Arg<AnyBuffer>()  // group_sizes
@@ -179,7 +178,7 @@ constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize) {
   Carver c(nullptr);
-  GroupedGemms counted(path, nullptr, nullptr, m.E, m.M, /*split_k=*/true, c);
+  GroupedGemms counted(path, nullptr, 0, nullptr, m.E, m.M, /*split_k=*/true, c);
   if (forward) CarveForward(c, m, esize);
   else CarveBackward(c, path, m, esize);
   return c.used();

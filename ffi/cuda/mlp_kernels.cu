@@ -126,32 +126,52 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
   }
 }
 
-// Per-group column sums: each block takes a slice of rows, so a skewed group spreads over many blocks;
-// partial sums meet in float through atomics.
+// Per-group column sums without atomics, so that db1 and db2 are the same bits on every run. Block (x, y)
+// sums its columns over rows [y * rows_per_block, +rows_per_block), one sum per group it meets, and
+// stores each in its own slot of `partials` [slots, n]; GroupSumKernel then adds each group's slots in
+// block order. Along the rows, the block b and the group g of these pieces only grow, and from one piece
+// to the next at least one of them grows: slot b + g is unique, below blocks + E.
 template <typename T>
-__global__ void ColumnSumKernel(const int64_t* offsets, int64_t E, int64_t n, int64_t rows_per_block, const T* v,
-                                const T* scales, float* acc) {
+__global__ void __launch_bounds__(kThreads) ColumnSumKernel(const int64_t* offsets, int64_t E, int64_t n,
+                                                            int64_t rows_per_block, const T* v, const T* scales,
+                                                            float* partials) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
-  const int64_t r1 = min(r0 + rows_per_block, offsets[E]);
-  if (j >= n || r0 >= r1) return;
-  int64_t g = GroupOf(offsets, E, r0), end = offsets[g + 1];
-  float sum = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) {
-    while (r >= end) {
-      atomicAdd(&acc[g * n + j], sum);
-      sum = 0.0f;
-      end = offsets[++g + 1];
-    }
-    sum += scales ? Conv<T>::To(v[r * n + j]) * Conv<T>::To(scales[r]) : Conv<T>::To(v[r * n + j]);
+  const int64_t b = blockIdx.y;
+  const int64_t r1 = min((b + 1) * rows_per_block, offsets[E]);
+  int64_t r = b * rows_per_block;
+  if (j >= n || r >= r1) return;
+  // r < r1 <= offsets[E] holds in the loop, so g stays below E; empty groups are passed, not stored.
+  for (int64_t g = GroupOf(offsets, E, r); r < r1; ++g) {
+    const int64_t start = r, end = min(offsets[g + 1], r1);
+    float sum = 0.0f;
+#pragma unroll 4
+    for (; r < end; ++r)
+      sum += scales ? Conv<T>::To(v[r * n + j]) * Conv<T>::To(scales[r]) : Conv<T>::To(v[r * n + j]);
+    if (r > start) partials[(b + g) * n + j] = sum;
   }
-  atomicAdd(&acc[g * n + j], sum);
 }
 
+// out[g, j] = the sum of group g's slots in `partials`, in block order (0 for a group with no rows).
 template <typename T>
-__global__ void ConvertKernel(const float* in, T* out, int64_t count) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = Conv<T>::From(in[i]);
+__global__ void GroupSumKernel(const int64_t* offsets, int64_t E, int64_t n, int64_t rows_per_block,
+                               const float* partials, T* out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < E * n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = i / n, j = i % n, start = offsets[g], end = offsets[g + 1];
+    float sum = 0.0f;
+    if (end > start)
+      for (int64_t b = start / rows_per_block; b <= (end - 1) / rows_per_block; ++b) sum += partials[(b + g) * n + j];
+    out[i] = Conv<T>::From(sum);
+  }
+}
+
+// Rows per ColumnSumKernel block: 64, or more where that would take over kColumnSumBlocks blocks (which
+// bounds the scratch to (kColumnSumBlocks + E) * n floats, and GroupSumKernel's sums to as many terms).
+constexpr int64_t kColumnSumBlocks = 1024;
+int64_t ColumnSumRowsPerBlock(int64_t M) {
+  return std::max<int64_t>(64, (M + kColumnSumBlocks - 1) / kColumnSumBlocks);
+}
+int64_t ColumnSumBlocks(int64_t M) {
+  return std::max<int64_t>(1, (M + ColumnSumRowsPerBlock(M) - 1) / ColumnSumRowsPerBlock(M));
 }
 
 // 16-byte accesses when every row length allows them, scalar ones otherwise.
@@ -163,9 +183,10 @@ bool Vectorizable(std::initializer_list<int64_t> row_lengths) {
 
 }  // namespace
 
-ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
-                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1,
-                             const void* scales, void* a, void* y, const void* b2) {
+ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
+                             const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, void* h,
+                             const void* b1, const void* scales, void* a, void* y, const void* b2) {
+  cudaError_t e = cudaSuccess;
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
@@ -175,16 +196,18 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActForwardKernel<T, V, A> : ActForwardKernel<T, 1, A>;
-      std::apply([&](auto... xs) { LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, xs...); }, args);
+      std::apply([&](auto... xs) { e = LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, device, xs...); },
+                 args);
     });
   });
-  return CheckCuda(cudaGetLastError(), "launching the activation forward kernel");
+  return CheckCuda(e, "launching the activation forward kernel");
 }
 
-ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
-                              int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
-                              const void* scales, void* a_s, void* dh, void* dscales, void* dx, const void* dy,
-                              const void* b2) {
+ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
+                              const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
+                              const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
+                              const void* dy, const void* b2) {
+  cudaError_t e = cudaSuccess;
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
@@ -195,23 +218,25 @@ ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActPar
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V, A> : ActBackwardKernel<T, 1, A>;
-      std::apply([&](auto... xs) { LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, xs...); }, args);
+      std::apply([&](auto... xs) { e = LaunchOverlapped(kernel, unsigned(M), kThreads, 0, stream, device, xs...); },
+                 args);
     });
   });
-  return CheckCuda(cudaGetLastError(), "launching the activation backward kernel");
+  return CheckCuda(e, "launching the activation backward kernel");
 }
 
+int64_t GroupColumnSumsScratch(int64_t E, int64_t M, int64_t n) { return (ColumnSumBlocks(M) + E) * n; }
+
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
-                           int64_t n, const void* v, const void* scales, float* acc, void* out) {
-  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(acc, 0, E * n * sizeof(float), stream), "zeroing sums"));
-  const int64_t rows_per_block = std::max<int64_t>(64, (M + 65534) / 65535);
-  dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::max<int64_t>((M + rows_per_block - 1) / rows_per_block, 1)));
+                           int64_t n, const void* v, const void* scales, float* partials, void* out) {
+  const int64_t rows_per_block = ColumnSumRowsPerBlock(M);
+  const dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(ColumnSumBlocks(M)));
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     ColumnSumKernel<T><<<grid, kThreads, 0, stream>>>(offsets, E, n, rows_per_block, static_cast<const T*>(v),
-                                                                static_cast<const T*>(scales), acc);
-    ConvertKernel<T><<<unsigned(std::min<int64_t>((E * n + 255) / 256, 4096)), 256, 0, stream>>>(
-        acc, static_cast<T*>(out), E * n);
+                                                      static_cast<const T*>(scales), partials);
+    GroupSumKernel<T><<<unsigned(std::min<int64_t>((E * n + 255) / 256, 4096)), 256, 0, stream>>>(
+        offsets, E, n, rows_per_block, partials, static_cast<T*>(out));
   });
   return CheckCuda(cudaGetLastError(), "launching the bias gradient kernels");
 }

@@ -15,9 +15,9 @@ namespace jaxmlp {
 // Per row r < M: h[r] += b1[g] (written back, when b1 is given), a[r] = act(h[r]) * scales[r];
 // y[r] = scales[r] * b2[g] for valid rows when b2 is given (FC2 then accumulates onto it; the scale weighs
 // the whole expert output); padding rows: h = a = y = 0.
-ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
-                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1,
-                             const void* scales, void* a, void* y, const void* b2);
+ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
+                             const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, void* h,
+                             const void* b1, const void* scales, void* a, void* y, const void* b2);
 
 // Per valid row, from h (with b1 added) and da = dy @ w2^T:
 //   a_s = act(h) * s (the FC2 weight-gradient input), dh = da * s * act'(h),
@@ -25,14 +25,17 @@ ffi::Error ActivationForward(cudaStream_t stream, ffi::DataType t, const ActPara
 // Padding rows: dh = 0, dscales = 0 and dx = 0 (dx is written by the FC1 dgrad for valid rows only).
 // In place is allowed: a_s may be da and dh may be h (each element is read before it is written, by the
 // thread that writes it).
-ffi::Error ActivationBackward(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
-                              int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
-                              const void* scales, void* a_s, void* dh, void* dscales, void* dx, const void* dy,
-                              const void* b2);
+ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
+                              const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
+                              const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
+                              const void* dy, const void* b2);
 
 // out[g, :] = sum of v[r, :] * scales[r] over the rows r of group g (v [M, n], out [E, n]; scales [M] or
-// null for 1); `acc` is float scratch of E * n elements. Groups with no rows get 0.
+// null for 1). Groups with no rows get 0. The sums are added in an order fixed by the shapes and offsets,
+// so the result is the same bits on every run. `partials` is float scratch of GroupColumnSumsScratch
+// elements, which grows with n.
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
-                           int64_t n, const void* v, const void* scales, float* acc, void* out);
+                           int64_t n, const void* v, const void* scales, float* partials, void* out);
+int64_t GroupColumnSumsScratch(int64_t E, int64_t M, int64_t n);
 
 }  // namespace jaxmlp

@@ -55,8 +55,8 @@ bool TiledPathAvailable(std::string* reason) {
   return *reason = std::string("jaxmlp's tiled tensor-core kernel (") + (wgmma ? "wgmma" : "mma.sync") + ")", true;
 }
 
-ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const GemmSpec* const* specs, int n,
-                         bool follows_own_kernel) {
+ffi::Error RunTiledGemms(cudaStream_t stream, int device, const TiledGroups& groups, const GemmSpec* const* specs,
+                         int n, bool follows_own_kernel) {
   if (n < 1 || n > kMaxGemms) return ffi::Error::Internal("jaxmlp: 1 to 4 products per tiled launch");
   Params p{};
   p.groups = groups;
@@ -101,6 +101,7 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
     blocks += tiles * q.splits;
   }
   if (blocks > 0x7fffffff) return ffi::Error::InvalidArgument("jaxmlp: problem too large for the tiled GEMM");
+  cudaError_t e = cudaSuccess;
   ByType(specs[0]->in_type, [&](auto in) {
     ByType(specs[0]->out_type, [&](auto out) {
       using T = decltype(in);
@@ -108,14 +109,16 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
         using OutT = decltype(out);
         // How many of the kernel's blocks fit on the GPU at once. Setting its shared memory (above 48 KiB,
         // dynamic shared memory is opt-in per kernel and device) is part of the first query.
-        auto resident_blocks = [](auto kernel, int smem) {
-          return OncePerDeviceAndKernel(reinterpret_cast<const void*>(kernel),
+        auto resident_blocks = [device](auto kernel, int smem) {
+          return OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
                                         [&](int device) -> std::optional<int64_t> {
             int sms = 0, per_sm = 0;
             if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess)
-              return std::nullopt;  // the launch reports the error; the next call sets and asks again
+                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
+              cudaGetLastError();   // the launch reports its own failure; leave no error for a later check
+              return std::nullopt;  // the next call sets and asks again
+            }
             return int64_t(sms) * per_sm;
           });
         };
@@ -125,13 +128,15 @@ ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const G
         // 256 to 4096; 3 stages for every launch lose in the forward, whose launches are one wave.
         const int64_t resident_deep = resident_blocks(TiledGemmKernel<T, OutT, 4>, kSmemBytes<4>);
         if (blocks > resident_deep && resident_blocks(TiledGemmKernel<T, OutT, 3>, kSmemBytes<3>) > resident_deep)
-          LaunchOverlapped(TiledGemmKernel<T, OutT, 3>, unsigned(blocks), kThreads, kSmemBytes<3>, stream, p);
+          e = LaunchOverlapped(TiledGemmKernel<T, OutT, 3>, unsigned(blocks), kThreads, kSmemBytes<3>, stream, device,
+                               p);
         else
-          LaunchOverlapped(TiledGemmKernel<T, OutT, 4>, unsigned(blocks), kThreads, kSmemBytes<4>, stream, p);
+          e = LaunchOverlapped(TiledGemmKernel<T, OutT, 4>, unsigned(blocks), kThreads, kSmemBytes<4>, stream, device,
+                               p);
       }
     });
   });
-  return CheckCuda(cudaGetLastError(), "launching the tiled GEMM");
+  return CheckCuda(e, "launching the tiled GEMM");
 }
 
 }  // namespace jaxmlp

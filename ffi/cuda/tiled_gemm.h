@@ -43,8 +43,8 @@ bool TiledPathAvailable(std::string* reason);
 // past the groups (padding) get zeros. A call's first launch writes the group arrays.
 // The later ones (follows_own_kernel: the kernel ahead on the stream is one of the call's own, launched
 // after the first) read group_sizes and the operands that are call inputs before waiting for that kernel,
-// and split long reductions over several blocks.
-ffi::Error RunTiledGemms(cudaStream_t stream, const TiledGroups& groups, const GemmSpec* const* specs, int n,
-                         bool follows_own_kernel);
+// and split long reductions over several blocks. `device` is the call's (GroupedGemms).
+ffi::Error RunTiledGemms(cudaStream_t stream, int device, const TiledGroups& groups, const GemmSpec* const* specs,
+                         int n, bool follows_own_kernel);
 
 }  // namespace jaxmlp
