@@ -67,15 +67,37 @@ def route(logits: jax.Array, top_k: int, score_func: str = "softmax", renormaliz
   """
   logits = logits.astype(jnp.float32)
   scores = jax.nn.softmax(logits) if score_func == "softmax" else jax.nn.sigmoid(logits)
-  _, experts = jax.lax.top_k(jax.lax.stop_gradient(scores), top_k)
-  # The chosen scores picked by a one-hot sum rather than as top_k's values: the gradient is then a dense
-  # element-wise op where top_k's would be a scatter-add into [T, E].
-  chosen = experts[..., None] == jnp.arange(scores.shape[-1])
-  weights = jnp.sum(jnp.where(chosen, scores[:, None, :], 0), axis=-1)
+  values, experts = jax.lax.top_k(jax.lax.stop_gradient(scores), top_k)
+  weights = _chosen(scores, experts, values)
   if renormalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   probs = scores / jnp.sum(scores, axis=-1, keepdims=True) if score_func == "sigmoid" else scores
   return weights, experts.astype(jnp.int32), probs
+
+
+@jax.custom_jvp
+def _chosen(scores, experts, values):
+  """scores[t, experts[t, j]] [T, k], which are top_k's `values` (so the forward pass costs nothing), with
+  the gradient of a one-hot sum: a dense element-wise op where top_k's own would be a scatter-add into
+  [T, E]."""
+  return values
+
+
+@_chosen.defjvp
+def _chosen_jvp(primals, tangents):
+  scores, experts, values = primals
+  chosen = experts[..., None] == jnp.arange(scores.shape[-1])
+  return values, jnp.sum(jnp.where(chosen, tangents[0][:, None, :], 0), axis=-1)
+
+
+def _logsumexp(logits: jax.Array) -> jax.Array:
+  """logsumexp over the last axis from jax.nn.softmax's own forward ops (its max with initial -inf, the exp
+  of the difference, the sum), so that XLA computes them once for the router's softmax and the z-loss;
+  jax.nn.logsumexp's guard against an infinite max would make them differ. Such a max makes the softmax
+  NaN anyway. Equal to jax.nn.logsumexp, value and gradient, for finite logits."""
+  x_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, initial=-jnp.inf, keepdims=True))
+  sum_exp = jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True)
+  return (jnp.log(sum_exp) + x_max)[..., 0]
 
 
 def router_losses(logits: jax.Array, probs: jax.Array, counts: jax.Array, top_k: int,
@@ -93,7 +115,7 @@ def router_losses(logits: jax.Array, probs: jax.Array, counts: jax.Array, top_k:
     return {"load_balancing_loss": zero, "router_z_loss": zero, "aux_loss": zero}
   fraction_routed = counts.astype(jnp.float32) / (num_tokens * top_k)
   load_balancing = num_experts * jnp.sum(fraction_routed * jnp.mean(probs, axis=0))
-  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+  z = jnp.mean(jnp.square(_logsumexp(logits.astype(jnp.float32))))
   losses = {"load_balancing_loss": aux_loss_coef * load_balancing, "router_z_loss": z_loss_coef * z}
   losses["aux_loss"] = losses["load_balancing_loss"] + losses["router_z_loss"]
   return losses

@@ -195,6 +195,32 @@ def test_combine_numpy_plan_and_poisoned_outputs(backend, rng):
   assert not np.asarray(drows)[[4, 5, 6, 8, 9, 10]].any() and np.asarray(dw)[3, 1] == 0
 
 
+@backends
+@pytest.mark.parametrize("weighted", [False, True])
+def test_combine_backward_on_a_plan_whose_maps_disagree(backend, rng, weighted):
+  """A plan that dispatch would not make: a row that two choices point to, and rows whose slot_of_row names
+  a choice that points elsewhere. The backward is still the documented one on every backend: drows[r] by
+  slot_of_row (CUDA writes most rows from their token's side, the rest by slot_of_row), dweights[s] by
+  row_of_slot, every element written."""
+  T, k, R, d = 4, 2, 6, 16
+  rows = jnp.asarray(rng.standard_normal((R, d)), jnp.float32)
+  row_of_slot = np.array([[0, 1], [1, 2], [3, -1], [5, 4]], np.int32)  # slots 1 and 2 both point to row 1
+  slot_of_row = np.array([0, 1, 3, 0, 7, 6], np.int32)  # row 3 names slot 0, which points to row 0
+  plan = D.Plan(jnp.asarray(row_of_slot), jnp.asarray(slot_of_row), jnp.zeros((3,), jnp.int32))
+  weights = rng.random((T, k)).astype(np.float32) if weighted else None
+  dy = rng.standard_normal((T, d)).astype(np.float32)
+  args = (rows,) if weights is None else (rows, jnp.asarray(weights))
+  _, vjp = jax.vjp(lambda *a: D.combine(a[0], plan, *a[1:]), *args)
+  grads = vjp(jnp.asarray(dy))
+  w = np.ones(T * k) if weights is None else weights.reshape(-1).astype(np.float64)
+  want_drows = np.stack([w[s] * dy[s // k] for s in slot_of_row])
+  check_close(grads[0], want_drows, 1e-6, "drows")
+  if weighted:
+    r64, flat = np.asarray(rows, np.float64), row_of_slot.reshape(-1)
+    want_dw = [dy[s // k] @ r64[flat[s]] if flat[s] >= 0 else 0.0 for s in range(T * k)]
+    check_close(grads[1], np.reshape(want_dw, (T, k)), 1e-5, "dweights")
+
+
 def test_rejects_bad_arguments():
   x, experts = jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32)
   for call, message in (

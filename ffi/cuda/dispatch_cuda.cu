@@ -24,9 +24,10 @@ P* As(AnyBuffer b) {
   return b.element_count() ? static_cast<P*>(b.untyped_data()) : nullptr;
 }
 
-Error Dispatch(cudaStream_t stream, AnyBuffer x, AnyBuffer experts, int64_t num_experts, int64_t capacity,
-               int64_t pad_to, Result<AnyBuffer> rows, Result<AnyBuffer> group_sizes, Result<AnyBuffer> counts,
-               Result<AnyBuffer> row_of_slot, Result<AnyBuffer> slot_of_row, Result<AnyBuffer> workspace) {
+Error Dispatch(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer experts, int64_t num_experts,
+               int64_t capacity, int64_t pad_to, Result<AnyBuffer> rows, Result<AnyBuffer> group_sizes,
+               Result<AnyBuffer> counts, Result<AnyBuffer> row_of_slot, Result<AnyBuffer> slot_of_row,
+               Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   DispatchDims m;
   JAXMLP_RETURN_IF_ERROR(CheckDispatch(x, experts, num_experts, capacity, pad_to, *rows, *group_sizes, *counts,
@@ -34,31 +35,34 @@ Error Dispatch(cudaStream_t stream, AnyBuffer x, AnyBuffer experts, int64_t num_
   if (workspace->size_bytes() < DispatchWorkspaceBytes(m.T * m.k, m.E))
     return Error::InvalidArgument("jaxmlp: dispatch's workspace is too small");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*rows, &*group_sizes, &*counts, &*row_of_slot, &*slot_of_row, &*workspace}));
-  JAXMLP_RETURN_IF_ERROR(DispatchPlan(stream, As<int32_t>(experts), m.T, m.k, m.E, m.capacity, m.pad_to, m.R,
+  JAXMLP_RETURN_IF_ERROR(DispatchPlan(stream, device, As<int32_t>(experts), m.T, m.k, m.E, m.capacity, m.pad_to, m.R,
                                       As<int32_t>(*group_sizes), As<int32_t>(*counts), As<int32_t>(*row_of_slot),
                                       As<int32_t>(*slot_of_row), workspace->untyped_data()));
-  return GatherRows(stream, x.element_type(), x.untyped_data(), m.T, m.k, m.d, As<int32_t>(*slot_of_row), m.R,
-                    rows->untyped_data());
+  return GatherRows(stream, device, x.element_type(), x.untyped_data(), m.T, m.k, m.d, As<int32_t>(*row_of_slot),
+                    As<int32_t>(*slot_of_row), m.R, rows->untyped_data());
 }
 
-Error Combine(cudaStream_t stream, AnyBuffer rows, AnyBuffer row_of_slot, AnyBuffer weights, Result<AnyBuffer> y) {
+Error Combine(cudaStream_t stream, int32_t device, AnyBuffer rows, AnyBuffer row_of_slot, AnyBuffer weights,
+              Result<AnyBuffer> y) {
   ++handler_host_calls;
   CombineDims m;
   JAXMLP_RETURN_IF_ERROR(CheckCombine(rows, row_of_slot, weights, *y, &m));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y}));
-  return CombineRows(stream, rows.element_type(), rows.untyped_data(), m.R, m.d, As<int32_t>(row_of_slot),
+  return CombineRows(stream, device, rows.element_type(), rows.untyped_data(), m.R, m.d, As<int32_t>(row_of_slot),
                      As<float>(weights), m.T, m.k, y->untyped_data());
 }
 
-Error CombineBackward(cudaStream_t stream, AnyBuffer dy, AnyBuffer rows, AnyBuffer row_of_slot, AnyBuffer slot_of_row,
-                      AnyBuffer weights, Result<AnyBuffer> drows, Result<AnyBuffer> dweights) {
+Error CombineBackward(cudaStream_t stream, int32_t device, AnyBuffer dy, AnyBuffer rows, AnyBuffer row_of_slot,
+                      AnyBuffer slot_of_row, AnyBuffer weights, Result<AnyBuffer> drows,
+                      Result<AnyBuffer> dweights) {
   ++handler_host_calls;
   CombineDims m;
   JAXMLP_RETURN_IF_ERROR(CheckCombineBackward(dy, rows, row_of_slot, slot_of_row, weights, *drows, *dweights, &m));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*drows, &*dweights}));
-  return CombineBackwardRows(stream, dy.element_type(), dy.untyped_data(), m.weighted ? rows.untyped_data() : nullptr,
-                             As<int32_t>(row_of_slot), As<int32_t>(slot_of_row), As<float>(weights), m.T, m.k, m.R,
-                             m.d, drows->untyped_data(), m.weighted ? As<float>(*dweights) : nullptr);
+  return CombineBackwardRows(stream, device, dy.element_type(), dy.untyped_data(),
+                             m.weighted ? rows.untyped_data() : nullptr, As<int32_t>(row_of_slot),
+                             As<int32_t>(slot_of_row), As<float>(weights), m.T, m.k, m.R, m.d, drows->untyped_data(),
+                             m.weighted ? As<float>(*dweights) : nullptr);
 }
 
 constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
@@ -67,8 +71,7 @@ constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 }  // namespace jaxmlp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, jaxmlp::Dispatch,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jaxmlp::BindStreamAndDevice()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // experts
                                   .Attr<int64_t>("num_experts")
@@ -83,8 +86,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, jaxmlp::Dispatch,
                               jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, jaxmlp::Combine,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jaxmlp::BindStreamAndDevice()
                                   .Arg<xla::ffi::AnyBuffer>()   // rows
                                   .Arg<xla::ffi::AnyBuffer>()   // row_of_slot
                                   .Arg<xla::ffi::AnyBuffer>()   // weights
@@ -92,8 +94,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineCuda, jaxmlp::Combine,
                               jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineBackwardCuda, jaxmlp::CombineBackward,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jaxmlp::BindStreamAndDevice()
                                   .Arg<xla::ffi::AnyBuffer>()   // dy
                                   .Arg<xla::ffi::AnyBuffer>()   // rows
                                   .Arg<xla::ffi::AnyBuffer>()   // row_of_slot

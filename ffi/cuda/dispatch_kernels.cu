@@ -45,8 +45,14 @@ __device__ __forceinline__ int32_t ExpertOf(const int32_t* experts, int64_t p, i
   return e >= 0 && e < E ? e : -1;
 }
 
-__global__ void CountKernel(const int32_t* experts, int64_t T, int64_t k, int32_t E, int32_t* block_count) {
+// Also marks every row a padding row (-1), for RankKernel to overwrite the rows that choices take: one
+// launch fewer than a memset ahead of it.
+__global__ void CountKernel(const int32_t* experts, int64_t T, int64_t k, int32_t E, int32_t* block_count,
+                            int32_t* slot_of_row, int64_t R) {
   extern __shared__ int32_t count[];
+  WaitForPrevious();
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < R; r += int64_t(gridDim.x) * blockDim.x)
+    slot_of_row[r] = -1;
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
   const int64_t first = int64_t(blockIdx.x) * kBlockChoices, last = min(T * k, first + kBlockChoices);
@@ -62,6 +68,7 @@ __global__ void CountKernel(const int32_t* experts, int64_t T, int64_t k, int32_
 __global__ void ScanKernel(int32_t* block_base, int64_t blocks, int32_t E, int32_t capacity, int32_t pad_to,
                            int32_t* group_sizes, int32_t* counts, int32_t* offsets) {
   constexpr int kInFlight = 8;  // loads issued before the stores that the compiler cannot move them past
+  WaitForPrevious();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int32_t run = 0;
     for (int64_t b0 = 0; b0 < blocks; b0 += kInFlight) {
@@ -95,6 +102,7 @@ __global__ void RankKernel(const int32_t* experts, int64_t T, int64_t k, int32_t
                            int32_t* slot_of_row) {
   extern __shared__ int32_t next[];  // [kSortWarps, E]: counts, then each warp's next rank per expert
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WaitForPrevious();
   for (int i = threadIdx.x; i < kSortWarps * E; i += blockDim.x) next[i] = 0;
   __syncthreads();
   const int64_t first = int64_t(blockIdx.x) * kBlockChoices + warp * kWarpChoices;
@@ -136,49 +144,38 @@ __global__ void RankKernel(const int32_t* experts, int64_t T, int64_t k, int32_t
   }
 }
 
-// One warp per row; V is a 16-, 8-, 4- or 2-byte unit of the row.
-template <typename V>
-__global__ void GatherKernel(const V* x, int64_t choices, int64_t k, int64_t units, const int32_t* slot_of_row,
-                             int64_t R, V* rows) {
-  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (r >= R) return;
-  const int lane = threadIdx.x % 32;
-  const int32_t s = slot_of_row[r];
-  V* dst = rows + r * units;
-  if (s < 0 || s >= choices) {
-    for (int64_t i = lane; i < units; i += 32) dst[i] = V{};
-    return;
-  }
-  const V* __restrict__ src = x + (s / k) * units;
-#pragma unroll 4
-  for (int64_t i = lane; i < units; i += 32) dst[i] = src[i];
-}
-
-template <typename V>
-cudaError_t LaunchGather(cudaStream_t stream, const void* x, int64_t T, int64_t k, int64_t row_bytes,
-                         const int32_t* slot_of_row, int64_t R, void* rows) {
-  constexpr int kWarps = 8;
-  GatherKernel<V><<<(R + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
-      static_cast<const V*>(x), T * k, k, row_bytes / int64_t(sizeof(V)), slot_of_row, R, static_cast<V*>(rows));
-  return cudaGetLastError();
-}
-
-// One token per blockIdx.x, V columns per thread; the k terms summed in choice order.
+// One token per blockIdx.x, V columns per thread; the k terms summed in choice order. The row indices of
+// kChunk choices are read first and their rows' loads then issued together, so that a thread waits on
+// memory once per chunk, not once per choice (4 of 16 bytes: 56 registers in bfloat16, so 4 blocks of 256
+// threads an SM keep 64 KiB of loads in flight; 8 would need over 100 registers, and capping them spills).
 template <typename T, int V>
-__global__ void CombineKernel(const T* rows, int64_t R, int64_t d, const int32_t* row_of_slot, const float* weights,
-                              int64_t k, T* y) {
+__global__ void CombineKernel(const T* __restrict__ rows, int64_t R, int64_t d,
+                              const int32_t* __restrict__ row_of_slot, const float* __restrict__ weights, int64_t k,
+                              T* __restrict__ y) {
+  constexpr int kChunk = 4;
+  WaitForPrevious();
   const int64_t t = blockIdx.x;
   const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * V;
   if (c >= d) return;
   float acc[V] = {};
-#pragma unroll 4
-  for (int64_t j = 0; j < k; ++j) {
-    const int32_t r = row_of_slot[t * k + j];
-    if (r < 0 || r >= R) continue;
-    const float w = weights ? weights[t * k + j] : 1.0f;
-    const Vec<T, V> v = Load<T, V>(rows + r * d + c);
+  for (int64_t j0 = 0; j0 < k; j0 += kChunk) {
+    int32_t r[kChunk];
 #pragma unroll
-    for (int i = 0; i < V; ++i) acc[i] += w * Conv<T>::To(v.v[i]);
+    for (int i = 0; i < kChunk; ++i) {
+      r[i] = j0 + i < k ? row_of_slot[t * k + j0 + i] : -1;
+      if (r[i] >= R) r[i] = -1;
+    }
+    Vec<T, V> v[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      if (r[i] >= 0) v[i] = Load<T, V>(rows + r[i] * d + c);
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      if (r[i] < 0) continue;
+      const float w = weights ? weights[t * k + j0 + i] : 1.0f;
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[e] += w * Conv<T>::To(v[i].v[e]);
+    }
   }
   Vec<T, V> out;
 #pragma unroll
@@ -186,50 +183,133 @@ __global__ void CombineKernel(const T* rows, int64_t R, int64_t d, const int32_t
   Store<T, V>(y + t * d + c, out);
 }
 
-// Blocks below row_blocks: one warp per row r. Above: one thread per choice, writing the dweights (0) of
-// the choices that no row's warp writes, so each is written exactly once.
-template <typename T, int V>
-__global__ void CombineBackwardKernel(const T* dy, const T* rows, const int32_t* row_of_slot,
-                                      const int32_t* slot_of_row, const float* weights, int64_t choices, int64_t k,
-                                      int64_t R, int64_t d, T* drows, float* dweights, int64_t row_blocks) {
-  if (blockIdx.x >= row_blocks) {
-    const int64_t s = (int64_t(blockIdx.x) - row_blocks) * blockDim.x + threadIdx.x;
-    if (s >= choices) return;
-    const int32_t r = row_of_slot[s];
-    if (r < 0 || r >= R || slot_of_row[r] != s) dweights[s] = 0.0f;
-    return;
-  }
-  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (r >= R) return;
-  const int lane = threadIdx.x % 32;
-  const int32_t s = slot_of_row[r];
-  T* dst = drows + r * d;
-  if (s < 0 || s >= choices) {
+// The sum over the threads of a block of full warps, in a fixed order (a tree in each warp, then the warps
+// in order): deterministic. Every thread of the block calls it and gets the sum.
+__device__ __forceinline__ float BlockSum(float v, float* warp_sums) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(~0u, v, o);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float sum = 0.0f;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) sum += warp_sums[w];
+  __syncthreads();  // before the next call writes warp_sums again
+  return sum;
+}
+
+constexpr int kScatterThreads = 256;  // a 4 KiB row (d = 2048 in bfloat16) is one 16-byte unit per thread
+
+// out[r] = w[s] * src[s / k] for s = slot_of_row[r], or 0 where s is not a choice (kScaled false: w = 1, a
+// plain copy); with dweights, also dweights[s] = <src[s / k], rows[row_of_slot[s]]> (0 for a dropped choice).
+//
+// Blocks below T: block t reads src[t] once and writes it to each row r = row_of_slot[s] of its choices s
+// that the row holds back (slot_of_row[r] == s). One warp per row instead would read each token's row k
+// times, through an L2 that the R * d bytes being written keep evicting. Blocks from T on: one warp per 32
+// rows writes the rows that no choice wrote this way (padding rows, and whatever a plan that dispatch did
+// not make leaves over, by slot_of_row), so every row is written exactly once and indices from the device
+// are range-checked before use. At most 32 registers, for 8 blocks an SM: a token block mostly waits (for
+// its lookups, then its row) before its k stores, so it takes many of them to keep the stores streaming
+// (the weighted float32 variant, off the layer's path, then spills a few bytes).
+template <typename T, int V, bool kScaled>
+__global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
+    const T* __restrict__ src, int64_t num_tokens, int64_t k, int64_t d, const int32_t* __restrict__ row_of_slot,
+    const int32_t* __restrict__ slot_of_row, int64_t R, const float* __restrict__ weights,
+    const T* __restrict__ rows, float* __restrict__ dweights, T* __restrict__ out) {
+  __shared__ int32_t row_of[kScatterThreads];  // a chunk of the token's choices: the row in [0, R), or -1
+  __shared__ bool holds[kScatterThreads];      // whether that row holds the choice (slot_of_row agrees)
+  __shared__ float weight_of[kScatterThreads];
+  __shared__ float warp_sums[kScatterThreads / 32];
+  WaitForPrevious();
+  const int64_t choices = num_tokens * k;
+  if (blockIdx.x >= num_tokens) {
+    const int lane = threadIdx.x % 32;
+    const int64_t first = ((int64_t(blockIdx.x) - num_tokens) * (blockDim.x / 32) + threadIdx.x / 32) * 32;
+    const int64_t r = first + lane;
+    int32_t s = -1;
+    bool left = false;
+    if (r < R) {
+      s = slot_of_row[r];
+      if (s < 0 || s >= choices) s = -1;
+      left = s < 0 || row_of_slot[s] != r;
+    }
     Vec<T, V> zero;
 #pragma unroll
     for (int i = 0; i < V; ++i) zero.v[i] = Conv<T>::From(0.0f);
-    for (int64_t c = lane * V; c < d; c += 32 * V) Store<T, V>(dst + c, zero);
+    for (unsigned todo = __ballot_sync(~0u, left); todo; todo &= todo - 1) {
+      const int i = __ffs(todo) - 1;
+      const int32_t si = __shfl_sync(~0u, s, i);
+      T* dst = out + (first + i) * d;
+      if (si < 0) {
+        for (int64_t c = lane * V; c < d; c += 32 * V) Store<T, V>(dst + c, zero);
+        continue;
+      }
+      const float w = kScaled ? weights[si] : 1.0f;
+      const T* g = src + (si / k) * d;
+      for (int64_t c = lane * V; c < d; c += 32 * V) {
+        Vec<T, V> v = Load<T, V>(g + c);
+        if constexpr (kScaled) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) v.v[e] = Conv<T>::From(w * Conv<T>::To(v.v[e]));
+        }
+        Store<T, V>(dst + c, v);
+      }
+    }
     return;
   }
-  const float w = weights ? weights[s] : 1.0f;
-  const T* g = dy + (s / k) * d;
-  float dot = 0.0f;
-  for (int64_t c = lane * V; c < d; c += 32 * V) {
-    const Vec<T, V> gv = Load<T, V>(g + c);
-    Vec<T, V> out;
-#pragma unroll
-    for (int i = 0; i < V; ++i) out.v[i] = weights ? Conv<T>::From(w * Conv<T>::To(gv.v[i])) : gv.v[i];
-    Store<T, V>(dst + c, out);
-    if (weights) {
-      const Vec<T, V> rv = Load<T, V>(rows + r * d + c);
-#pragma unroll
-      for (int i = 0; i < V; ++i) dot += Conv<T>::To(gv.v[i]) * Conv<T>::To(rv.v[i]);
+  const int64_t t = blockIdx.x;
+  const T* g = src + t * d;
+  for (int64_t j0 = 0; j0 < k; j0 += blockDim.x) {
+    const int n = int(k - j0 < int64_t(blockDim.x) ? k - j0 : int64_t(blockDim.x));
+    if (threadIdx.x < n) {  // the lookups of the chunk's choices at once, not one after another
+      const int64_t s = t * k + j0 + threadIdx.x;
+      const int32_t r = row_of_slot[s];
+      const bool valid = r >= 0 && r < R;
+      row_of[threadIdx.x] = valid ? r : -1;
+      holds[threadIdx.x] = valid && slot_of_row[r] == s;
+      weight_of[threadIdx.x] = kScaled ? weights[s] : 1.0f;
     }
-  }
-  if (!weights) return;
+    __syncthreads();
+    for (int i = 0; i < n; ++i) {
+      const int32_t r = row_of[i];
+      const bool store = holds[i], dot_it = dweights != nullptr && r >= 0;
+      const float w = weight_of[i];
+      float dot = 0.0f;
+      if (store || dot_it) {
+        for (int64_t c = int64_t(threadIdx.x) * V; c < d; c += int64_t(blockDim.x) * V) {
+          const Vec<T, V> gv = Load<T, V>(g + c);
+          if (store) {
+            Vec<T, V> v = gv;
+            if constexpr (kScaled) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(~0u, dot, o);  // a fixed tree: deterministic
-  if (lane == 0 && row_of_slot[s] == r) dweights[s] = dot;
+              for (int e = 0; e < V; ++e) v.v[e] = Conv<T>::From(w * Conv<T>::To(gv.v[e]));
+            }
+            Store<T, V>(out + int64_t(r) * d + c, v);
+          }
+          if (dot_it) {
+            const Vec<T, V> rv = Load<T, V>(rows + int64_t(r) * d + c);
+#pragma unroll
+            for (int e = 0; e < V; ++e) dot += Conv<T>::To(gv.v[e]) * Conv<T>::To(rv.v[e]);
+          }
+        }
+      }
+      if (dweights) {  // block-uniform: every thread reaches the barriers
+        dot = BlockSum(dot, warp_sums);
+        if (threadIdx.x == 0) dweights[t * k + j0 + i] = dot;
+      }
+    }
+    __syncthreads();  // the chunk's entries are read before the next chunk overwrites them
+  }
+}
+
+template <typename T, int V, bool kScaled>
+cudaError_t LaunchScatter(cudaStream_t stream, int device, const void* src, int64_t T_, int64_t k, int64_t d,
+                          const int32_t* row_of_slot, const int32_t* slot_of_row, int64_t R, const float* weights,
+                          const void* rows, float* dweights, void* out) {
+  const int64_t units = d / V;
+  const int threads = int(std::min<int64_t>(kScatterThreads, (units + 31) / 32 * 32));
+  const int64_t fill_blocks = (R + threads - 1) / threads;  // 32 rows per warp
+  return LaunchOverlapped(ScatterRowsKernel<T, V, kScaled>, unsigned(T_ + fill_blocks), threads, 0, stream, device,
+                          static_cast<const T*>(src), T_, k, d, row_of_slot, slot_of_row, R, weights,
+                          static_cast<const T*>(rows), dweights, static_cast<T*>(out));
 }
 
 // Calls fn(T{}, std::integral_constant<int, V>{}) with 16-byte accesses where the row length allows.
@@ -251,7 +331,7 @@ size_t DispatchWorkspaceBytes(int64_t choices, int64_t E) {
   return c.used();
 }
 
-ffi::Error DispatchPlan(cudaStream_t stream, const int32_t* experts, int64_t T, int64_t k, int64_t E,
+ffi::Error DispatchPlan(cudaStream_t stream, int device, const int32_t* experts, int64_t T, int64_t k, int64_t E,
                         int64_t capacity, int64_t pad_to, int64_t R, int32_t* group_sizes, int32_t* counts,
                         int32_t* row_of_slot, int32_t* slot_of_row, void* workspace) {
   if (E > kDispatchMaxExperts)
@@ -261,55 +341,58 @@ ffi::Error DispatchPlan(cudaStream_t stream, const int32_t* experts, int64_t T, 
   const SortScratch s = CarveSort(c, T * k, E);
   const int64_t blocks = (T * k + kBlockChoices - 1) / kBlockChoices;
   const int32_t cap = capacity < 0 ? INT32_MAX : int32_t(std::min<int64_t>(capacity, INT32_MAX));
-  // -1 (all bytes 0xFF) marks the padding rows, which no choice's row claims.
-  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(slot_of_row, 0xFF, R * sizeof(int32_t), stream), "dispatch"));
-  CountKernel<<<blocks, kSortThreads, E * sizeof(int32_t), stream>>>(experts, T, k, int32_t(E), s.block_base);
-  ScanKernel<<<1, kScanThreads, 0, stream>>>(s.block_base, blocks, int32_t(E), cap, int32_t(pad_to), group_sizes,
-                                             counts, s.offsets);
-  RankKernel<<<blocks, kSortThreads, kSortWarps * E * sizeof(int32_t), stream>>>(
-      experts, T, k, int32_t(E), cap, R, s.block_base, s.offsets, row_of_slot, slot_of_row);
-  return CheckCuda(cudaGetLastError(), "dispatch kernels");
+  CountKernel<<<blocks, kSortThreads, E * sizeof(int32_t), stream>>>(experts, T, k, int32_t(E), s.block_base,
+                                                                     slot_of_row, R);
+  // The kernels after the first are launched overlapped: their launch hides behind the tail of the one before.
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaGetLastError(), "dispatch count"));
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(LaunchOverlapped(ScanKernel, 1, kScanThreads, 0, stream, device, s.block_base,
+                                                    blocks, int32_t(E), cap, int32_t(pad_to), group_sizes, counts,
+                                                    s.offsets),
+                                   "dispatch scan"));
+  return CheckCuda(LaunchOverlapped(RankKernel, unsigned(blocks), kSortThreads, kSortWarps * E * sizeof(int32_t),
+                                    stream, device, experts, T, k, int32_t(E), cap, R, s.block_base, s.offsets,
+                                    row_of_slot, slot_of_row),
+                   "dispatch rank");
 }
 
-ffi::Error GatherRows(cudaStream_t stream, ffi::DataType t, const void* x, int64_t T, int64_t k, int64_t d,
-                      const int32_t* slot_of_row, int64_t R, void* rows) {
-  const int64_t row_bytes = d * int64_t(ffi::ByteWidth(t));
-  cudaError_t e;
-  if (row_bytes % 16 == 0) e = LaunchGather<uint4>(stream, x, T, k, row_bytes, slot_of_row, R, rows);
-  else if (row_bytes % 8 == 0) e = LaunchGather<uint2>(stream, x, T, k, row_bytes, slot_of_row, R, rows);
-  else if (row_bytes % 4 == 0) e = LaunchGather<uint32_t>(stream, x, T, k, row_bytes, slot_of_row, R, rows);
-  else e = LaunchGather<uint16_t>(stream, x, T, k, row_bytes, slot_of_row, R, rows);
-  return CheckCuda(e, "dispatch row gather");
+ffi::Error GatherRows(cudaStream_t stream, int device, ffi::DataType t, const void* x, int64_t T, int64_t k, int64_t d,
+                      const int32_t* row_of_slot, const int32_t* slot_of_row, int64_t R, void* rows) {
+  cudaError_t e = cudaSuccess;
+  ByTypeAndWidth(t, d, [&](auto zero, auto width) {
+    e = LaunchScatter<decltype(zero), decltype(width)::value, false>(stream, device, x, T, k, d, row_of_slot,
+                                                                      slot_of_row, R, nullptr, nullptr, nullptr, rows);
+  });
+  return CheckCuda(e, "dispatch rows");
 }
 
-ffi::Error CombineRows(cudaStream_t stream, ffi::DataType t, const void* rows, int64_t R, int64_t d,
+ffi::Error CombineRows(cudaStream_t stream, int device, ffi::DataType t, const void* rows, int64_t R, int64_t d,
                        const int32_t* row_of_slot, const float* weights, int64_t T, int64_t k, void* y) {
+  cudaError_t e = cudaSuccess;
   ByTypeAndWidth(t, d, [&](auto zero, auto width) {
     using E = decltype(zero);
     constexpr int V = decltype(width)::value;
     const int64_t units = d / V;
     const int threads = int(std::min<int64_t>(256, (units + 31) / 32 * 32));
     const dim3 grid(unsigned(T), unsigned((units + threads - 1) / threads));
-    CombineKernel<E, V><<<grid, threads, 0, stream>>>(static_cast<const E*>(rows), R, d, row_of_slot, weights, k,
-                                                      static_cast<E*>(y));
+    e = LaunchOverlapped(CombineKernel<E, V>, grid, threads, 0, stream, device, static_cast<const E*>(rows), R, d,
+                         row_of_slot, weights, k, static_cast<E*>(y));
   });
-  return CheckCuda(cudaGetLastError(), "combine");
+  return CheckCuda(e, "combine");
 }
 
-ffi::Error CombineBackwardRows(cudaStream_t stream, ffi::DataType t, const void* dy, const void* rows,
+ffi::Error CombineBackwardRows(cudaStream_t stream, int device, ffi::DataType t, const void* dy, const void* rows,
                                const int32_t* row_of_slot, const int32_t* slot_of_row, const float* weights,
                                int64_t T, int64_t k, int64_t R, int64_t d, void* drows, float* dweights) {
-  constexpr int kWarps = 8, kThreads = kWarps * 32;
-  const int64_t row_blocks = (R + kWarps - 1) / kWarps;
-  const int64_t slot_blocks = weights ? (T * k + kThreads - 1) / kThreads : 0;
+  cudaError_t e = cudaSuccess;
   ByTypeAndWidth(t, d, [&](auto zero, auto width) {
     using E = decltype(zero);
     constexpr int V = decltype(width)::value;
-    CombineBackwardKernel<E, V><<<unsigned(row_blocks + slot_blocks), kThreads, 0, stream>>>(
-        static_cast<const E*>(dy), static_cast<const E*>(rows), row_of_slot, slot_of_row, weights, T * k, k, R, d,
-        static_cast<E*>(drows), dweights, row_blocks);
+    e = weights ? LaunchScatter<E, V, true>(stream, device, dy, T, k, d, row_of_slot, slot_of_row, R, weights, rows,
+                                            dweights, drows)
+                : LaunchScatter<E, V, false>(stream, device, dy, T, k, d, row_of_slot, slot_of_row, R, nullptr,
+                                             nullptr, nullptr, drows);
   });
-  return CheckCuda(cudaGetLastError(), "combine backward");
+  return CheckCuda(e, "combine backward");
 }
 
 }  // namespace jaxmlp
