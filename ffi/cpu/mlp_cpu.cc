@@ -51,29 +51,40 @@ void RoundRows(DataType t, float* v, int64_t n) {
     for (int64_t i = 0; i < n; ++i) v[i] = RoundTo(t, v[i]);
 }
 
-// Weight-gradient-shaped products, out[g] [K, N] = lhs[rows of g]^T @ rhs[rows of g]: each group's columns
-// in blocks over the pool; an empty group's out[g] is 0.
-void GroupedTN(ffi::ThreadPool& pool, const float* lhs, const float* rhs, const std::vector<int64_t>& off,
-               int64_t K, int64_t N, float* out) {
+// A weight-gradient-shaped product, out[g] [K, N] = lhs[rows of g]^T [K, c] @ rhs[rows of g] [c, N] for every
+// group g (lhs [M, K], rhs [M, N]); an empty group's out[g] is 0.
+struct GroupedTN {
+  const float* lhs;
+  const float* rhs;
+  int64_t K, N;
+  float* out;
+};
+
+// Runs the products in one pass over the pool (one wait for all), each group's columns in blocks.
+void RunGroupedTN(ffi::ThreadPool& pool, const std::vector<int64_t>& off, std::initializer_list<GroupedTN> products) {
   const int64_t E = int64_t(off.size()) - 1, threads = pool.num_threads();
   struct Block {
+    const GroupedTN* p;
     int64_t g, c0, c1;
   };
   std::vector<Block> blocks;
-  for (int64_t g = 0; g < E; ++g) {
-    const int64_t c = off[g + 1] - off[g];
-    if (c == 0) Zero(out + g * K * N, out + (g + 1) * K * N);
-    const int64_t parts = ColumnSplits(c, off.back(), N, threads);
-    for (int64_t i = 0; c > 0 && i < parts; ++i) {
-      Block b{g, 0, 0};
-      ColumnRange(i, parts, N, &b.c0, &b.c1);
-      if (b.c1 > b.c0) blocks.push_back(b);
+  for (const GroupedTN& p : products)
+    for (int64_t g = 0; g < E; ++g) {
+      const int64_t c = off[g + 1] - off[g], size = p.K * p.N;
+      if (c == 0) Zero(p.out + g * size, p.out + (g + 1) * size);
+      const int64_t parts = ColumnSplits(c, off.back(), p.N, threads);
+      for (int64_t i = 0; c > 0 && i < parts; ++i) {
+        Block b{&p, g, 0, 0};
+        ColumnRange(i, parts, p.N, &b.c0, &b.c1);
+        if (b.c1 > b.c0) blocks.push_back(b);
+      }
     }
-  }
   ParallelFor(pool, int64_t(blocks.size()), [&](int64_t i) {
     const Block& b = blocks[i];
+    const GroupedTN& p = *b.p;
     const int64_t o = off[b.g], c = off[b.g + 1] - o;
-    Sgemm(true, false, K, b.c1 - b.c0, c, lhs + o * K, K, rhs + o * N + b.c0, N, out + b.g * K * N + b.c0, N);
+    Sgemm(true, false, p.K, b.c1 - b.c0, c, p.lhs + o * p.K, p.K, p.rhs + o * p.N + b.c0, p.N,
+          p.out + b.g * p.K * p.N + b.c0, p.N);
   });
 }
 
@@ -202,8 +213,7 @@ Error MlpBackward(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
     Sgemm(false, true, c, d, F1, dH.get() + b.r0 * F1, F1, W1.data() + b.g * d * F1, F1, dX.data() + b.r0 * d, d);
   });
   Zero(dX.data() + total * d, dX.data() + m.M * d);  // rows past the last group
-  GroupedTN(pool, As.get(), dY.data(), off, f, d, dW2.data());
-  GroupedTN(pool, X.data(), dH.get(), off, d, F1, dW1.data());
+  RunGroupedTN(pool, off, {{X.data(), dH.get(), d, F1, dW1.data()}, {As.get(), dY.data(), f, d, dW2.data()}});
   dX.Finish();
   dW1.Finish();
   dW2.Finish();
@@ -225,7 +235,7 @@ Error Gemm(ffi::ThreadPool pool, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_s
   FloatOut O(*out);
   const int64_t K = g.K, N = g.N;
   if (static_cast<GemmOp>(op) == GemmOp::kTN) {  // lhs[rows of g]^T [K, c] @ rhs[rows of g] [c, N]
-    GroupedTN(pool, L.data(), R.data(), off, K, N, O.data());
+    RunGroupedTN(pool, off, {{L.data(), R.data(), K, N, O.data()}});
   } else {
     const bool nn = static_cast<GemmOp>(op) == GemmOp::kNN;  // lhs [c, K] @ rhs[g] [K, N] -> [c, N]
     const int64_t width = nn ? N : K;                         // else lhs [c, N] @ rhs[g]^T [N, K] -> [c, K]
