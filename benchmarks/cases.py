@@ -27,7 +27,7 @@ GPU_SHAPES = {s.name: s for s in (
     Shape("gptoss", 32, 2880, 2880, 16384),   # gpt-oss-20b
     Shape("mixtral", 8, 4096, 14336, 16384),  # Mixtral 8x7B
 )}
-# Without a GPU, tiny shapes keep the run on the CPU handlers (OpenBLAS, one thread per call) short.
+# Without a GPU, tiny shapes keep the run on the CPU handlers (OpenBLAS over XLA's CPU thread pool) short.
 CPU_SHAPES = {s.name: s for s in (
     Shape("tiny", 4, 64, 128, 256),
     Shape("tiny-wide", 8, 128, 256, 256),

@@ -28,9 +28,9 @@ import scipy_openblas32
 _openblas = ctypes.CDLL(  # the CPU handlers' sgemm: loaded here so that _cpu finds it by its soname
     os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(fullname=True)))
 if "OPENBLAS_NUM_THREADS" not in os.environ:
-  # One thread per call: XLA runs custom calls on its own threads, and OpenBLAS's pool, which spins
-  # between calls, then competes with them for the cores (6 to 35x slower on 2 busy cores), while one
-  # call's GEMMs at the CPU's shapes are too small to gain from splitting.
+  # One thread per sgemm call: the CPU handlers spread their blocks of rows and columns over XLA's own
+  # intra-op thread pool (ffi/cpu/parallel.h), and OpenBLAS's pool, which spins between calls, would
+  # compete with it for the cores (6 to 35x slower on 2 busy cores).
   _openblas.scipy_openblas_set_num_threads(1)
 from . import _cpu  # noqa: E402
 from ._checks import MlpShape, sizes_as_int32

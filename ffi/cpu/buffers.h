@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../common.h"
@@ -59,11 +60,11 @@ inline void RoundAll(DataType t, std::vector<float>& v) {
     for (float& e : v) e = RoundTo(t, e);
 }
 
-inline void Store(const std::vector<float>& v, AnyBuffer out) {
+inline void Store(const float* v, AnyBuffer out) {
   size_t n = out.element_count();
   switch (out.element_type()) {
     case DataType::F32:
-      std::memcpy(out.untyped_data(), v.data(), n * 4);
+      std::memcpy(out.untyped_data(), v, n * 4);
       break;
     case DataType::BF16: {
       auto* p = static_cast<uint16_t*>(out.untyped_data());
@@ -76,6 +77,51 @@ inline void Store(const std::vector<float>& v, AnyBuffer out) {
     }
   }
 }
+
+inline void Store(const std::vector<float>& v, AnyBuffer out) { Store(v.data(), out); }
+
+// A buffer's elements as float: the buffer itself when it is float32, a converted copy otherwise (no copy
+// of float32 operands: at the CPU's small shapes the copies cost as much as a GEMM).
+class FloatIn {
+ public:
+  explicit FloatIn(const AnyBuffer& b) {
+    if (b.element_type() == DataType::F32) {
+      p_ = static_cast<const float*>(b.untyped_data());
+    } else {
+      copy_ = ToFloat(b);
+      p_ = copy_.data();
+    }
+  }
+  const float* data() const { return p_; }
+  float operator[](size_t i) const { return p_[i]; }
+
+ private:
+  std::vector<float> copy_;
+  const float* p_;
+};
+
+// A result computed in float: written in place when the buffer is float32, otherwise into a scratch array
+// that Finish() stores, rounded, into the buffer.
+class FloatOut {
+ public:
+  explicit FloatOut(AnyBuffer b) : b_(b) {
+    if (b.element_type() == DataType::F32) {
+      p_ = static_cast<float*>(b.untyped_data());
+    } else {
+      copy_.reset(new float[b.element_count()]);  // uninitialised: the handlers write every element
+      p_ = copy_.get();
+    }
+  }
+  float* data() { return p_; }
+  void Finish() {
+    if (copy_) Store(p_, b_);
+  }
+
+ private:
+  AnyBuffer b_;
+  std::unique_ptr<float[]> copy_;
+  float* p_;
+};
 
 inline void Poison(std::initializer_list<AnyBuffer*> outs) {
   if (PoisonOutputs())
