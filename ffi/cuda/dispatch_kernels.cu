@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <climits>
 
+#include "block_reduce.cuh"
 #include "elements.cuh"
 #include "group_scan.cuh"
 #include "grouped_gemm.h"
@@ -183,19 +184,6 @@ __global__ void CombineKernel(const T* __restrict__ rows, int64_t R, int64_t d,
   Store<T, V>(y + t * d + c, out);
 }
 
-// The sum over the threads of a block of full warps, in a fixed order (a tree in each warp, then the warps
-// in order): deterministic. Every thread of the block calls it and gets the sum.
-__device__ __forceinline__ float BlockSum(float v, float* warp_sums) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(~0u, v, o);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
-  __syncthreads();
-  float sum = 0.0f;
-  for (int w = 0; w < int(blockDim.x / 32); ++w) sum += warp_sums[w];
-  __syncthreads();  // before the next call writes warp_sums again
-  return sum;
-}
-
 constexpr int kScatterThreads = 256;  // a 4 KiB row (d = 2048 in bfloat16) is one 16-byte unit per thread
 
 // out[r] = w[s] * src[s / k] for s = slot_of_row[r], or 0 where s is not a choice (kScaled false: w = 1, a
@@ -217,7 +205,6 @@ __global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
   __shared__ int32_t row_of[kScatterThreads];  // a chunk of the token's choices: the row in [0, R), or -1
   __shared__ bool holds[kScatterThreads];      // whether that row holds the choice (slot_of_row agrees)
   __shared__ float weight_of[kScatterThreads];
-  __shared__ float warp_sums[kScatterThreads / 32];
   WaitForPrevious();
   const int64_t choices = num_tokens * k;
   if (blockIdx.x >= num_tokens) {
@@ -292,7 +279,7 @@ __global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
         }
       }
       if (dweights) {  // block-uniform: every thread reaches the barriers
-        dot = BlockSum(dot, warp_sums);
+        dot = BlockSum<kScatterThreads / 32>(dot);
         if (threadIdx.x == 0) dweights[t * k + j0 + i] = dot;
       }
     }

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "../activations.h"
+#include "block_reduce.cuh"
 #include "elements.cuh"
 #include "group_scan.cuh"
 #include "launch.cuh"
@@ -46,17 +47,6 @@ __device__ __forceinline__ float WarpMax(float v) {
 __device__ __forceinline__ void ReduceAbsMax(float v, float* amax) {
   v = WarpMax(v);
   if (threadIdx.x % 32 == 0 && v > 0.0f) AtomicMaxNonNegative(amax, v);
-}
-
-__device__ float BlockSum(float v) {
-  __shared__ float partial[kThreads / 32];
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(~0u, v, o);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) v += partial[w];
-  __syncthreads();  // before the next row writes partial again
-  return v;
 }
 
 template <int V>
@@ -256,7 +246,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
       *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
     }
     if (dscales) {
-      ds = BlockSum(ds);
+      ds = BlockSum<kThreads / 32>(ds);
       if (threadIdx.x == 0) dscales[row] = T(ds);
     }
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "../activations.h"
+#include "block_reduce.cuh"
 #include "elements.cuh"
 #include "group_scan.cuh"
 #include "launch.cuh"
@@ -69,16 +70,6 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
     }
 }
 
-__device__ float BlockSum(float v) {
-  __shared__ float partial[kThreads / 32];
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) v += partial[w];
-  return v;
-}
-
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, int64_t d, const T* h, const T* da,
@@ -121,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
     }
   }
   if (dscales) {
-    ds = BlockSum(ds);
+    ds = BlockSum<kThreads / 32>(ds);
     if (threadIdx.x == 0) dscales[row] = Conv<T>::From(ds);
   }
 }
