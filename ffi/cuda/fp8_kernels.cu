@@ -158,7 +158,21 @@ __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, i
   }
 }
 
-// The activation kernels walk the rows grid-stride, a block per row at a time, V elements per access.
+// The activation kernels walk the rows grid-stride, a block per row at a time. Within row `row` of h, each
+// thread takes V elements at a time, as one load of the gate half and (gated) one of the up half, and calls
+// fn(j, act) for columns [j, j + V), act(k) being the activation and its derivatives at column j + k.
+template <typename T, int V, Act kAct, typename Fn>
+__device__ __forceinline__ void ForEachActChunk(const ActParams& p, const T* h, int64_t row, int64_t f, Fn&& fn) {
+  constexpr bool kGated = IsGated(kAct);
+  const T* hr = h + row * (kGated ? 2 * f : f);
+  for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
+    const Vec<T, V> gate = Load<T, V>(hr + j);
+    Vec<T, V> up;
+    if (kGated) up = Load<T, V>(hr + f + j);
+    fn(j, [&](int k) { return ActivationGradOf<kAct>(p, ToFloat(gate.v[k]), kGated ? ToFloat(up.v[k]) : 0.0f); });
+  }
+}
+
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E, int64_t M,
                                                             int64_t f, int64_t d, T* h, const T* scales, T* y,
@@ -173,15 +187,10 @@ __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const i
       continue;
     }
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
-    const T* hr = h + row * F1;
-    for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
-      const Vec<T, V> gate = Load<T, V>(hr + j);
-      Vec<T, V> up;
-      if (kGated) up = Load<T, V>(hr + f + j);
+    ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t, auto act) {
 #pragma unroll
-      for (int k = 0; k < V; ++k)
-        m = fmaxf(m, fabsf(ActivationGradOf<kAct>(p, ToFloat(gate.v[k]), kGated ? ToFloat(up.v[k]) : 0.0f).val * s));
-    }
+      for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(act(k).val * s));
+    });
   }
   ReduceAbsMax(m, amax);
 }
@@ -190,23 +199,17 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActQuantizeKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, const T* h, const T* scales,
                                                               const float* amax, float* scale_out, uint8_t* aq) {
-  constexpr bool kGated = IsGated(kAct);
-  const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
+  const int64_t valid = offsets[E];
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = DequantScale(*amax);
   const float inv = InverseScale(amax);
   for (int64_t row = blockIdx.x; row < valid; row += gridDim.x) {
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
-    const T* hr = h + row * F1;
-    for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
-      const Vec<T, V> gate = Load<T, V>(hr + j);
-      Vec<T, V> up;
-      if (kGated) up = Load<T, V>(hr + f + j);
+    ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
       Bytes<V> q;
 #pragma unroll
-      for (int k = 0; k < V; ++k)
-        q.b[k] = ToE4m3(ActivationGradOf<kAct>(p, ToFloat(gate.v[k]), kGated ? ToFloat(up.v[k]) : 0.0f).val * s * inv);
+      for (int k = 0; k < V; ++k) q.b[k] = ToE4m3(act(k).val * s * inv);
       *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
-    }
+    });
   }
 }
 
@@ -217,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
                                                                     const T* da, const T* scales, const float* amax_a,
                                                                     uint8_t* aq, T* dscales, T* dx, float* amax_dh) {
   constexpr bool kGated = IsGated(kAct);
-  const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
+  const int64_t valid = offsets[E];
   const float inv_a = InverseScale(amax_a);
   float m = 0.0f;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {  // the whole block takes each row: BlockSum
@@ -227,16 +230,13 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
       continue;
     }
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
-    const T* hr = h + row * F1;
     float ds = 0.0f;
-    for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
-      const Vec<T, V> gate = Load<T, V>(hr + j), dav = Load<T, V>(da + row * f + j);
-      Vec<T, V> up;
-      if (kGated) up = Load<T, V>(hr + f + j);
+    ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
+      const Vec<T, V> dav = Load<T, V>(da + row * f + j);
       Bytes<V> q;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const ActGrad r = ActivationGradOf<kAct>(p, ToFloat(gate.v[k]), kGated ? ToFloat(up.v[k]) : 0.0f);
+        const ActGrad r = act(k);
         const float dak = ToFloat(dav.v[k]);
         ds += dak * r.val;
         q.b[k] = ToE4m3(r.val * s * inv_a);
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
         if (kGated) m = fmaxf(m, fabsf(dak * s * r.dup));
       }
       *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
-    }
+    });
     if (dscales) {
       ds = BlockSum<kThreads / 32>(ds);
       if (threadIdx.x == 0) dscales[row] = T(ds);
@@ -264,22 +264,19 @@ __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams 
   const float inv = InverseScale(amax_dh);
   for (int64_t row = blockIdx.x; row < valid; row += gridDim.x) {
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
-    const T* hr = h + row * F1;
-    for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V) {
-      const Vec<T, V> gate = Load<T, V>(hr + j), dav = Load<T, V>(da + row * f + j);
-      Vec<T, V> up;
-      if (kGated) up = Load<T, V>(hr + f + j);
+    ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
+      const Vec<T, V> dav = Load<T, V>(da + row * f + j);
       Bytes<V> qg, qu;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const ActGrad r = ActivationGradOf<kAct>(p, ToFloat(gate.v[k]), kGated ? ToFloat(up.v[k]) : 0.0f);
+        const ActGrad r = act(k);
         const float g = ToFloat(dav.v[k]) * s;
         qg.b[k] = ToE4m3(g * r.dgate * inv);
         qu.b[k] = ToE4m3(g * r.dup * inv);
       }
       *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + j) = qg;
       if (kGated) *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + f + j) = qu;
-    }
+    });
   }
 }
 
