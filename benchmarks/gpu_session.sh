@@ -79,7 +79,8 @@ PY
     echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"
     grep "ERROR SUMMARY" "$OUT/memcheck-$path.log"
   done
-  # memcheck of the dispatch and combine: expert ids out of range, drops, padding, a plan made by hand.
+  # memcheck of the router's top-k, the dispatch and the combine: expert ids out of range, drops, padding,
+  # a plan made by hand.
   [[ "$memcheck" == *" dispatch "* ]] && XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-dispatch.log" 2>&1 <<'PY'
 import jax, jax.numpy as jnp, numpy as np
@@ -98,6 +99,8 @@ bad = D.Plan(jnp.asarray([[0, 2**30], [-7, 3]], jnp.int32), jnp.asarray([0, 99, 
 rows = jnp.ones((4, 8), jnp.bfloat16)
 jax.block_until_ready(jax.grad(lambda r, w: D.combine(r, bad, w).astype(jnp.float32).sum(), argnums=(0, 1))(
     rows, jnp.ones((2, 2), jnp.float32)))
+for T, E, k in ((8192, 128, 8), (3, 1, 1), (5, 1000, 1000), (77, 33, 32)):
+  jax.block_until_ready(D.top_k(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k))
 print("memcheck run done")
 PY
   [[ "$memcheck" == *" dispatch "* ]] && echo "memcheck dispatch: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-dispatch.log") error lines)" | tee -a "$OUT/summary.txt"

@@ -1,10 +1,12 @@
 """The MoE layer, part by part, fwd+bwd: router (logits, softmax, top-k), dispatch (sort by expert, row
 gather, router weights to the rows), the expert MLP (jaxmlp.grouped_mlp, weights fused as scales),
 combine (each token's rows summed in float32), and the whole layer (jaxmlp.moe.moe, the aux loss
-included). Two JAX dispatch/combine paths in one run:
+included). Two JAX routing/dispatch/combine paths in one run:
 
-  jaxmlp     jaxmlp.dispatch's custom calls (a counting sort on the device, gathers both ways);
-  argsort    jaxmlp.reference_moe, the layer's original path (jnp.argsort, a gather, a scatter-add);
+  jaxmlp     jaxmlp.dispatch's custom calls (the router's top-k, a counting sort on the device, gathers
+             both ways);
+  argsort    jaxmlp.reference_moe, the layer's original path (jax.lax.top_k, jnp.argsort, a gather, a
+             scatter-add);
 
 and beside them a PyTorch layer built the usual way (torch_moe_layer.py: argsort, index_select,
 torch._grouped_mm, index_add), in a subprocess because JAX preallocates GPU memory. Target: the jaxmlp
@@ -64,7 +66,7 @@ def steps(path: str, shape: tuple, inputs):
   ops = moe_lib.DISPATCHERS[PATHS[path]]
 
   def router(x, wr):
-    weights, _, _ = moe_lib.route(x.astype(jnp.float32) @ wr, k)
+    weights, _, _ = moe_lib.route(x.astype(jnp.float32) @ wr, k, impl=PATHS[path])
     return weights
 
   def dispatch(x, weights, experts):
@@ -83,7 +85,7 @@ def steps(path: str, shape: tuple, inputs):
                          z_loss_coef=1e-3, impl=PATHS[path])
     return y, aux["aux_loss"]
 
-  weights, experts, _ = jax.jit(lambda x, wr: moe_lib.route(x.astype(jnp.float32) @ wr, k))(x, wr)
+  weights, experts, _ = jax.jit(lambda x, wr: moe_lib.route(x.astype(jnp.float32) @ wr, k, impl=PATHS[path]))(x, wr)
   rows, group_sizes, plan = jax.jit(lambda x, e: ops.dispatch(x, e, E))(x, experts)
   scales = jax.jit(ops.row_weights)(weights, plan)
   y_rows = jax.jit(mlp)(rows, scales, w1, w2, group_sizes)

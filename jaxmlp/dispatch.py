@@ -34,7 +34,7 @@ import numpy as np
 from . import _ffi, reference_moe
 from .reference_moe import Plan, check_combine_args, check_dispatch_args, num_rows, take_or_zero
 
-__all__ = ["Plan", "combine", "dispatch", "num_rows", "row_weights"]
+__all__ = ["Plan", "combine", "dispatch", "num_rows", "row_weights", "top_k"]
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int | None = None,
@@ -80,6 +80,21 @@ def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None) -> ja
   if weights is None:
     return _combine_unweighted(rows, plan)
   return _combine_weighted(rows, plan, weights.astype(jnp.float32))
+
+
+def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """jax.lax.top_k over the last axis of the router's scores [T, E] float32, as one custom call: values
+  [T, k] float32 (largest first; ties: lowest index first) and indices [T, k] int32. XLA computes a
+  top-k of fewer than 1024 elements per row by sorting each row; this is a warp per row on a GPU.
+  Differentiable as jax.lax.top_k (the values' gradient reaches the chosen scores)."""
+  if jnp.ndim(scores) != 2 or jnp.result_type(scores) != jnp.float32:
+    raise ValueError(f"scores: got {jnp.result_type(scores).name} {tuple(jnp.shape(scores))}, "
+                     "expected float32 [T, E]")
+  if not 1 <= k <= scores.shape[1]:
+    raise ValueError(f"k: got {k}, expected 1 <= k <= E = {scores.shape[1]}")
+  if scores.shape[0] == 0:
+    return jax.lax.top_k(scores, k)
+  return _top_k(scores, k)
 
 
 # ---- the custom calls -------------------------------------------------------------------------------
@@ -138,6 +153,19 @@ def _combine_backward_call(dy, rows, plan: Plan, weights):
   drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, rows if weighted else empty.astype(dy.dtype),
                           plan.row_of_slot, plan.slot_of_row, weights if weighted else empty)
   return drows, (dweights if weighted else None)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _top_k(scores, k):
+  T = scores.shape[0]
+  return _call("jaxmlp_top_k", [((T, k), jnp.float32), ((T, k), jnp.int32)], scores)
+
+
+@_top_k.defjvp
+def _top_k_jvp(k, primals, tangents):
+  values, indices = _top_k(primals[0], k)
+  return (values, indices), (jnp.take_along_axis(tangents[0], indices, axis=-1),
+                             np.zeros(indices.shape, jax.dtypes.float0))
 
 
 def _zero_plan_cotangent(plan: Plan) -> Plan:

@@ -133,6 +133,11 @@ def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: in
   return rows, group_sizes.astype(jnp.int32), Plan(row_of_slot.reshape(T, k), slot_of_row, counts)
 
 
+def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Reference for jaxmlp.dispatch.top_k: jax.lax.top_k over the last axis of scores [T, E] float32."""
+  return jax.lax.top_k(scores, k)
+
+
 def take_or_zero(values: jax.Array, index: jax.Array) -> jax.Array:
   """values[index] for a 1-D values, and 0 where index is -1 (jnp.take would wrap it) or out of range."""
   index = jnp.where(index < 0, values.shape[0], index)

@@ -1,0 +1,75 @@
+// CUDA handler and kernel: the router's top-k selection per row (ffi/top_k.h has the order it selects in).
+// XLA sorts each whole row for this (its own top-k kernel takes rows of 1024 or more); for the router's
+// few experts per row a warp per row finds the k largest keys in k passes over the row, which stays in L1.
+// No sync, no allocation: command-buffer compatible.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <algorithm>
+#include <climits>
+
+#include "../top_k.h"
+#include "launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+extern std::atomic<int64_t> handler_host_calls;
+
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::Error;
+using ffi::Result;
+
+constexpr int kTopKThreads = 256;  // 8 rows at a time per block
+
+// Pass j takes the largest key below the one pass j - 1 took: keys are unique, so no element is marked.
+__global__ void TopKKernel(const float* scores, int64_t T, int64_t E, int64_t k, float* values, int32_t* indices) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
+    const float* row = scores + t * E;
+    int64_t taken = LLONG_MAX;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = LLONG_MIN;  // below every key (ffi/top_k.h): k <= E leaves one to find
+      for (int64_t e = lane; e < E; e += 32) {
+        const int64_t key = TopKKey(row[e], e);
+        if (key < taken && key > best) best = key;
+      }
+      for (int offset = 16; offset; offset /= 2) best = max(best, __shfl_xor_sync(0xffffffffu, best, offset));
+      taken = best;
+      if (lane == 0) {
+        const int64_t e = TopKIndexOf(best);
+        indices[t * k + j] = int32_t(e);
+        values[t * k + j] = row[e];
+      }
+    }
+  }
+}
+
+Error TopK(cudaStream_t stream, AnyBuffer scores, Result<AnyBuffer> values, Result<AnyBuffer> indices) {
+  ++handler_host_calls;
+  TopKDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckTopK(scores, *values, *indices, &m));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*values, &*indices}));
+  const int64_t rows_per_block = kTopKThreads / 32;
+  const unsigned blocks = unsigned(std::min<int64_t>((m.T + rows_per_block - 1) / rows_per_block, 1 << 20));
+  TopKKernel<<<blocks, kTopKThreads, 0, stream>>>(static_cast<const float*>(scores.untyped_data()), m.T, m.E, m.k,
+                                                  static_cast<float*>(values->untyped_data()),
+                                                  static_cast<int32_t*>(indices->untyped_data()));
+  return CheckCuda(cudaGetLastError(), "launching the top-k kernel");
+}
+
+constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
+
+}  // namespace
+}  // namespace jaxmlp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TopKCuda, jaxmlp::TopK,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // scores
+                                  .Ret<xla::ffi::AnyBuffer>()   // values
+                                  .Ret<xla::ffi::AnyBuffer>(),  // indices
+                              jaxmlp::kGraphSafe);
