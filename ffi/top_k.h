@@ -28,6 +28,15 @@ JAXMLP_HOST_DEVICE inline int64_t TopKKey(float score, int64_t index) {
 
 JAXMLP_HOST_DEVICE inline int64_t TopKIndexOf(int64_t key) { return int64_t(~uint32_t(uint64_t(key))); }
 
+// The score of a key: the mapping of its bits is its own inverse (the sign bit, which picks it, stays).
+JAXMLP_HOST_DEVICE inline float TopKScoreOf(int64_t key) {
+  uint32_t bits = uint32_t(uint64_t(key) >> 32);
+  bits ^= uint32_t(int32_t(bits) >> 31) & 0x7fffffffu;
+  float score;
+  memcpy(&score, &bits, sizeof score);
+  return score;
+}
+
 struct TopKDims {
   int64_t T, E, k;
 };

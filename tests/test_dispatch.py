@@ -265,7 +265,7 @@ def router_scores(rng, T, E):
 
 
 @backends
-@pytest.mark.parametrize("T,E,k", [(64, 128, 8), (37, 5, 5), (40, 200, 3), (9, 1, 1), (33, 33, 32)])
+@pytest.mark.parametrize("T,E,k", [(64, 128, 8), (37, 5, 5), (40, 200, 3), (9, 1, 1), (33, 33, 32), (20, 300, 17)])
 def test_top_k_is_jax_lax_top_k(backend, rng, T, E, k):
   scores = jnp.asarray(router_scores(rng, T, E))
   values, indices = D.top_k(scores, k)

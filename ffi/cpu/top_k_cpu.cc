@@ -26,9 +26,8 @@ Error TopK(AnyBuffer scores, Result<AnyBuffer> values, Result<AnyBuffer> indices
     for (int64_t e = 0; e < m.E; ++e) keys[e] = TopKKey(s[t * m.E + e], e);
     std::partial_sort(keys.begin(), keys.begin() + m.k, keys.end(), std::greater<int64_t>());
     for (int64_t j = 0; j < m.k; ++j) {
-      const int64_t e = TopKIndexOf(keys[j]);
-      idx[t * m.k + j] = int32_t(e);
-      v[t * m.k + j] = s[t * m.E + e];
+      idx[t * m.k + j] = int32_t(TopKIndexOf(keys[j]));
+      v[t * m.k + j] = TopKScoreOf(keys[j]);
     }
   }
   return Error::Success();
