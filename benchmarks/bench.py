@@ -29,8 +29,8 @@ import cases
 import report
 
 HERE = Path(__file__).resolve().parent
-IMPLS = ("jaxmlp", "jaxmlp_fp8", "ragged_dot", "tokamax", "torch", "torch_compile", "torch_fp8", "torch_fp8_compile",
-         "dense")
+IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "ragged_dot", "tokamax", "torch", "torch_compile",
+         "torch_fp8", "torch_fp8_compile", "dense")
 # The script (in benchmarks/) and its flags for each torch impl.
 TORCH_IMPLS = {"torch": ["torch_mlp.py"], "torch_compile": ["torch_mlp.py", "--compile"],
                "torch_fp8": ["torch_fp8_mlp.py"], "torch_fp8_compile": ["torch_fp8_mlp.py", "--compile"]}
@@ -219,7 +219,7 @@ def make_cases(shape_names: list[str], routings: list[str]) -> list[dict]:
 def skip_reason(impl: str, mode: str, named: bool) -> str | None:
   """Why `impl` is not measured here, or None. Decided without importing torch or JAX."""
   package = "torch" if impl in TORCH_IMPLS else impl
-  if impl in ("jaxmlp_fp8", "torch_fp8", "torch_fp8_compile") and mode == "cpu":
+  if "fp8" in impl and mode == "cpu":
     return "FP8 takes 16-bit operands; the CPU run is float32"
   if package in ("torch", "tokamax") and importlib.util.find_spec(package) is None:
     return f"{package} is not installed"

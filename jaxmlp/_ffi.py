@@ -322,10 +322,3 @@ def _fp8_path_or_raise() -> None:
   ok, why = fp8_status()
   if not ok:
     raise RuntimeError(f"fp8: this GPU cannot run the FP8 grouped MLP: {why}")
-
-
-def cpu_grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape):
-  """jaxmlp's CPU grouped GEMM handler on float32 operands (the FP8 emulation's products)."""
-  call = jax.ffi.ffi_call("jaxmlp_gemm", _result_types(lhs, rhs, group_sizes)(out_shape, jnp.float32),
-                          vmap_method="sequential")
-  return call(lhs, rhs, _handler_sizes(group_sizes, lhs.shape[0]), op=np.int32(GEMM_OPS[op]))

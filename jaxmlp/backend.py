@@ -15,7 +15,8 @@ def backend_info() -> dict:
   Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
   "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000,
   "compute_capability": "9.0", "fp8_available": True, ...}}; FP8 (grouped_mlp(fp8=...)) runs on the CPU
-  emulation everywhere, and on a GPU where `fp8_available` says so.
+  emulation everywhere; on a GPU the tensorwise recipe runs on FP8 tensor cores where `fp8_available` says
+  so, and the blockwise recipe as an emulation (`fp8_blockwise` says how).
   """
   info = {"jax": jax.__version__,
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group"}}
@@ -33,7 +34,9 @@ def backend_info() -> dict:
       cuda.update(gemm_path=None, why=str(e))
     cuda.update(tiled_max_weights=_ffi.TILED_MAX_WEIGHTS, tiled_max_macs=_ffi.TILED_MAX_MACS)
     fp8_ok, fp8_why = _ffi.fp8_status()
-    cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why)
+    cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
+                fp8_blockwise="an emulation: quantization in XLA, products on jaxmlp's bfloat16 grouped GEMM "
+                              "(no FP8 kernels yet)")
   else:
     cuda["why"] = "no CUDA device visible to JAX"
   info["cuda"] = cuda

@@ -29,9 +29,10 @@ q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass ov
 e4m3, gradients included: with per-tensor current scaling its 3 mantissa bits beat e5m2's range, which
 current scaling does not need (the scale adapts every call).
 
-This module's functions compute exactly that with dequantized float32 operands, around any grouped
-GEMM: with `jax.lax.ragged_dot` it is the reference (jaxmlp.reference), with jaxmlp's CPU handlers the
-CPU backend. The CUDA backend computes the same in two custom calls (ffi/cuda/fp8_mlp_cuda.cu).
+This module's functions compute exactly that with dequantized float32 operands, around any grouped GEMM:
+with `jax.lax.ragged_dot` it is the reference (jaxmlp.reference), with jaxmlp's grouped GEMM the CPU
+backend. The CUDA backend computes the same in two custom calls (ffi/cuda/fp8_mlp_cuda.cu). The blockwise
+recipe is defined in jaxmlp.fp8_blockwise.
 """
 from __future__ import annotations
 
@@ -44,17 +45,19 @@ import jax.numpy as jnp
 from .activations import Activation
 
 E4M3_MAX = 448.0
-RECIPES = ("tensorwise",)
+RECIPES = ("tensorwise", "blockwise")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
   """An FP8 recipe of the grouped MLP.
 
-  name: "tensorwise" (one scale per tensor, current scaling; see the module docstring).
+  name: "tensorwise" (one scale per tensor, current scaling; see the module docstring) or "blockwise" (one
+    scale per 1 x 128 block of activations and gradients, per 128 x 128 block of weights: jaxmlp.fp8_blockwise).
   fast_accumulation: the forward's products accumulate in the tensor cores' faster, less precise FP8
     accumulator (cuBLASLt's FAST_ACCUM; the backward never does), as TransformerEngine's recipes do. Only
-    the CUDA backend has it; its results then differ from the emulation by ~1e-2 (tests/test_fp8.py).
+    the CUDA kernels of the tensorwise recipe have it; their results then differ from the emulation by ~1e-2
+    (tests/test_fp8.py).
   """
 
   name: str = "tensorwise"
@@ -113,8 +116,8 @@ def _activation_and_grads(act: Activation, h: jax.Array):
 
 
 def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
-  """(y, h, amaxes [4]: x, w1, w2, a, and q(x), q(w1), q(w2) in e4m3) of the FP8 forward; `valid` marks the
-  rows in groups (q(x) of the other rows is unspecified)."""
+  """(y, residuals) of the FP8 forward; `valid` marks the rows in groups. The residuals: h, the amaxes [4] of
+  x, w1, w2 and a, and q(x), q(w1), q(w2) in e4m3 (q(x) of the rows past the groups is unspecified)."""
   dtype = x.dtype
   ax, aw1, aw2 = amax(x, valid), amax(w1), amax(w2)
   xq, w1q, w2q = quantize_e4m3(x, ax), quantize_e4m3(w1, aw1), quantize_e4m3(w2, aw2)
@@ -126,11 +129,12 @@ def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activatio
   a = jnp.where(valid[:, None], a, 0)
   aa = amax(a)
   y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
-  return jnp.where(valid[:, None], y, 0).astype(dtype), h, jnp.stack([ax, aw1, aw2, aa]), xq, w1q, w2q
+  return jnp.where(valid[:, None], y, 0).astype(dtype), (h, jnp.stack([ax, aw1, aw2, aa]), xq, w1q, w2q)
 
 
-def emulated_backward(gemm: Gemm, xq, w1q, w2q, sizes, scales, valid, act: Activation, h, amaxes, dy):
-  """(dx, dw1, dw2, dscales or None) of the FP8 backward, from the forward's h, amaxes and e4m3 operands."""
+def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):
+  """(dx, dw1, dw2, dscales or None) of the FP8 backward, from the forward's residuals."""
+  h, amaxes, xq, w1q, w2q = residuals
   dtype = h.dtype
   ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
   rows = valid[:, None]

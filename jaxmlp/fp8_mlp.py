@@ -1,25 +1,33 @@
-"""grouped_mlp with an FP8 recipe: the custom_vjp, on the CUDA handlers or the emulation (jaxmlp.fp8).
+"""grouped_mlp with an FP8 recipe: the custom_vjp, on the CUDA handlers or the emulation.
 
-On a GPU each direction is one custom call (jaxmlp_mlp_fp8_fwd / _bwd, ffi/cuda/fp8_mlp_cuda.cu). On the
-CPU, and in jaxmlp.reference, the same recipe is emulated: quantize-dequantize in JAX around float32
-grouped products (jaxmlp's CPU handlers there, jax.lax.ragged_dot in the reference). Both directions
-carry the same residuals on every platform: the FC1 output h, the forward's four amaxes and its e4m3
-copies of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes).
+The tensorwise recipe (jaxmlp.fp8) on a GPU: each direction is one custom call (jaxmlp_mlp_fp8_fwd / _bwd,
+ffi/cuda/fp8_mlp_cuda.cu). Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32 grouped
+products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for dequantized
+FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. The blockwise recipe (jaxmlp.fp8_blockwise) has no
+CUDA kernels yet: on a GPU it runs as that emulation too, with the recipe's results but not FP8's speed, and
+says so in a warning. Both directions carry the same residuals on every platform: for tensorwise the FC1
+output h, the forward's four amaxes and its e4m3 copies of x, w1 and w2 (not x itself: the backward needs
+only q(x), at half the bytes).
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _ffi, fp8
+from . import _checks, _ffi, fp8, fp8_blockwise
 from .activations import Activation
 
 
 def grouped_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape):
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp); no biases."""
+  if recipe.name == "blockwise" and _ffi.cuda_devices():
+    warnings.warn("fp8='blockwise' runs on the GPU as an emulation: quantization in XLA, products on jaxmlp's "
+                  "bfloat16 grouped GEMM (the recipe's results at bfloat16's speed, or less); its FP8 kernels "
+                  "are not built yet. fp8='tensorwise' runs on FP8 tensor cores.", stacklevel=3)
   return _mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
 
 
@@ -49,14 +57,21 @@ def _valid_rows(sizes, m: int):
   return jnp.arange(m) < jnp.sum(_checks.clamp_group_sizes(sizes, m))
 
 
+def _emulation(recipe: fp8.Fp8Recipe):
+  return fp8_blockwise if recipe.name == "blockwise" else fp8
+
+
 # ---- the emulation's grouped products ---------------------------------------------------------------------
-def _cpu_gemm(op, lhs, rhs, sizes):
-  """jaxmlp's CPU grouped GEMM handler on float32 operands."""
+def _bfloat16_gemm(op, lhs, rhs, sizes):
+  """A float32 grouped product of dequantized FP8 operands on jaxmlp's grouped GEMM, CPU or CUDA: an e4m3
+  value, and its product with a power-of-two scale, is exact in bfloat16 (8 bits of exponent, 7 of
+  mantissa), so the product of the bfloat16 operands with float32 accumulation and output is the float32
+  product of the dequantized values (up to the order of the sums)."""
   if op == "tn":
     out_shape = (sizes.shape[0], lhs.shape[1], rhs.shape[1])
   else:
     out_shape = (lhs.shape[0], rhs.shape[2] if op == "nn" else rhs.shape[1])
-  return _ffi.cpu_grouped_gemm(op, lhs, rhs, sizes, out_shape)
+  return _ffi.grouped_gemm(op, lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes, out_shape, jnp.float32)
 
 
 def _ragged_dot_gemm(op, lhs, rhs, sizes):
@@ -71,45 +86,58 @@ def _ragged_dot_gemm(op, lhs, rhs, sizes):
   return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=hi, preferred_element_type=jnp.float32)
 
 
-def _emulated(gemm, forward: bool):
-  """The emulation of one direction: the forward takes (x, w1, w2, ...), the backward (xq, w1q, w2q, ...)."""
-  def run(*args):
-    x, w1, w2, sizes, scales, act = args[:6]
-    valid = _valid_rows(sizes, x.shape[0])
-    if forward:
-      return fp8.emulated_forward(gemm, x, w1, w2, sizes, scales, valid, act)
-    return fp8.emulated_backward(gemm, x, w1, w2, sizes, scales, valid, act, *args[6:])
-  return run
+def _emulated_forward(gemm, recipe):
+  def forward(x, w1, w2, sizes, scales, act):
+    return _emulation(recipe).emulated_forward(gemm, x, w1, w2, sizes, scales, _valid_rows(sizes, x.shape[0]), act)
+  return forward
+
+
+def _emulated_backward(gemm, recipe):
+  def backward(residuals, sizes, scales, act, dy):
+    valid = _valid_rows(sizes, dy.shape[0])
+    return _emulation(recipe).emulated_backward(gemm, residuals, sizes, scales, valid, act, dy)
+  return backward
 
 
 # ---- the custom_vjp of the op -------------------------------------------------------------------------------
+# The tensorwise recipe on a GPU runs its own custom calls; elsewhere, and the blockwise recipe everywhere
+# (no CUDA kernels yet), the emulation runs on jaxmlp's bfloat16 grouped GEMM.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _mlp(x, w1, w2, group_sizes, scales, act, recipe, shape):
   return _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape)[0]
 
 
 def _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape):
-  def cpu(x, w1, w2, sizes, scales):
-    return _emulated(_cpu_gemm, True)(x, w1, w2, sizes, scales, act)
+  def emulation(x, w1, w2, sizes, scales):
+    return _emulated_forward(_bfloat16_gemm, recipe)(x, w1, w2, sizes, scales, act)
 
   def cuda(x, w1, w2, sizes, scales):
-    return _ffi.mlp_fp8_forward(x, w1, w2, sizes, scales, act, recipe, shape)
+    y, *residuals = _ffi.mlp_fp8_forward(x, w1, w2, sizes, scales, act, recipe, shape)
+    return y, tuple(residuals)
 
-  y, h, amaxes, xq, w1q, w2q = jax.lax.platform_dependent(x, w1, w2, group_sizes, scales, cpu=cpu, cuda=cuda)
-  return y, (xq, w1q, w2q, group_sizes, scales, h, amaxes)
+  args = (x, w1, w2, group_sizes, scales)
+  if recipe.name == "blockwise":
+    y, residuals = emulation(*args)
+  else:
+    y, residuals = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
+  return y, (residuals, group_sizes, scales)
 
 
 def _mlp_bwd(act, recipe, shape, res, dy):
-  xq, w1q, w2q, group_sizes, scales, h, amaxes = res
+  residuals, group_sizes, scales = res
 
-  def cpu(*a):
-    return _emulated(_cpu_gemm, False)(*a[:5], act, *a[5:])
+  def emulation(residuals, sizes, scales, dy):
+    return _emulated_backward(_bfloat16_gemm, recipe)(residuals, sizes, scales, act, dy)
 
-  def cuda(xq, w1q, w2q, sizes, scales, h, amaxes, dy):
+  def cuda(residuals, sizes, scales, dy):
+    h, amaxes, xq, w1q, w2q = residuals
     return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, scales, h, amaxes, dy, act, shape)
 
-  dx, dw1, dw2, dscales = jax.lax.platform_dependent(xq, w1q, w2q, group_sizes, scales, h, amaxes, dy.astype(h.dtype),
-                                                     cpu=cpu, cuda=cuda)
+  args = (residuals, group_sizes, scales, dy.astype(residuals[0].dtype))
+  if recipe.name == "blockwise":
+    dx, dw1, dw2, dscales = emulation(*args)
+  else:
+    dx, dw1, dw2, dscales = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
   return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
 
 
@@ -122,13 +150,14 @@ def _reference(x, w1, w2, group_sizes, scales, act, recipe):
 
 
 def _reference_fwd(x, w1, w2, group_sizes, scales, act, recipe):
-  y, h, amaxes, xq, w1q, w2q = _emulated(_ragged_dot_gemm, True)(x, w1, w2, group_sizes, scales, act)
-  return y, (xq, w1q, w2q, group_sizes, scales, h, amaxes)
+  y, residuals = _emulated_forward(_ragged_dot_gemm, recipe)(x, w1, w2, group_sizes, scales, act)
+  return y, (residuals, group_sizes, scales)
 
 
 def _reference_bwd(act, recipe, res, dy):
-  xq, w1q, w2q, group_sizes, scales, h, amaxes = res
-  dx, dw1, dw2, dscales = _emulated(_ragged_dot_gemm, False)(xq, w1q, w2q, group_sizes, scales, act, h, amaxes, dy)
+  residuals, group_sizes, scales = res
+  dx, dw1, dw2, dscales = _emulated_backward(_ragged_dot_gemm, recipe)(residuals, group_sizes, scales, act,
+                                                                       dy.astype(residuals[0].dtype))
   return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
 
 

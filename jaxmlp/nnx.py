@@ -66,7 +66,7 @@ class GroupedMLP(nnx.Module):
     bias_init: initializer of b1 and b2.
     impl: "jaxmlp" (jaxmlp.grouped_mlp, the FFI kernels) or "reference" (jaxmlp.reference.grouped_mlp,
       the jax.lax.ragged_dot path).
-    fp8: None, "tensorwise" or a jaxmlp.Fp8Recipe: the expert MLP's products in FP8 (see
+    fp8: None, "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe: the expert MLP's products in FP8 (see
       jaxmlp.grouped_mlp; needs a 16-bit computation dtype and no biases). Parameters stay as they are.
     rngs: rng key.
   """

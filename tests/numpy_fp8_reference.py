@@ -1,4 +1,5 @@
-"""The FP8 tensorwise recipe (jaxmlp/fp8.py's docstring) in float64 NumPy, independent of jaxmlp's code.
+"""The FP8 recipes (jaxmlp/fp8.py's and jaxmlp/fp8_blockwise.py's docstrings) in float64 NumPy, independent of
+jaxmlp's code.
 
 Quantization to e4m3 through ml_dtypes; products in float64; rounding to the 16-bit dtype where the
 recipe rounds (the FC1 output h, the FC2 input gradient da, every result).
@@ -62,4 +63,86 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
     grads["w1"][g] = rnd(qx[r].T @ qdh[r] * (_scale(ax) * _scale(adh)))
   if scales is not None:
     grads["scales"] = rnd(np.where(valid, (da * value).sum(axis=1), 0))
+  return y, grads
+
+
+# ---- the blockwise recipe (jaxmlp/fp8_blockwise.py's docstring) ----------------------------------------------
+BLOCK = 128
+
+
+def _block_scale(amax):
+  """The least power of two >= amax / 448 (amax / 448 in float32), 1 where amax is 0."""
+  ratio = float(np.float32(amax) / np.float32(E4M3_MAX))
+  return 2.0 ** int(np.ceil(np.log2(ratio))) if amax > 0 else 1.0
+
+
+def _quantize_block(v):
+  """A block v quantized and dequantized with its own power-of-two scale, in float64."""
+  scale = _block_scale(np.abs(v).max(initial=0))
+  q = np.clip(v / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  return q * scale
+
+
+def _rows_1x128(v):
+  out = np.zeros_like(v)
+  for r in range(v.shape[0]):
+    for c in range(0, v.shape[1], BLOCK):
+      out[r, c:c + BLOCK] = _quantize_block(v[r, c:c + BLOCK])
+  return out
+
+
+def _weights_128x128(w):
+  out = np.zeros_like(w)
+  for g in range(w.shape[0]):
+    for i in range(0, w.shape[1], BLOCK):
+      for j in range(0, w.shape[2], BLOCK):
+        out[g, i:i + BLOCK, j:j + BLOCK] = _quantize_block(w[g, i:i + BLOCK, j:j + BLOCK])
+  return out
+
+
+def _group_columns_128x1(v, start, end):
+  """v's rows start..end quantized in 128 x 1 blocks counted from the group's first row."""
+  out = np.zeros((end - start, v.shape[1]))
+  for r in range(start, end, BLOCK):
+    stop = min(r + BLOCK, end)
+    for c in range(v.shape[1]):
+      out[r - start:stop - start, c] = _quantize_block(v[r:stop, c])
+  return out
+
+
+def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
+  """(y, {x, w1, w2, scales} gradients) of the blockwise FP8 recipe, as float64 arrays."""
+  rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
+  x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
+  M, E, d = x.shape[0], w1.shape[0], x.shape[1]
+  off = ref.clamp_sizes(sizes, M)
+  valid = (np.arange(M) < off[-1])[:, None]
+  s = np.asarray(scales, np.float64)[:, None] if scales is not None else np.ones((M, 1))
+  x, dy = np.where(valid, x, 0), np.where(valid, dy, 0)
+  qw1, qw2 = _weights_128x128(w1), _weights_128x128(w2)
+  qx = _rows_1x128(x)
+  h = np.zeros((M, w1.shape[2]))
+  for g in range(E):
+    r = slice(off[g], off[g + 1])
+    h[r] = rnd(qx[r] @ qw1[g])
+  value, (dgate, dup) = ref.activation(act, h)
+  a = np.where(valid, value * s, 0)
+  qa, qdy = _rows_1x128(a), _rows_1x128(dy)
+  y, da = np.zeros((M, d)), np.zeros_like(a)
+  for g in range(E):
+    r = slice(off[g], off[g + 1])
+    y[r] = rnd(qa[r] @ qw2[g])
+    da[r] = rnd(qdy[r] @ qw2[g].T)
+  dh = da * s * dgate if dup is None else np.concatenate([da * s * dgate, da * s * dup], axis=1)
+  dh = np.where(valid, dh, 0)
+  qdh = _rows_1x128(dh)
+  grads = {"x": np.zeros_like(x), "w1": np.zeros_like(w1), "w2": np.zeros_like(w2)}
+  for g in range(E):
+    r = slice(off[g], off[g + 1])
+    column = lambda v: _group_columns_128x1(v, off[g], off[g + 1])
+    grads["w2"][g] = rnd(column(a).T @ column(dy))
+    grads["x"][r] = rnd(qdh[r] @ qw1[g].T)
+    grads["w1"][g] = rnd(column(x).T @ column(dh))
+  if scales is not None:
+    grads["scales"] = rnd(np.where(valid[:, 0], (da * value).sum(axis=1), 0))
   return y, grads

@@ -150,6 +150,29 @@ def test_grouped_mlp_bfloat16_matches_reference():
   assert_close(outputs[0], outputs[1], 2e-2, "bfloat16 y")
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
+def test_modules_run_their_experts_in_fp8(recipe):
+  """fp8= on the modules: GroupedMLP (nnx and linen) computes jaxmlp.grouped_mlp(..., fp8=) of its
+  parameters, and MoE passes it on (its output moves away from the bfloat16 one by FP8's error)."""
+  f = 32  # FP8 takes widths that are multiples of 16
+  sizes = jnp.array([5, 3, 0, 7], jnp.int32)
+  x = jax.random.normal(jax.random.key(4), (16, D), jnp.bfloat16)
+  mlp = jaxmlp.nnx.GroupedMLP(E, D, f, dtype=jnp.bfloat16, fp8=recipe, rngs=nnx.Rngs(6))
+  y = jit_call(mlp, x, sizes)
+  w1, w2 = (p[...].astype(jnp.bfloat16) for p in (mlp.w1, mlp.w2))
+  np.testing.assert_array_equal(y, jax.jit(lambda *a: jaxmlp.grouped_mlp(*a, sizes, fp8=recipe))(x, w1, w2))
+  assert not np.array_equal(y, jaxmlp.grouped_mlp(x, w1, w2, sizes))
+  linen_mlp = jaxmlp.linen.GroupedMLP(E, D, f, dtype=jnp.bfloat16, fp8=recipe)
+  np.testing.assert_array_equal(jax.jit(linen_mlp.apply)({"params": nnx.to_pure_dict(nnx.state(mlp))}, x, sizes), y)
+
+  tokens = jax.random.normal(jax.random.key(5), (2, 8, D), jnp.bfloat16)
+  outputs = [jit_call(jaxmlp.nnx.MoE(E, D, f, 2, dtype=jnp.bfloat16, fp8=fp8, rngs=nnx.Rngs(7)), tokens)[0]
+             for fp8 in (recipe, None)]
+  err = np.linalg.norm(np.subtract(*outputs, dtype=np.float64)) / np.linalg.norm(np.asarray(outputs[1], np.float64))
+  assert 5e-3 < err < 0.2, err
+
+
 # ---- Sharding metadata ---------------------------------------------------------------------------------
 
 
@@ -429,6 +452,20 @@ def test_train_example_runs_and_both_paths_agree(capsys):
   out = capsys.readouterr().out
   assert "speedup" in out and "GRADIENT_TOLERANCE" not in out  # no names from the source
   assert out.splitlines()[-1] == "OK: gradients and losses match (jaxmlp against the ragged_dot reference)"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
+def test_train_example_fp8_ends_near_bfloat16(capsys, recipe):
+  """--fp8: the same model, seed and batches trained in FP8 ends within 2% of the bfloat16 run's loss."""
+  result = train_moe.main(["--steps", "12", "--config", "tiny", "--seed", "2", "--fp8", recipe])
+  assert set(result["runs"]) == {"jaxmlp", "jaxmlp fp8"}, result["runs"].keys()
+  bf16, fp8 = (run.losses for run in result["runs"].values())
+  assert fp8[-1] < fp8[0] and bf16[-1] < bf16[0]  # both learn
+  assert not np.array_equal(bf16, fp8)  # and FP8 was on
+  (value, tolerance), = result["checks"].values()
+  assert tolerance == 0.02 and value <= tolerance and result["match"]
+  assert capsys.readouterr().out.splitlines()[-1].startswith("OK")
 
 
 def test_train_example_verdict_says_what_failed():

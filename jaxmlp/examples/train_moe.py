@@ -34,6 +34,7 @@ except ModuleNotFoundError as e:  # the flax extra brings all three
   raise ModuleNotFoundError("jaxmlp-train-moe needs the flax extra: pip install 'jaxmlp[flax]' "
                             f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 
+from jaxmlp.fp8 import RECIPES as FP8_RECIPES
 from jaxmlp.nnx import MoE
 
 
@@ -218,7 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--dtype", choices=["auto", *FINAL_LOSS_TOLERANCE], default="auto",
                       help="computation dtype; parameters stay float32 (auto: bfloat16 on GPU, float32 otherwise)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initialisation")
-  parser.add_argument("--fp8", choices=["tensorwise"], default=None,
+  parser.add_argument("--fp8", choices=FP8_RECIPES, default=None,
                       help="train the expert MLPs in FP8 (jaxmlp.grouped_mlp's fp8=) beside the same model in "
                            "bfloat16 (same seed, same batches), and check that FP8 ends within "
                            f"{FP8_FINAL_LOSS_TOLERANCE:.0%} of its final loss; needs --dtype bfloat16 (auto picks it)")
