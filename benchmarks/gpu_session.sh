@@ -4,7 +4,8 @@
 #                                               compute-sanitizer memcheck (MEMCHECK="fp8 dispatch": only those, MEMCHECK= none)
 #   bash benchmarks/gpu_session.sh bench ARGS    build + benchmarks/bench.py ARGS
 # A staged cuBLAS (../shared/device/stage_cublas.py) whose parts were copied to /tmp/jaxmlp-cublas is
-# unpacked first.
+# unpacked first, and wheels carried in .whl installed (`pip download --python-version 3.12 ... -d .whl
+# scipy-openblas32`).
 #   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
 #   bash benchmarks/gpu_session.sh kernels ARGS    build + Nsight Compute times of each kernel of a step
 #                                               (benchmarks/kernel_share.py ARGS, e.g. `dsv3 balanced fp8`)
@@ -16,6 +17,9 @@ export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
 OUT=${OUT:-/tmp/jaxmlp-session}; mkdir -p "$OUT"
 what=${1:-test}; shift || true
 
+# Wheels the GPU image lacks (it has no package registry), carried in .whl: scipy-openblas32, which the
+# CPU handlers build against.
+ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 for tool in .device/*/tool/unpack_cublas.py; do
   [ -e "$tool" ] && ls /tmp/jaxmlp-cublas/part* > /dev/null 2>&1 && python3 "$tool" | tail -2
 done
