@@ -91,10 +91,15 @@ def scale_of(a: jax.Array) -> jax.Array:
   return jnp.where(a > 0, a / E4M3_MAX, 1.0).astype(jnp.float32)
 
 
+def to_e4m3(v: jax.Array) -> jax.Array:
+  """float32 v rounded to e4m3 (float8_e4m3fn): to nearest even, saturating at +-448, NaN kept."""
+  return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
 def quantize_e4m3(v: jax.Array, a: jax.Array) -> jax.Array:
   """v quantized to e4m3 (float8_e4m3fn) with the scale of amax a."""
   inverse = jnp.where(a > 0, E4M3_MAX / a, 1.0).astype(jnp.float32)
-  return jnp.clip(v.astype(jnp.float32) * inverse, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return to_e4m3(v.astype(jnp.float32) * inverse)
 
 
 def quantize(v: jax.Array, a: jax.Array) -> jax.Array:

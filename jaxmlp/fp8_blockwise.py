@@ -37,21 +37,22 @@ import jax.numpy as jnp
 
 from . import _checks
 from .activations import Activation
-from .fp8 import E4M3_MAX, Gemm
+from .fp8 import E4M3_MAX, Gemm, to_e4m3
 
 BLOCK = 128
 
 
 def exponent(amax: jax.Array) -> jax.Array:
   """int32 e with 2^e the block scale of absolute maximum amax: the least power of two >= amax / 448."""
-  mantissa, e = jnp.frexp(amax.astype(jnp.float32) / jnp.float32(E4M3_MAX))  # ratio = mantissa 2^e, mantissa in [0.5, 1)
+  # amax / 448 = mantissa 2^e with mantissa in [0.5, 1): 2^e, or 2^(e - 1) where amax / 448 is that power.
+  mantissa, e = jnp.frexp(amax.astype(jnp.float32) / jnp.float32(E4M3_MAX))
   e = jnp.where(mantissa == 0.5, e - 1, e)
   return jnp.where(amax > 0, e, 0).astype(jnp.int32)
 
 
 def _quantize(v: jax.Array, e: jax.Array) -> jax.Array:
   """v / 2^e rounded to e4m3 (float8_e4m3fn), saturating at +-448 and keeping NaN."""
-  return jnp.clip(jnp.ldexp(v.astype(jnp.float32), -e), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return to_e4m3(jnp.ldexp(v.astype(jnp.float32), -e))
 
 
 def _dequantize(q: jax.Array, e: jax.Array) -> jax.Array:
