@@ -58,9 +58,10 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
     w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((E, f, d)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
-    g = jax.grad(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8="tensorwise")
-                 .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w1, w2, x[:, 0])
-    jax.block_until_ready(g)
+    for recipe in ("tensorwise", "blockwise"):
+      g = jax.grad(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8=recipe)
+                   .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w1, w2, x[:, 0])
+      jax.block_until_ready(g)
   print("memcheck run done")
   raise SystemExit
 # The fourth case spans two passes of the block scans (256 groups each); the last is the host-overhead

@@ -3,8 +3,8 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
 
   jaxmlp      jaxmlp.grouped_mlp (the FFI custom calls)
   jaxmlp_fp8  jaxmlp.grouped_mlp(fp8="tensorwise"): FC1 and FC2, fwd and bwd, as FP8 e4m3 products
-  jaxmlp_fp8_blockwise  jaxmlp.grouped_mlp(fp8="blockwise"): block scales (on a GPU still an emulation
-              with bfloat16 products)
+  jaxmlp_fp8_blockwise  jaxmlp.grouped_mlp(fp8="blockwise"): block scales, quantized in XLA, products on
+              cuBLASLt's block-scaled FP8 grouped GEMM
   ragged_dot  jaxmlp.reference.grouped_mlp, i.e. jax.lax.ragged_dot: what a JAX user writes today
   tokamax     the same MLP over tokamax.ragged_dot (when tokamax is installed)
   dense       the same MLP as one dense expert over all M rows (jnp.dot): equal FLOPs, no routing;

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "ragged_dot", "tokamax", "torch", "torch_compile",
               "torch_fp8", "torch_fp8_compile", "dense")
 IMPL_LABELS = {"jaxmlp": "jaxmlp", "jaxmlp_fp8": "jaxmlp FP8 (tensorwise)",
-               "jaxmlp_fp8_blockwise": "jaxmlp FP8 (blockwise, emulated on GPU)",
+               "jaxmlp_fp8_blockwise": "jaxmlp FP8 (blockwise)",
                "ragged_dot": "jax.lax.ragged_dot", "tokamax": "tokamax.ragged_dot",
                "torch": "torch._grouped_mm (eager)", "torch_compile": "torch._grouped_mm (torch.compile)",
                "torch_fp8": "torch._scaled_grouped_mm FP8 (row-wise, eager)",

@@ -300,6 +300,22 @@ def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activa
   return dx, dw1, dw2, dscales if scales is not None else None
 
 
+def gemm_fp8_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, group_sizes, rows: int, out_dtype):
+  """The blockwise recipe's product on FP8 tensor cores (CUDA only; ffi/cuda/fp8_block_gemm_cuda.cu has the
+  operands' layouts): "nt" out [rows, K] = lhs @ rhs[g].T per group of rows, "tn" out [E, K, N] = lhs [K, L]
+  @ rhs [N, L].T per group's padded columns. Scales are float32 powers of two."""
+  _fp8_path_or_raise()
+  E = group_sizes.shape[0]
+  args = (lhs, lhs_scales, rhs, rhs_scales, _handler_sizes(group_sizes, rows))
+  sds = _result_types(*args)
+  code = {"nt": 1, "tn": 3}[op]
+  out_shape = (rows, rhs.shape[1]) if op == "nt" else (E, lhs.shape[0], rhs.shape[0])
+  ws = _cuda.gemm_fp8_blocks_workspace_bytes(code, rows, E, lhs.shape[1]) if _cuda else 0
+  call = jax.ffi.ffi_call("jaxmlp_gemm_fp8_blocks", [sds(out_shape, out_dtype), _workspace(ws, sds)],
+                          vmap_method="sequential")
+  return call(*args, op=np.int32(code), rows=np.int64(rows))[0]
+
+
 def fp8_status() -> tuple[bool, str]:
   """Whether this process's CUDA device and cuBLAS run the FP8 grouped MLP, and why (not)."""
   if _cuda is None:
@@ -313,7 +329,7 @@ def fp8_status() -> tuple[bool, str]:
   if major != 9:
     return False, (f"compute capability {status['compute_capability']}: the FP8 path is built and tested for "
                    "Hopper (9.x) only")
-  return True, "cuBLASLt grouped GEMM, FP8 e4m3 with one scale per tensor"
+  return True, "cuBLASLt grouped GEMM, FP8 e4m3 with one scale per tensor (tensorwise) or per block (blockwise)"
 
 
 def _fp8_path_or_raise() -> None:

@@ -15,8 +15,8 @@ def backend_info() -> dict:
   Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
   "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000,
   "compute_capability": "9.0", "fp8_available": True, ...}}; FP8 (grouped_mlp(fp8=...)) runs on the CPU
-  emulation everywhere; on a GPU the tensorwise recipe runs on FP8 tensor cores where `fp8_available` says
-  so, and the blockwise recipe as an emulation (`fp8_blockwise` says how).
+  emulation; on a GPU both recipes run on FP8 tensor cores where `fp8_available` says so (`fp8_blockwise`
+  says how the blockwise recipe runs).
   """
   info = {"jax": jax.__version__,
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group"}}
@@ -35,8 +35,7 @@ def backend_info() -> dict:
     cuda.update(tiled_max_weights=_ffi.TILED_MAX_WEIGHTS, tiled_max_macs=_ffi.TILED_MAX_MACS)
     fp8_ok, fp8_why = _ffi.fp8_status()
     cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
-                fp8_blockwise="an emulation: quantization in XLA, products on jaxmlp's bfloat16 grouped GEMM "
-                              "(no FP8 kernels yet)")
+                fp8_blockwise="quantization in XLA, products on cuBLASLt's block-scaled FP8 grouped GEMM")
   else:
     cuda["why"] = "no CUDA device visible to JAX"
   info["cuda"] = cuda

@@ -26,11 +26,17 @@ Where each quantization happens (rounding to x's dtype as in the tensorwise reci
             dx = round(qr(dh) @ qb(w1)^T),  dw1 = round(qc(x)^T @ qc(dh)),  dw2 = round(qc(a)^T @ qc(dy))
 
 qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Between the directions the
-emulation keeps h, qc(x) with its scales and the quantized weights with theirs. All data is e4m3: small
-blocks leave no range to protect with e5m2. The products here are float32 sums of exactly dequantized
-operands (the emulation of a GEMM that applies the block scales with float32 accumulation).
+backward keeps h, qc(x) with its scales and the quantized weights with theirs. All data is e4m3: small
+blocks leave no range to protect with e5m2.
+
+The quantization is this module's JAX code on every platform. The products (`Products`) run on a GPU as
+FP8 tensor-core products with cuBLASLt's block scaling (jaxmlp_gemm_fp8_blocks, ffi/cuda/
+fp8_block_gemm_cuda.cu), elsewhere as their emulation: float32 sums of exactly dequantized operands on any
+grouped GEMM. The two agree up to the order of the float32 sums.
 """
 from __future__ import annotations
+
+import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -90,65 +96,103 @@ def dequantize_weights(q: jax.Array, e: jax.Array) -> jax.Array:
   return _dequantize(q, jnp.repeat(jnp.repeat(e, BLOCK, axis=1), BLOCK, axis=2)[:, :K, :N])
 
 
-def token_blocks(sizes: jax.Array, m: int) -> tuple[jax.Array, int]:
-  """(the 128 x 1 block of each of m rows, the number of blocks): block b of group g holds its rows
-  128 b .. 128 b + 127, counted from the group's first row. Rows past the groups take block 0 (they are
-  zero wherever this is used). At most m // 128 + E blocks: sum(ceil(s / 128)) <= sum(s // 128) + E."""
-  sizes = _checks.clamp_group_sizes(sizes, m)
-  E = sizes.shape[0]
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  first_block = jnp.cumsum((sizes + BLOCK - 1) // BLOCK) - (sizes + BLOCK - 1) // BLOCK
-  row = jnp.arange(m, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), E - 1)
-  block = first_block[group] + (row - starts[group]) // BLOCK
-  return jnp.where(row < ends[-1], block, 0), m // BLOCK + E
+def padded_length(m: int, groups: int) -> int:
+  """Rows of the weight gradients' operand layout (quantize_columns) for m rows in `groups` groups: every
+  group's rows rounded up to 128 (at most m + 127 groups), itself a multiple of 128. ffi/cuda/grouped_gemm.h
+  PaddedRows(m, groups, 128) is the same number."""
+  return (m + (BLOCK - 1) * groups + BLOCK - 1) // BLOCK * BLOCK
 
 
-def quantize_columns(v: jax.Array, blocks: tuple[jax.Array, int]) -> tuple[jax.Array, jax.Array]:
-  """128 x 1 blocks of v [M, C] in the groups (token_blocks): (q [M, C] e4m3, exponents [blocks, C])."""
-  block, n = blocks
-  e = exponent(jax.ops.segment_max(jnp.abs(v.astype(jnp.float32)), block, num_segments=n))
-  return _quantize(v, e[block]), e
+def padded_sizes(sizes: jax.Array, m: int) -> jax.Array:
+  """Each group's rows in the padded layout: its size (clamped as grouped_mlp clamps it) rounded up to 128."""
+  return (_checks.clamp_group_sizes(sizes, m) + BLOCK - 1) // BLOCK * BLOCK
 
 
-def dequantize_columns(q: jax.Array, e: jax.Array, blocks: tuple[jax.Array, int]) -> jax.Array:
-  return _dequantize(q, e[blocks[0]])
+def quantize_columns(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """128 x 1 blocks of v [M, C] within the groups, laid out for the weight gradients: (q [C, L] e4m3,
+  exponents [L / 128, C]) with L = padded_length(M, E). Each group's rows start at a multiple of 128, so
+  block b of a group of 300 rows holds its rows 128 b .. 128 b + 127 (the last one 44 rows and zeros) and no
+  block spans two groups; the rows between groups are zeros. Transposed: the products reduce over the
+  tokens, and FP8 tensor cores read both operands contiguous along the reduction."""
+  M, C = v.shape
+  sizes = _checks.clamp_group_sizes(sizes, M)
+  spans = padded_sizes(sizes, M)
+  L = padded_length(M, sizes.shape[0])
+  span_ends = jnp.cumsum(spans)
+  slot = jnp.arange(L, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(span_ends, slot, side="right"), sizes.shape[0] - 1)
+  within = slot - (span_ends - spans)[group]
+  source = jnp.where(within < sizes[group], jnp.cumsum(sizes)[group] - sizes[group] + within, M)
+  padded = jnp.take(v, source, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+  blocks = padded.reshape(L // BLOCK, BLOCK, C)
+  e = exponent(jnp.max(jnp.abs(blocks), axis=1))
+  return _quantize(blocks, e[:, None, :]).reshape(L, C).T, e
 
 
-def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
+def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
+  """[L, C] float32 of quantize_columns's (q, exponents): the padded rows, no longer transposed."""
+  return _dequantize(q.T, jnp.repeat(e, BLOCK, axis=0))
+
+
+class Products(tp.NamedTuple):
+  """The recipe's two kinds of product of quantized operands (each a (q, exponents) pair), accumulated in
+  float32 and rounded once to `dtype`:
+    rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
+      [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights): [M, n];
+    columns(lhs, rhs, sizes, m, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
+      [m, N]): [E, K, N]."""
+  rows: tp.Callable
+  columns: tp.Callable
+
+
+def emulated_products(gemm: Gemm) -> Products:
+  """Products of exactly dequantized operands with float32 accumulation, on any grouped GEMM."""
+  def rows(lhs, w, sizes, transposed, dtype):
+    return gemm("nt" if transposed else "nn", dequantize_rows(*lhs), dequantize_weights(*w), sizes).astype(dtype)
+
+  def columns(lhs, rhs, sizes, m, dtype):
+    return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
+
+  return Products(rows, columns)
+
+
+def forward(products: Products, x, w1, w2, sizes, scales, valid, act: Activation):
   """(y, residuals) of the blockwise forward; `valid` marks the rows in groups. The residuals: h, x in
   128 x 1 blocks (the weight gradient's operand) and the quantized weights, each with its exponents."""
   dtype, rows = x.dtype, valid[:, None]
   x = jnp.where(rows, x, 0)
-  w1q, ew1 = quantize_weights(w1)
-  w2q, ew2 = quantize_weights(w2)
-  h = gemm("nn", dequantize_rows(*quantize_rows(x)), dequantize_weights(w1q, ew1), sizes)
-  h = jnp.where(rows, h, 0).astype(dtype)
+  w1q = quantize_weights(w1)
+  w2q = quantize_weights(w2)
+  h = jnp.where(rows, products.rows(quantize_rows(x), w1q, sizes, False, dtype), 0)
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(rows, a, 0)
-  y = gemm("nn", dequantize_rows(*quantize_rows(a)), dequantize_weights(w2q, ew2), sizes)
-  xq, ex = quantize_columns(x, token_blocks(sizes, x.shape[0]))
-  return jnp.where(rows, y, 0).astype(dtype), (h, xq, ex, w1q, ew1, w2q, ew2)
+  y = products.rows(quantize_rows(a), w2q, sizes, False, dtype)
+  return jnp.where(rows, y, 0), (h, quantize_columns(x, sizes), w1q, w2q)
 
 
-def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):
+def backward(products: Products, residuals, sizes, scales, valid, act: Activation, dy):
   """(dx, dw1, dw2, dscales or None) of the blockwise backward, from the forward's residuals."""
-  h, xq, ex, w1q, ew1, w2q, ew2 = residuals
+  h, xq, w1q, w2q = residuals
   dtype, rows = h.dtype, valid[:, None]
-  blocks = token_blocks(sizes, h.shape[0])
   dy = jnp.where(rows, dy.astype(jnp.float32), 0)
-  da = gemm("nt", dequantize_rows(*quantize_rows(dy)), dequantize_weights(w2q, ew2), sizes).astype(dtype)
-  da = jnp.where(rows, da.astype(jnp.float32), 0)
+  da = jnp.where(rows, products.rows(quantize_rows(dy), w2q, sizes, True, dtype).astype(jnp.float32), 0)
   value, vjp = jax.vjp(act, h.astype(jnp.float32))
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
-  dx = gemm("nt", dequantize_rows(*quantize_rows(dh)), dequantize_weights(w1q, ew1), sizes)
-  column = lambda v: dequantize_columns(*quantize_columns(v, blocks), blocks)
-  dw2 = gemm("tn", column(a), column(dy), sizes)
-  dw1 = gemm("tn", dequantize_columns(xq, ex, blocks), column(dh), sizes)
+  dx = products.rows(quantize_rows(dh), w1q, sizes, True, dtype)
+  m = h.shape[0]
+  dw2 = products.columns(quantize_columns(a, sizes), quantize_columns(dy, sizes), sizes, m, dtype)
+  dw1 = products.columns(xq, quantize_columns(dh, sizes), sizes, m, dtype)
   dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
-  return jnp.where(rows, dx, 0).astype(dtype), dw1.astype(dtype), dw2.astype(dtype), dscales
+  return jnp.where(rows, dx, 0), dw1, dw2, dscales
+
+
+def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
+  return forward(emulated_products(gemm), x, w1, w2, sizes, scales, valid, act)
+
+
+def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):
+  return backward(emulated_products(gemm), residuals, sizes, scales, valid, act, dy)

@@ -1,18 +1,17 @@
 """grouped_mlp with an FP8 recipe: the custom_vjp, on the CUDA handlers or the emulation.
 
-The tensorwise recipe (jaxmlp.fp8) on a GPU: each direction is one custom call (jaxmlp_mlp_fp8_fwd / _bwd,
-ffi/cuda/fp8_mlp_cuda.cu). Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32 grouped
-products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for dequantized
-FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. The blockwise recipe (jaxmlp.fp8_blockwise) has no
-CUDA kernels yet: on a GPU it runs as that emulation too, with the recipe's results but not FP8's speed, and
-says so in a warning. Both directions carry the same residuals on every platform: for tensorwise the FC1
+On a GPU, the tensorwise recipe (jaxmlp.fp8) runs each direction as one custom call (jaxmlp_mlp_fp8_fwd /
+_bwd, ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) quantizes in XLA and runs each
+of its six products as a block-scaled FP8 custom call (jaxmlp_gemm_fp8_blocks). Elsewhere a recipe is
+emulated: quantize-dequantize in JAX around float32 grouped products, which grouped_mlp computes on jaxmlp's
+grouped GEMM of bfloat16 operands (exact for dequantized FP8 values) and jaxmlp.reference on
+jax.lax.ragged_dot. Both directions carry the same residuals on every platform: for tensorwise the FC1
 output h, the forward's four amaxes and its e4m3 copies of x, w1 and w2 (not x itself: the backward needs
-only q(x), at half the bytes).
+only q(x), at half the bytes); for blockwise h, x's 128 x 1 blocks and the quantized weights.
 """
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +23,6 @@ from .activations import Activation
 
 def grouped_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape):
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp); no biases."""
-  if recipe.name == "blockwise" and _ffi.cuda_devices():
-    warnings.warn("fp8='blockwise' runs on the GPU as an emulation: quantization in XLA, products on jaxmlp's "
-                  "bfloat16 grouped GEMM (the recipe's results at bfloat16's speed, or less); its FP8 kernels "
-                  "are not built yet. fp8='tensorwise' runs on FP8 tensor cores.", stacklevel=3)
   return _mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
 
 
@@ -45,12 +40,14 @@ def check(x, b1, b2, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape) -> None:
   if shape.d % 16 or shape.f % 16:
     raise ValueError(f"fp8: d = {shape.d} and f = {shape.f} must be multiples of 16 (FP8 rows are 16-byte "
                      "aligned for the tensor cores)")
-  # The weight gradients read transposed copies with every group's rows rounded up to 16, M + 15 E rows
-  # in all (ffi/cuda/grouped_gemm.h PaddedRows), indexed with int32.
-  padded_rows = (shape.M + 15 * shape.E + 15) // 16 * 16
+  # The weight gradients read transposed copies with every group's rows rounded up to 16 (tensorwise) or
+  # 128 (blockwise), M + 15 E or M + 127 E rows in all (ffi/cuda/grouped_gemm.h PaddedRows), indexed with
+  # int32.
+  pad = fp8_blockwise.BLOCK if recipe.name == "blockwise" else 16
+  padded_rows = (shape.M + (pad - 1) * shape.E + pad - 1) // pad * pad
   if padded_rows >= _checks.INDEX_LIMIT:
-    raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + 15 E must stay below 2^31 "
-                     "(the weight gradients pad each group's rows to a multiple of 16)")
+    raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + {pad - 1} E must stay "
+                     f"below 2^31 (the weight gradients pad each group's rows to a multiple of {pad})")
 
 
 def _valid_rows(sizes, m: int):
@@ -86,6 +83,42 @@ def _ragged_dot_gemm(op, lhs, rhs, sizes):
   return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=hi, preferred_element_type=jnp.float32)
 
 
+# ---- the blockwise recipe's products on a GPU -----------------------------------------------------------------
+def _scales(e):
+  """float32 2^e of the recipe's exponents: the block scales cuBLASLt multiplies by."""
+  return jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
+
+
+def _cuda_rows(lhs, w, sizes, transposed, dtype):
+  (q, e), (wq, we) = lhs, w
+  if not transposed:  # the tensor cores read w[g] contiguous along the reduction: [n, k]
+    wq, we = jnp.swapaxes(wq, 1, 2), jnp.swapaxes(we, 1, 2)
+  we = jnp.pad(we, ((0, 0), (0, 0), (0, -we.shape[2] % 4)))  # cuBLASLt's 128x128 layout: blocks per row to 4
+  return _ffi.gemm_fp8_blocks("nt", q, _scales(e), wq, _scales(we), sizes, q.shape[0], dtype)
+
+
+def _cuda_columns(lhs, rhs, sizes, m, dtype):
+  (lq, le), (rq, re) = lhs, rhs
+  return _ffi.gemm_fp8_blocks("tn", lq, _scales(le), rq, _scales(re), sizes, m, dtype)
+
+
+def _block_products() -> fp8_blockwise.Products:
+  """The blockwise products: cuBLASLt's block-scaled FP8 GEMM on a GPU, the emulation elsewhere."""
+  emulated = fp8_blockwise.emulated_products(_bfloat16_gemm)
+
+  def rows(lhs, w, sizes, transposed, dtype):
+    def on(product):
+      return lambda lhs, w, sizes: product(lhs, w, sizes, transposed, dtype)
+    return jax.lax.platform_dependent(lhs, w, sizes, cpu=on(emulated.rows), cuda=on(_cuda_rows))
+
+  def columns(lhs, rhs, sizes, m, dtype):
+    def on(product):
+      return lambda lhs, rhs, sizes: product(lhs, rhs, sizes, m, dtype)
+    return jax.lax.platform_dependent(lhs, rhs, sizes, cpu=on(emulated.columns), cuda=on(_cuda_columns))
+
+  return fp8_blockwise.Products(rows, columns)
+
+
 def _emulated_forward(gemm, recipe):
   def forward(x, w1, w2, sizes, scales, act):
     return _emulation(recipe).emulated_forward(gemm, x, w1, w2, sizes, scales, _valid_rows(sizes, x.shape[0]), act)
@@ -100,8 +133,8 @@ def _emulated_backward(gemm, recipe):
 
 
 # ---- the custom_vjp of the op -------------------------------------------------------------------------------
-# The tensorwise recipe on a GPU runs its own custom calls; elsewhere, and the blockwise recipe everywhere
-# (no CUDA kernels yet), the emulation runs on jaxmlp's bfloat16 grouped GEMM.
+# On a GPU the tensorwise recipe runs its own custom calls and the blockwise recipe its products'; elsewhere
+# the emulation runs on jaxmlp's bfloat16 grouped GEMM.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _mlp(x, w1, w2, group_sizes, scales, act, recipe, shape):
   return _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape)[0]
@@ -117,7 +150,7 @@ def _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape):
 
   args = (x, w1, w2, group_sizes, scales)
   if recipe.name == "blockwise":
-    y, residuals = emulation(*args)
+    y, residuals = fp8_blockwise.forward(_block_products(), *args, _valid_rows(group_sizes, x.shape[0]), act)
   else:
     y, residuals = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
   return y, (residuals, group_sizes, scales)
@@ -135,7 +168,8 @@ def _mlp_bwd(act, recipe, shape, res, dy):
 
   args = (residuals, group_sizes, scales, dy.astype(residuals[0].dtype))
   if recipe.name == "blockwise":
-    dx, dw1, dw2, dscales = emulation(*args)
+    valid = _valid_rows(group_sizes, dy.shape[0])
+    dx, dw1, dw2, dscales = fp8_blockwise.backward(_block_products(), *args[:3], valid, act, args[3])
   else:
     dx, dw1, dw2, dscales = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
   return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales

@@ -151,7 +151,6 @@ def test_grouped_mlp_bfloat16_matches_reference():
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
 def test_modules_run_their_experts_in_fp8(recipe):
   """fp8= on the modules: GroupedMLP (nnx and linen) computes jaxmlp.grouped_mlp(..., fp8=) of its
   parameters, and MoE passes it on (its output moves away from the bfloat16 one by FP8's error)."""
@@ -455,7 +454,6 @@ def test_train_example_runs_and_both_paths_agree(capsys):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
 def test_train_example_fp8_ends_near_bfloat16(capsys, recipe):
   """--fp8: the same model, seed and batches trained in FP8 ends within 2% of the bfloat16 run's loss."""
   result = train_moe.main(["--steps", "12", "--config", "tiny", "--seed", "2", "--fp8", recipe])

@@ -1,8 +1,5 @@
 """grouped_mlp(fp8=...) against the float64 NumPy model of each recipe and against the exact MLP, on the CPU
 emulation and, where a GPU can run it, the CUDA FP8 path; the CUDA path also against the CPU emulation."""
-import contextlib
-import warnings
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -84,7 +81,6 @@ def check_recipe(got, want, platform, name):
 @pytest.mark.parametrize("recipe, case", [("tensorwise", c) for c in CASES] + [("blockwise", c) for c in BLOCK_CASES])
 @pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
 def test_fp8_follows_the_recipe(platform, rng, recipe, case, act, dtype):
   """Every output against the float64 NumPy model of the recipe: the same quantization, products and
   rounding, up to float32 accumulation (and, where an element sits on a rounding boundary, its e4m3
@@ -104,7 +100,6 @@ def test_fp8_follows_the_recipe(platform, rng, recipe, case, act, dtype):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
 def test_fp8_quantizes(rng, recipe):
   """FP8's error against the exact MLP lies in a band: above the bfloat16 path's (the products were
   quantized) and below FP8's bound (a few e4m3 ulps of 2^-3)."""
@@ -120,7 +115,6 @@ def test_fp8_quantizes(rng, recipe):
     assert 2 * e16 < e8 < 0.1, (k, e8, e16)
 
 
-@pytest.mark.filterwarnings("ignore:fp8='blockwise' runs on the GPU as an emulation")
 def test_blockwise_beats_tensorwise_on_outlier_blocks(rng):
   """A few outlier blocks, as activations and weights have: one scale per tensor sends the rest of x into
   e4m3's subnormals and zero (the other rows' outputs vanish), one scale per block keeps FP8's precision."""
@@ -142,17 +136,17 @@ def test_blockwise_beats_tensorwise_on_outlier_blocks(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("case", CASES)
-def test_cuda_fp8_equals_the_cpu_emulation(rng, case, fast):
+@pytest.mark.parametrize("recipe, fast, case", [("tensorwise", fast, c) for fast in (False, True) for c in CASES] +
+                         [("blockwise", False, c) for c in BLOCK_CASES])
+def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case):
   """The CUDA path and the CPU emulation quantize the same values: their results differ by how the
   products are accumulated (CUDA_TOLERANCE) and the roundings that follow from it."""
   reason = fp8_reason()
   if reason:
     pytest.skip(reason)
-  M, d, f, sizes = CASES[case]
+  M, d, f, sizes = BLOCK_CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
-  recipe = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=fast)
+  recipe = jaxmlp.Fp8Recipe(recipe, fast_accumulation=fast)
   results = {}
   for platform in ("cpu", "cuda"):
     with jax.default_device(jax.devices(platform)[0]):
@@ -177,22 +171,6 @@ def test_fp8_bad_arguments(kwargs, error, match):
     jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), **kwargs)
 
 
-def test_blockwise_says_it_is_an_emulation_where_a_gpu_is(monkeypatch):
-  """On a machine with a CUDA device the blockwise recipe warns at trace time that it runs as the emulation
-  (no FP8 kernels yet); without one it stays silent."""
-  x, w1, w2 = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8, 16), (2, 16, 32), (2, 16, 16)))
-  trace = lambda: jax.eval_shape(lambda *a: jaxmlp.grouped_mlp(*a, jnp.array([4, 4]), fp8="blockwise"), x, w1, w2)
-  monkeypatch.setattr(_ffi, "cuda_devices", lambda: [])
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    trace()
-  monkeypatch.setattr(_ffi, "cuda_devices", lambda: ["cuda:0"])
-  # Past the warning, tracing the CUDA branch needs the CUDA handlers, which a CPU-only build lacks.
-  with pytest.warns(UserWarning, match="fp8='blockwise' runs on the GPU as an emulation"):
-    with contextlib.suppress(RuntimeError) if _ffi._cuda is None else contextlib.nullcontext():
-      trace()
-
-
 def test_fp8_needs_16bit_operands_and_aligned_widths():
   gs = jnp.array([4, 4])
   with pytest.raises(TypeError, match="fp8: x.dtype float32"):
@@ -202,13 +180,15 @@ def test_fp8_needs_16bit_operands_and_aligned_widths():
                        jnp.zeros((2, 16, 24), jnp.bfloat16), gs, fp8="tensorwise")
 
 
-def test_fp8_rejects_more_padded_rows_than_int32_indexes():
-  """The weight gradients pad every group's rows to 16: M + 15 E must stay below 2^31, checked at trace
-  time (abstract operands: nothing that large is allocated)."""
-  x = jax.ShapeDtypeStruct((2**31 - 16, 16), jnp.bfloat16)
+@pytest.mark.parametrize("recipe, rows, pad", [("tensorwise", 2**31 - 16, 15), ("blockwise", 2**31 - 200, 127)])
+def test_fp8_rejects_more_padded_rows_than_int32_indexes(recipe, rows, pad):
+  """The weight gradients pad every group's rows to 16 (tensorwise) or 128 (blockwise): M + 15 E or
+  M + 127 E must stay below 2^31, checked at trace time (abstract operands: nothing that large is
+  allocated)."""
+  x = jax.ShapeDtypeStruct((rows, 16), jnp.bfloat16)
   w1, w2 = jax.ShapeDtypeStruct((2, 16, 32), jnp.bfloat16), jax.ShapeDtypeStruct((2, 16, 16), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"M \+ 15 E must stay below 2\^31"):
-    jax.eval_shape(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), fp8="tensorwise"), x, w1, w2)
+  with pytest.raises(ValueError, match=rf"M \+ {pad} E must stay below 2\^31"):
+    jax.eval_shape(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), fp8=recipe), x, w1, w2)
 
 
 @pytest.mark.parametrize("recipe, case", [("tensorwise", "uneven"), ("blockwise", "blocks")])

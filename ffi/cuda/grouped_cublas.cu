@@ -43,9 +43,11 @@ struct LtKey {
   int64_t avg_rows;
   bool accumulate;
   bool fast_accumulation;
+  Fp8Scaling scaling;
   bool operator<(const LtKey& o) const {
-    return std::tie(device, op, in, out, K, N, E, avg_rows, accumulate, fast_accumulation) <
-           std::tie(o.device, o.op, o.in, o.out, o.K, o.N, o.E, o.avg_rows, o.accumulate, o.fast_accumulation);
+    return std::tie(device, op, in, out, K, N, E, avg_rows, accumulate, fast_accumulation, scaling) <
+           std::tie(o.device, o.op, o.in, o.out, o.K, o.N, o.E, o.avg_rows, o.accumulate, o.fast_accumulation,
+                    o.scaling);
   }
 };
 
@@ -125,9 +127,11 @@ ffi::Error SetPreferences(const CublasApi& api, const GemmSpec& s, int64_t avg_r
   return ffi::Error::Success();
 }
 
-// The matmul descriptor of product s: transposes and, for FP8, the operands' scales. cuBLAS's A is our rhs
-// and its B our lhs (see RunGrouped).
-ffi::Error MakeDesc(const CublasApi& api, const GemmSpec& s, Desc* desc) {
+// The matmul descriptor of product s: transposes and, for FP8, the operands' scales: scale_a and scale_b
+// are cuBLAS's A and B scale pointers (our rhs and lhs, see RunGrouped), with kBlocks device arrays of a
+// pointer per group.
+ffi::Error MakeDesc(const CublasApi& api, const GemmSpec& s, const void* scale_a, const void* scale_b,
+                    Desc* desc) {
   JAXMLP_CUBLAS(api.LtMatmulDescCreate(&desc->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   cublasOperation_t ta = s.op == GemmOp::kNT ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t tb = s.op == GemmOp::kTN ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -135,12 +139,20 @@ ffi::Error MakeDesc(const CublasApi& api, const GemmSpec& s, Desc* desc) {
   JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
   JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
   if (s.in_type != ffi::DataType::F8E4M3FN) return ffi::Error::Success();
-  // One scalar scale per operand for all groups (SCALAR_32F, the default mode; Hopper's grouped GEMM
-  // rejects per-group scalars).
-  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &s.rhs_scale,
-                                             sizeof(s.rhs_scale)), "A_SCALE_POINTER");
-  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &s.lhs_scale,
-                                             sizeof(s.lhs_scale)), "B_SCALE_POINTER");
+  // kTensor: one scalar per operand for all groups (SCALAR_32F, the default mode; Hopper's grouped GEMM
+  // rejects per-group scalars). kBlocks: the modes and per-group layouts measured in docs/performance.md.
+  if (s.scaling == Fp8Scaling::kBlocks) {
+    const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t a_mode = s.op == GemmOp::kNT ? blk : vec;
+    JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)),
+                  "A_SCALE_MODE");
+    JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof(vec)),
+                  "B_SCALE_MODE");
+  }
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a,
+                                             sizeof(scale_a)), "A_SCALE_POINTER");
+  JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b,
+                                             sizeof(scale_b)), "B_SCALE_POINTER");
   const int8_t fast = s.fast_accumulation;
   JAXMLP_CUBLAS(api.LtMatmulDescSetAttribute(desc->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
                 "FAST_ACCUM");
@@ -217,7 +229,11 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
   }
 
   const int64_t avg_rows = std::max<int64_t>(M_ / E_, 1);
-  const LtKey key{device_, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation};
+  const LtKey key{device_,  s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation,
+                  s.scaling};
+  const bool blocks = s.scaling == Fp8Scaling::kBlocks;
+  const void* scale_a = blocks ? static_cast<const void*>(arrays_.scale_ptrs + (i * 2 + 0) * E_) : s.rhs_scale;
+  const void* scale_b = blocks ? static_cast<const void*>(arrays_.scale_ptrs + (i * 2 + 1) * E_) : s.lhs_scale;
   cublasLtHandle_t handle;
   LtPlan plan;
   {
@@ -235,7 +251,7 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
       // its top 8 on the first call instead was measured: -2% to +4% where later calls had the first
       // call's group sizes, down to -19% where they had others; docs/performance.md.)
       Desc desc{api};
-      JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, &desc));
+      JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, scale_a, scale_b, &desc));
       Preference pref{api};
       JAXMLP_CUBLAS(api.LtMatmulPreferenceCreate(&pref.pref), "cublasLtMatmulPreferenceCreate");
       JAXMLP_RETURN_IF_ERROR(SetPreferences(api, s, avg_rows, pref.pref));
@@ -255,7 +271,7 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
   // The scale pointers of an FP8 product point into this call's workspace: its descriptor is built per
   // call, with the cached algorithm (a cached descriptor is shared by every thread that calls).
   Desc per_call{api};
-  if (s.in_type == ffi::DataType::F8E4M3FN) JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, &per_call));
+  if (s.in_type == ffi::DataType::F8E4M3FN) JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, scale_a, scale_b, &per_call));
   // One host scalar alpha and beta for all groups (Hopper takes no per-group scalars).
   const float alpha = 1.0f, beta = s.beta;
   JAXMLP_CUBLAS(api.LtMatmul(handle, per_call.desc ? per_call.desc : plan.desc, &alpha, ptrs + 0 * E_, l.a,

@@ -23,17 +23,19 @@ struct SetupParams {
   int32_t num_gemms;
   GemmSpec gemms[kMaxGemms];
   int32_t in_bytes[kMaxGemms], out_bytes[kMaxGemms];
+  int64_t pad;        // kTNPadded: each group's first column is a multiple of pad (16, or 128 for kBlocks)
   int64_t padded_ld;  // kTNPadded's leading dimension (PaddedRows)
   GroupArrays out;
 };
 
 // One block of kWarps warps: ScanGroups over group_sizes, then per group and product the cuBLAS
 // (column-major) A, B and D pointers. Row-major out = lhs @ rhs is column-major out^T = rhs^T @ lhs^T, so
-// cuBLAS A is our rhs and B our lhs (see RunGrouped for the dims).
+// cuBLAS A is our rhs and B our lhs (see RunGrouped for the dims); for block-scaled FP8 products also the
+// A and B scale pointers (Fp8Scaling).
 template <int kWarps>
 __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
   int64_t carry_groups = 0;  // compact: slots taken by the non-empty groups so far
-  int64_t carry_padded = 0;  // kTNPadded: columns taken by the groups so far, each rounded up to 16
+  int64_t carry_padded = 0;  // kTNPadded: columns taken by the groups so far, each rounded up to the pad
   ScanGroups<kWarps>(p.sizes, p.E, p.M, p.out.counts, p.out.offsets, [&](int64_t g, int64_t start, int64_t count) {
     int64_t slot = g;
     if (p.compact) {  // the same on every thread: the block-wide sum runs on all of them
@@ -41,10 +43,10 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       slot = carry_groups + BlockInclusiveSum<kWarps>(count > 0, &nonempty) - (count > 0);
       carry_groups += nonempty;
     }
-    const int64_t padded = (count + 15) / 16 * 16;
-    int64_t pass_padded;
-    const int64_t padded_start = carry_padded + BlockInclusiveSum<kWarps>(padded, &pass_padded) - padded;
-    carry_padded += pass_padded;
+    const int64_t padded = (count + 15) / 16 * 16, span = (count + p.pad - 1) / p.pad * p.pad;
+    int64_t pass_span;
+    const int64_t padded_start = carry_padded + BlockInclusiveSum<kWarps>(span, &pass_span) - span;
+    carry_padded += pass_span;
     if (g >= p.E || (p.compact && count == 0)) return;
     if (p.out.padded) {
       p.out.padded[g] = int32_t(padded);
@@ -78,6 +80,17 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       p.out.ptrs[(i * 3 + 0) * E + slot] = const_cast<void*>(a);
       p.out.ptrs[(i * 3 + 1) * E + slot] = const_cast<void*>(b);
       p.out.ptrs[(i * 3 + 2) * E + slot] = d;
+      if (s.scaling != Fp8Scaling::kBlocks) continue;
+      const void *scale_a, *scale_b;
+      if (s.op == GemmOp::kNT) {  // rhs[g] [K, N] in 128x128 blocks; lhs rows in 1x128 blocks along N
+        const int64_t row_blocks = (K + 127) / 128, red_blocks = (N + 127) / 128;
+        scale_a = s.rhs_scale + g * row_blocks * ((red_blocks + 3) / 4 * 4);
+        scale_b = s.lhs_scale + Vec128Base(start, g, red_blocks);
+      } else {  // kTNPadded: 1x128 blocks along the tokens, the group's first block at padded_start / 128
+        scale_a = s.rhs_scale + padded_start / 128 * N, scale_b = s.lhs_scale + padded_start / 128 * K;
+      }
+      p.out.scale_ptrs[(i * 2 + 0) * E + slot] = const_cast<void*>(scale_a);
+      p.out.scale_ptrs[(i * 2 + 1) * E + slot] = const_cast<void*>(scale_b);
     }
   });
 }
@@ -138,7 +151,8 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   arrays_.offsets = ws.Take<int64_t>(E + 1);
   split_arrivals_ = nullptr, split_partials_ = nullptr;
   if (path == GemmPath::kTiled) {  // needs no cuBLAS arrays or workspace
-    arrays_.dims = nullptr, arrays_.ptrs = nullptr, arrays_.padded = nullptr, arrays_.padded_starts = nullptr;
+    arrays_.dims = nullptr, arrays_.ptrs = nullptr, arrays_.scale_ptrs = nullptr;
+    arrays_.padded = nullptr, arrays_.padded_starts = nullptr;
     cublas_ws_ = nullptr;
     if (split_k) {
       split_arrivals_ = ws.Take<int32_t>(kTiledSplitSlots);
@@ -148,6 +162,7 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   }
   arrays_.dims = ws.Take<int32_t>(kMaxGemms * 2 * E);
   arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
+  arrays_.scale_ptrs = ws.Take<void*>(kMaxGemms * 2 * E);
   arrays_.padded = ws.Take<int32_t>(2 * E);
   arrays_.padded_starts = ws.Take<int64_t>(E);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
@@ -163,13 +178,20 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   if (specs.size() > size_t(kMaxGemms)) return ffi::Error::Internal("jaxmlp: too many grouped GEMMs in one call");
   if (E_ <= 0 || E_ >= (int64_t(1) << 30)) return ffi::Error::InvalidArgument("jaxmlp: need 1 <= E < 2^30 groups");
   bool padded = false;
+  int64_t pad = 16;
   for (const GemmSpec& s : specs) {
     if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) && path_ != GemmPath::kGrouped)
       return ffi::Error::Internal("jaxmlp: FP8 products run on the cuBLASLt grouped path only");
+    if (s.scaling == Fp8Scaling::kBlocks && s.op != GemmOp::kNT && s.op != GemmOp::kTNPadded)
+      return ffi::Error::Internal("jaxmlp: block-scaled FP8 products are kNT or kTNPadded");
     padded |= s.op == GemmOp::kTNPadded;
+    if (s.op == GemmOp::kTNPadded && s.scaling == Fp8Scaling::kBlocks) pad = 128;
   }
-  if (padded && PaddedRows(M_, E_) > INT32_MAX)
-    return ffi::Error::InvalidArgument("jaxmlp: M + 15 E must be below 2^31 for the FP8 weight gradients");
+  for (const GemmSpec& s : specs)
+    if (s.op == GemmOp::kTNPadded && (pad == 128) != (s.scaling == Fp8Scaling::kBlocks))
+      return ffi::Error::Internal("jaxmlp: one call's kTNPadded products share one padding");
+  if (padded && PaddedRows(M_, E_, pad) > INT32_MAX)
+    return ffi::Error::InvalidArgument("jaxmlp: M + (pad - 1) E must be below 2^31 for the FP8 weight gradients");
   SetupParams p{};
   p.sizes = group_sizes_;
   p.E = int32_t(E_);
@@ -178,7 +200,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
   p.num_gemms = int32_t(specs.size());
   p.out = arrays_;
   if (!padded) p.out.padded = nullptr;  // nothing reads them; and a size near 2^31 would not round up in int32
-  p.padded_ld = PaddedRows(M_, E_);
+  p.pad = pad;
+  p.padded_ld = PaddedRows(M_, E_, pad);
   num_specs_ = 0;
   for (const GemmSpec& s : specs) {
     p.in_bytes[num_specs_] = int32_t(ffi::ByteWidth(s.in_type));

@@ -57,6 +57,27 @@ inline ffi::Error CheckWorkspace(const Carver& c, const ffi::AnyBuffer& ws) {
 // cuBLASLt workspace; 32 MiB is what cuBLAS recommends on Hopper.
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
+// How an FP8 product's operands are scaled (GemmSpec::lhs_scale, rhs_scale):
+//   kTensor  one float per operand for all groups (SCALAR_32F);
+//   kBlocks  the blockwise recipe's power-of-two block scales (jaxmlp/fp8_blockwise.py), which cuBLASLt
+//            reads per group through pointer arrays the setup kernel writes:
+//            kNT       lhs rows in 1x128 blocks along the reduction (VEC128_32F), lhs_scale in the layout of
+//                      Vec128Base; rhs[g] [K, N] in 128x128 blocks (BLK128x128_32F), rhs_scale
+//                      [E, ceil(K / 128), round_up(ceil(N / 128), 4)];
+//            kTNPadded both operands in 1x128 blocks along the tokens (VEC128_32F), each group's columns
+//                      starting at a multiple of 128 (PaddedRows with pad 128), scales [ld / 128, rows]
+//                      (rows: K for lhs, N for rhs).
+enum class Fp8Scaling : int32_t { kTensor = 0, kBlocks = 1 };
+
+// Where kNT's VEC128 scales of group g (first row `start`, `blocks` blocks per row) begin: cuBLASLt reads
+// scale (r, b) of the group at Vec128Base + b * round_up(rows, 4) + r, from a 16-byte aligned start (a
+// group's scales at 4-byte alignment fault with a misaligned address). round_up(start + 3 g, 4) leaves
+// each group round_up(rows, 4) rows of blocks before the next one's base, so all groups fit in
+// blocks * (M + 3 E + 3) floats.
+__host__ __device__ inline int64_t Vec128Base(int64_t start, int64_t g, int64_t blocks) {
+  return blocks * ((start + 3 * g + 3) / 4 * 4);
+}
+
 // One grouped product (GemmOp in common.h), row-major operands.
 struct GemmSpec {
   GemmOp op;
@@ -70,15 +91,17 @@ struct GemmSpec {
   // starts copying them before the kernel ahead of it on the stream has finished.
   bool lhs_is_input = false, rhs_is_input = false;
   // FP8 (in_type F8E4M3FN, cuBLASLt grouped path only): device pointers to the operands' dequantization
-  // scales (one float each), and whether to use the faster, less precise FP8 accumulation.
+  // scales (see Fp8Scaling), and whether to use the faster, less precise FP8 accumulation.
   const float* lhs_scale = nullptr;
   const float* rhs_scale = nullptr;
   bool fast_accumulation = false;
+  Fp8Scaling scaling = Fp8Scaling::kTensor;
 };
 
-// Leading dimension of the kTNPadded operands of a call over M rows and E groups: room for every group's
-// rows rounded up to 16, itself a multiple of 16 (16-byte aligned FP8 rows).
-inline int64_t PaddedRows(int64_t M, int64_t E) { return (M + 15 * E + 15) / 16 * 16; }
+// Leading dimension of the kTNPadded operands of a call over M rows and E groups, where each group's
+// columns start at a multiple of `pad` (16: 16-byte aligned FP8 rows; 128: whole blocks of the blockwise
+// recipe): room for every group's rows rounded up to pad, itself a multiple of pad.
+inline int64_t PaddedRows(int64_t M, int64_t E, int64_t pad = 16) { return (M + (pad - 1) * E + pad - 1) / pad * pad; }
 
 // Device arrays written by the setup kernel.
 struct GroupArrays {
@@ -86,8 +109,9 @@ struct GroupArrays {
   int64_t* offsets;  // [E + 1] first row of each group; offsets[E] = rows in use
   int32_t* dims;     // [kMaxGemms][2][E]: K and N repeated per group (cuBLASLt reads dims from arrays)
   void** ptrs;       // [kMaxGemms][3][E]: cuBLAS A, B and D pointers per group
+  void** scale_ptrs;  // [kMaxGemms][2][E]: cuBLAS A and B scale pointers per group (Fp8Scaling::kBlocks)
   int32_t* padded;   // [2][E]: kTNPadded's group sizes rounded up to 16, and its leading dimension
-  int64_t* padded_starts;  // [E]: kTNPadded's first column of each group (the running sum of `padded`)
+  int64_t* padded_starts;  // [E]: kTNPadded's first column of each group (group sizes rounded up to the pad)
 };
 
 // The grouped products of one FFI call, on one stream.

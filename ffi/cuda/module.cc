@@ -32,6 +32,7 @@ namespace nb = nanobind;
 namespace jaxmlp {
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
 size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize);
+size_t GemmFp8BlocksWorkspaceBytes(int32_t op, int64_t M, int64_t E, int64_t N);
 extern std::atomic<int64_t> handler_host_calls;
 }
 
@@ -106,6 +107,10 @@ NB_MODULE(_cuda, m) {
         return jaxmlp::MlpFp8WorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
       },
       "Scratch bytes of one FP8 grouped-MLP call (dtype_code: 1 bfloat16, 2 float16).");
+  m.def("gemm_fp8_blocks_workspace_bytes", &jaxmlp::GemmFp8BlocksWorkspaceBytes, nb::arg("op"), nb::arg("M"),
+        nb::arg("E"), nb::arg("N"),
+        "Scratch bytes of one block-scaled FP8 product (op 1: nt, 3: tn over padded columns) of M rows in E "
+        "groups and reduction N (nt).");
   m.def(
       "gemm_workspace_bytes",
       [](const std::string& path, int64_t E) {
