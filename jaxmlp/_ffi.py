@@ -316,6 +316,38 @@ def gemm_fp8_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, group_sizes, rows
   return call(*args, op=np.int32(code), rows=np.int64(rows))[0]
 
 
+def fp8_block_rows(v):
+  """fp8_blockwise.quantize_rows on the GPU: (q [R, C] e4m3, exponents [R, ceil(C / 128)] int32)."""
+  R, C = v.shape
+  sds = _result_types(v)
+  call = jax.ffi.ffi_call("jaxmlp_fp8_block_rows", [sds((R, C), jnp.float8_e4m3fn), sds((R, -(-C // 128)), jnp.int32)],
+                          vmap_method="sequential")
+  return tuple(call(v))
+
+
+def fp8_block_columns(v, first, rows):
+  """fp8_blockwise.quantize_columns on the GPU, from its blocks' (first row, rows) [B]: (q [C, 128 B] e4m3,
+  exponents [B, C] int32)."""
+  C, B = v.shape[1], first.shape[0]
+  sds = _result_types(v, first, rows)
+  call = jax.ffi.ffi_call("jaxmlp_fp8_block_columns", [sds((C, 128 * B), jnp.float8_e4m3fn), sds((B, C), jnp.int32)],
+                          vmap_method="sequential")
+  return tuple(call(v, first, rows))
+
+
+def fp8_block_weights(w):
+  """fp8_blockwise.quantize_weights on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K / 128),
+  ceil(N / 128)] int32, q transposed [E, N, K])."""
+  E, K, N = w.shape
+  sds = _result_types(w)
+  q = sds((E, K, N), jnp.float8_e4m3fn)
+  call = jax.ffi.ffi_call("jaxmlp_fp8_block_weights", [q, sds((E, N, K), jnp.float8_e4m3fn),
+                                                       sds((E, -(-K // 128), -(-N // 128)), jnp.int32)],
+                          vmap_method="sequential")
+  q, qt, e = call(w)
+  return q, e, qt
+
+
 def fp8_status() -> tuple[bool, str]:
   """Whether this process's CUDA device and cuBLAS run the FP8 grouped MLP, and why (not)."""
   if _cuda is None:

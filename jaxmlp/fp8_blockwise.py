@@ -29,10 +29,11 @@ qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Betw
 backward keeps h, qc(x) with its scales and the quantized weights with theirs. All data is e4m3: small
 blocks leave no range to protect with e5m2.
 
-The quantization is this module's JAX code on every platform. The products (`Products`) run on a GPU as
-FP8 tensor-core products with cuBLASLt's block scaling (jaxmlp_gemm_fp8_blocks, ffi/cuda/
-fp8_block_gemm_cuda.cu), elsewhere as their emulation: float32 sums of exactly dequantized operands on any
-grouped GEMM. The two agree up to the order of the float32 sums.
+On a GPU (`Backend`) the quantizers are CUDA kernels that compute this module's quantizers bit for bit
+(ffi/cuda/fp8_block_quantize.cu) and each product is an FP8 tensor-core product with cuBLASLt's block
+scaling (jaxmlp_gemm_fp8_blocks, ffi/cuda/fp8_block_gemm_cuda.cu); elsewhere the quantizers are this
+module's JAX code and the products their emulation (`emulation`): float32 sums of exactly dequantized
+operands on any grouped GEMM. The two agree up to the order of the float32 sums.
 """
 from __future__ import annotations
 
@@ -83,12 +84,14 @@ def dequantize_rows(q: jax.Array, e: jax.Array) -> jax.Array:
   return _dequantize(q, jnp.repeat(e, BLOCK, axis=1)[:, :q.shape[1]])
 
 
-def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """128 x 128 blocks of each w[g] [K, N]: (q [E, K, N] e4m3, exponents [E, ceil(K / 128), ceil(N / 128)])."""
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """128 x 128 blocks of each w[g] [K, N]: (q [E, K, N] e4m3, exponents [E, ceil(K / 128), ceil(N / 128)],
+  q transposed [E, N, K]: the layout the forward's FP8 products read)."""
   E, K, N = w.shape
   blocks = _pad_to_blocks(_pad_to_blocks(w, 1), 2).reshape(E, -1, BLOCK, (N + BLOCK - 1) // BLOCK, BLOCK)
   e = exponent(jnp.max(jnp.abs(blocks), axis=(2, 4)))
-  return _quantize(blocks, e[:, :, None, :, None]).reshape(E, -1, blocks.shape[3] * BLOCK)[:, :K, :N], e
+  q = _quantize(blocks, e[:, :, None, :, None]).reshape(E, -1, blocks.shape[3] * BLOCK)[:, :K, :N]
+  return q, e, jnp.swapaxes(q, 1, 2)
 
 
 def dequantize_weights(q: jax.Array, e: jax.Array) -> jax.Array:
@@ -108,25 +111,34 @@ def padded_sizes(sizes: jax.Array, m: int) -> jax.Array:
   return (_checks.clamp_group_sizes(sizes, m) + BLOCK - 1) // BLOCK * BLOCK
 
 
-def quantize_columns(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """128 x 1 blocks of v [M, C] within the groups, laid out for the weight gradients: (q [C, L] e4m3,
-  exponents [L / 128, C]) with L = padded_length(M, E). Each group's rows start at a multiple of 128, so
-  block b of a group of 300 rows holds its rows 128 b .. 128 b + 127 (the last one 44 rows and zeros) and no
-  block spans two groups; the rows between groups are zeros. Transposed: the products reduce over the
-  tokens, and FP8 tensor cores read both operands contiguous along the reduction."""
-  M, C = v.shape
-  sizes = _checks.clamp_group_sizes(sizes, M)
-  spans = padded_sizes(sizes, M)
-  L = padded_length(M, sizes.shape[0])
+def column_blocks(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+  """The 128 x 1 blocks of m rows in groups, in the weight gradients' layout (quantize_columns): (first row,
+  rows) of each of the padded_length(m, E) / 128 blocks, int32. Each group's rows start at a multiple of
+  128, so block b of a group of 300 rows holds its rows 128 b .. 128 b + 127 (the last one 44 rows) and no
+  block spans two groups; the blocks past the groups hold no rows."""
+  sizes = _checks.clamp_group_sizes(sizes, m)
+  spans = padded_sizes(sizes, m)
   span_ends = jnp.cumsum(spans)
-  slot = jnp.arange(L, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(span_ends, slot, side="right"), sizes.shape[0] - 1)
-  within = slot - (span_ends - spans)[group]
-  source = jnp.where(within < sizes[group], jnp.cumsum(sizes)[group] - sizes[group] + within, M)
+  start = jnp.arange(padded_length(m, sizes.shape[0]) // BLOCK, dtype=jnp.int32) * BLOCK
+  group = jnp.minimum(jnp.searchsorted(span_ends, start, side="right"), sizes.shape[0] - 1)
+  within = start - (span_ends - spans)[group]
+  first = jnp.cumsum(sizes)[group] - sizes[group] + within
+  return first.astype(jnp.int32), jnp.clip(sizes[group] - within, 0, BLOCK).astype(jnp.int32)
+
+
+def quantize_columns(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """128 x 1 blocks of v [M, C] within the groups (column_blocks), laid out for the weight gradients:
+  (q [C, L] e4m3, exponents [L / 128, C]) with L = padded_length(M, E), zeros past each block's rows.
+  Transposed: the products reduce over the tokens, and FP8 tensor cores read both operands contiguous
+  along the reduction."""
+  M, C = v.shape
+  first, rows = column_blocks(sizes, M)
+  within = jnp.arange(BLOCK, dtype=jnp.int32)
+  source = jnp.where(within < rows[:, None], first[:, None] + within, M).reshape(-1)
   padded = jnp.take(v, source, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-  blocks = padded.reshape(L // BLOCK, BLOCK, C)
+  blocks = padded.reshape(-1, BLOCK, C)
   e = exponent(jnp.max(jnp.abs(blocks), axis=1))
-  return _quantize(blocks, e[:, None, :]).reshape(L, C).T, e
+  return _quantize(blocks, e[:, None, :]).reshape(-1, C).T, e
 
 
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
@@ -134,65 +146,69 @@ def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
   return _dequantize(q.T, jnp.repeat(e, BLOCK, axis=0))
 
 
-class Products(tp.NamedTuple):
-  """The recipe's two kinds of product of quantized operands (each a (q, exponents) pair), accumulated in
-  float32 and rounded once to `dtype`:
+class Backend(tp.NamedTuple):
+  """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
+  module of the same names, bit for bit (the emulation: those functions). The products take quantized
+  operands, accumulate in float32 and round once to `dtype`:
     rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
-      [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights): [M, n];
+      [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
+      reads only q and exponents): [M, n];
     columns(lhs, rhs, sizes, m, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
       [m, N]): [E, K, N]."""
+  quantize_rows: tp.Callable
+  quantize_columns: tp.Callable
+  quantize_weights: tp.Callable
   rows: tp.Callable
   columns: tp.Callable
 
 
-def emulated_products(gemm: Gemm) -> Products:
-  """Products of exactly dequantized operands with float32 accumulation, on any grouped GEMM."""
+def emulation(gemm: Gemm) -> Backend:
+  """This module's quantizers, and products of exactly dequantized operands with float32 accumulation on
+  any grouped GEMM."""
   def rows(lhs, w, sizes, transposed, dtype):
-    return gemm("nt" if transposed else "nn", dequantize_rows(*lhs), dequantize_weights(*w), sizes).astype(dtype)
+    return gemm("nt" if transposed else "nn", dequantize_rows(*lhs), dequantize_weights(*w[:2]), sizes).astype(dtype)
 
   def columns(lhs, rhs, sizes, m, dtype):
     return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
 
-  return Products(rows, columns)
+  return Backend(quantize_rows, quantize_columns, quantize_weights, rows, columns)
 
 
-def forward(products: Products, x, w1, w2, sizes, scales, valid, act: Activation):
+def forward(b: Backend, x, w1, w2, sizes, scales, valid, act: Activation):
   """(y, residuals) of the blockwise forward; `valid` marks the rows in groups. The residuals: h, x in
   128 x 1 blocks (the weight gradient's operand) and the quantized weights, each with its exponents."""
-  dtype, rows = x.dtype, valid[:, None]
-  x = jnp.where(rows, x, 0)
-  w1q = quantize_weights(w1)
-  w2q = quantize_weights(w2)
-  h = jnp.where(rows, products.rows(quantize_rows(x), w1q, sizes, False, dtype), 0)
+  dtype, rows = x.dtype, valid[:, None]  # rows past the groups: read by no product, zero in the results
+  w1q = b.quantize_weights(w1)
+  w2q = b.quantize_weights(w2)
+  h = jnp.where(rows, b.rows(b.quantize_rows(x), w1q, sizes, False, dtype), 0)
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(rows, a, 0)
-  y = products.rows(quantize_rows(a), w2q, sizes, False, dtype)
-  return jnp.where(rows, y, 0), (h, quantize_columns(x, sizes), w1q, w2q)
+  y = b.rows(b.quantize_rows(a), w2q, sizes, False, dtype)
+  return jnp.where(rows, y, 0), (h, b.quantize_columns(x, sizes), w1q[:2], w2q[:2])
 
 
-def backward(products: Products, residuals, sizes, scales, valid, act: Activation, dy):
+def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   """(dx, dw1, dw2, dscales or None) of the blockwise backward, from the forward's residuals."""
   h, xq, w1q, w2q = residuals
   dtype, rows = h.dtype, valid[:, None]
-  dy = jnp.where(rows, dy.astype(jnp.float32), 0)
-  da = jnp.where(rows, products.rows(quantize_rows(dy), w2q, sizes, True, dtype).astype(jnp.float32), 0)
+  da = jnp.where(rows, b.rows(b.quantize_rows(dy), w2q, sizes, True, dtype).astype(jnp.float32), 0)
   value, vjp = jax.vjp(act, h.astype(jnp.float32))
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
-  dx = products.rows(quantize_rows(dh), w1q, sizes, True, dtype)
+  dx = b.rows(b.quantize_rows(dh), w1q, sizes, True, dtype)
   m = h.shape[0]
-  dw2 = products.columns(quantize_columns(a, sizes), quantize_columns(dy, sizes), sizes, m, dtype)
-  dw1 = products.columns(xq, quantize_columns(dh, sizes), sizes, m, dtype)
+  dw2 = b.columns(b.quantize_columns(a, sizes), b.quantize_columns(dy, sizes), sizes, m, dtype)
+  dw1 = b.columns(xq, b.quantize_columns(dh, sizes), sizes, m, dtype)
   dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
   return jnp.where(rows, dx, 0), dw1, dw2, dscales
 
 
 def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
-  return forward(emulated_products(gemm), x, w1, w2, sizes, scales, valid, act)
+  return forward(emulation(gemm), x, w1, w2, sizes, scales, valid, act)
 
 
 def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):
-  return backward(emulated_products(gemm), residuals, sizes, scales, valid, act, dy)
+  return backward(emulation(gemm), residuals, sizes, scales, valid, act, dy)

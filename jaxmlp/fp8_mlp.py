@@ -1,8 +1,8 @@
 """grouped_mlp with an FP8 recipe: the custom_vjp, on the CUDA handlers or the emulation.
 
 On a GPU, the tensorwise recipe (jaxmlp.fp8) runs each direction as one custom call (jaxmlp_mlp_fp8_fwd /
-_bwd, ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) quantizes in XLA and runs each
-of its six products as a block-scaled FP8 custom call (jaxmlp_gemm_fp8_blocks). Elsewhere a recipe is
+_bwd, ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) runs each quantization and
+each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu). Elsewhere a recipe is
 emulated: quantize-dequantize in JAX around float32 grouped products, which grouped_mlp computes on jaxmlp's
 grouped GEMM of bfloat16 operands (exact for dequantized FP8 values) and jaxmlp.reference on
 jax.lax.ragged_dot. Both directions carry the same residuals on every platform: for tensorwise the FC1
@@ -83,16 +83,16 @@ def _ragged_dot_gemm(op, lhs, rhs, sizes):
   return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=hi, preferred_element_type=jnp.float32)
 
 
-# ---- the blockwise recipe's products on a GPU -----------------------------------------------------------------
+# ---- the blockwise recipe on a GPU ----------------------------------------------------------------------------
 def _scales(e):
   """float32 2^e of the recipe's exponents: the block scales cuBLASLt multiplies by."""
   return jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
 
 
 def _cuda_rows(lhs, w, sizes, transposed, dtype):
-  (q, e), (wq, we) = lhs, w
-  if not transposed:  # the tensor cores read w[g] contiguous along the reduction: [n, k]
-    wq, we = jnp.swapaxes(wq, 1, 2), jnp.swapaxes(we, 1, 2)
+  (q, e), (wq, we) = lhs, w[:2]
+  if not transposed:  # the tensor cores read w[g] contiguous along the reduction: [n, k], quantize_weights's third
+    wq, we = w[2], jnp.swapaxes(we, 1, 2)
   we = jnp.pad(we, ((0, 0), (0, 0), (0, -we.shape[2] % 4)))  # cuBLASLt's 128x128 layout: blocks per row to 4
   return _ffi.gemm_fp8_blocks("nt", q, _scales(e), wq, _scales(we), sizes, q.shape[0], dtype)
 
@@ -102,21 +102,31 @@ def _cuda_columns(lhs, rhs, sizes, m, dtype):
   return _ffi.gemm_fp8_blocks("tn", lq, _scales(le), rq, _scales(re), sizes, m, dtype)
 
 
-def _block_products() -> fp8_blockwise.Products:
-  """The blockwise products: cuBLASLt's block-scaled FP8 GEMM on a GPU, the emulation elsewhere."""
-  emulated = fp8_blockwise.emulated_products(_bfloat16_gemm)
+def _cuda_quantize_columns(v, sizes):
+  return _ffi.fp8_block_columns(v, *fp8_blockwise.column_blocks(sizes, v.shape[0]))
 
-  def rows(lhs, w, sizes, transposed, dtype):
-    def on(product):
-      return lambda lhs, w, sizes: product(lhs, w, sizes, transposed, dtype)
-    return jax.lax.platform_dependent(lhs, w, sizes, cpu=on(emulated.rows), cuda=on(_cuda_rows))
 
-  def columns(lhs, rhs, sizes, m, dtype):
-    def on(product):
-      return lambda lhs, rhs, sizes: product(lhs, rhs, sizes, m, dtype)
-    return jax.lax.platform_dependent(lhs, rhs, sizes, cpu=on(emulated.columns), cuda=on(_cuda_columns))
+_CUDA_BLOCKWISE = fp8_blockwise.Backend(_ffi.fp8_block_rows, _cuda_quantize_columns, _ffi.fp8_block_weights,
+                                        _cuda_rows, _cuda_columns)
 
-  return fp8_blockwise.Products(rows, columns)
+
+def _blockwise_backend() -> fp8_blockwise.Backend:
+  """The blockwise recipe's kernels: CUDA's on a GPU, the emulation elsewhere, chosen per platform at
+  lowering (both compute the same quantized values)."""
+  emulated = fp8_blockwise.emulation(_bfloat16_gemm)
+
+  def per_platform(name, *static):
+    cpu, cuda = getattr(emulated, name), getattr(_CUDA_BLOCKWISE, name)
+    def call(*args):
+      return jax.lax.platform_dependent(*args, cpu=lambda *a: cpu(*a, *static), cuda=lambda *a: cuda(*a, *static))
+    return call
+
+  return fp8_blockwise.Backend(
+      quantize_rows=per_platform("quantize_rows"),
+      quantize_columns=per_platform("quantize_columns"),
+      quantize_weights=per_platform("quantize_weights"),
+      rows=lambda lhs, w, sizes, transposed, dtype: per_platform("rows", transposed, dtype)(lhs, w, sizes),
+      columns=lambda lhs, rhs, sizes, m, dtype: per_platform("columns", m, dtype)(lhs, rhs, sizes))
 
 
 def _emulated_forward(gemm, recipe):
@@ -150,7 +160,7 @@ def _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape):
 
   args = (x, w1, w2, group_sizes, scales)
   if recipe.name == "blockwise":
-    y, residuals = fp8_blockwise.forward(_block_products(), *args, _valid_rows(group_sizes, x.shape[0]), act)
+    y, residuals = fp8_blockwise.forward(_blockwise_backend(), *args, _valid_rows(group_sizes, x.shape[0]), act)
   else:
     y, residuals = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
   return y, (residuals, group_sizes, scales)
@@ -169,7 +179,7 @@ def _mlp_bwd(act, recipe, shape, res, dy):
   args = (residuals, group_sizes, scales, dy.astype(residuals[0].dtype))
   if recipe.name == "blockwise":
     valid = _valid_rows(group_sizes, dy.shape[0])
-    dx, dw1, dw2, dscales = fp8_blockwise.backward(_block_products(), *args[:3], valid, act, args[3])
+    dx, dw1, dw2, dscales = fp8_blockwise.backward(_blockwise_backend(), *args[:3], valid, act, args[3])
   else:
     dx, dw1, dw2, dscales = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
   return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales

@@ -10,7 +10,7 @@ from conftest import check_close, check_padding_rows_zero, max_error, rel_error
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
 import numpy_reference as ref
-from jaxmlp import _ffi
+from jaxmlp import _ffi, fp8_mlp
 
 # (M, d, f, group_sizes): empty groups, a skewed group, sizes that are not multiples of 16, padding rows.
 CASES = {
@@ -158,6 +158,35 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case):
   # through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
   for k in results["cpu"]:
     check_close(results["cuda"][k], results["cpu"][k], 3e-2 if fast else CUDA_TOLERANCE, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cuda_blockwise_quantizers_equal_the_jax_ones(rng, dtype):
+  """The CUDA quantizers of the blockwise recipe write the e4m3 values and exponents of its JAX quantizers
+  bit for bit: rows of magnitudes 2^-12 to 2^12, a zero block, blocks cut short by the widths (272, 144)
+  and by the groups (300 rows: 128, 128 and 44), an empty group and rows past the groups."""
+  reason = fp8_reason()
+  if reason:
+    pytest.skip(reason)
+  M, C, sizes = 448, 272, [300, 0, 37, 63, 1]
+  v = rng.standard_normal((M, C)) * 2.0 ** rng.integers(-12, 13, (M, 1))
+  v[:5, 128:256] = 0
+  w = rng.standard_normal((3, C, 144)) * 2.0 ** rng.integers(-12, 13, (3, 1, 1))
+  v, w, gs = jnp.asarray(v, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)
+  backend = fp8_mlp._blockwise_backend()  # the CUDA kernels on a GPU, the JAX quantizers on the CPU
+  quantizers = {"rows": lambda v, w, gs: backend.quantize_rows(v),
+                "columns": lambda v, w, gs: backend.quantize_columns(v, gs),
+                "weights": lambda v, w, gs: backend.quantize_weights(w)}
+  bits = lambda a: np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)
+  for name, quantize in quantizers.items():
+    results = {}
+    for platform in ("cpu", "cuda"):
+      device = jax.devices(platform)[0]
+      with jax.default_device(device):
+        results[platform] = jax.jit(quantize)(*jax.device_put((v, w, gs), device))
+    for i, (got, want) in enumerate(zip(results["cuda"], results["cpu"])):
+      np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{name}: output {i}")
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -1,0 +1,262 @@
+// CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8_blockwise.py defines them, and its JAX code
+// is the CPU's): one pass over each tensor, writing e4m3 data and the int32 exponent e of each block's
+// scale 2^e bit for bit as the JAX code computes them, in the layouts jaxmlp_gemm_fp8_blocks reads.
+//   rows     v [R, C] -> q [R, C], e [R, ceil(C / 128)]               1 x 128 blocks along the rows
+//   columns  v [M, C], first [B], count [B] -> qt [C, 128 B], e [B, C] 128 x 1 blocks: block b holds rows
+//            first[b] .. first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
+//   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "../common.h"
+#include "elements.cuh"
+#include "launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::DataType;
+using ffi::Error;
+using ffi::Result;
+
+constexpr int kBlock = 128;
+
+// The least e with amax / 448 <= 2^e (0 where amax is 0): fp8_blockwise.exponent.
+__device__ __forceinline__ int Exponent(float amax) {
+  if (!(amax > 0.0f)) return 0;
+  int e;
+  const float mantissa = frexpf(amax / 448.0f, &e);
+  return mantissa == 0.5f ? e - 1 : e;
+}
+
+// e4m3(v / 2^e), round to nearest even, saturating; NaN stays NaN (fp8.to_e4m3).
+__device__ __forceinline__ uint8_t Quantize(float v, int e) {
+  return __nv_cvt_float_to_fp8(ldexpf(v, -e), __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
+  return v;
+}
+
+// A warp per 1 x 128 block: each lane four consecutive elements (C is a multiple of 16, so a lane's four
+// are all in the row or all past it).
+template <typename T>
+__global__ void __launch_bounds__(256) RowBlocksKernel(const T* v, int64_t R, int64_t C, uint8_t* q, int32_t* e) {
+  const int64_t blocks = (C + kBlock - 1) / kBlock, lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < R * blocks; w += warps) {
+    const int64_t r = w / blocks, c = w % blocks * kBlock + lane * 4;
+    Vec<T, 4> x{};
+    if (c < C) x = Load<T, 4>(v + r * C + c);
+    float f[4], amax = 0.0f;
+    for (int i = 0; i < 4; ++i) f[i] = Conv<T>::To(x.v[i]), amax = fmaxf(amax, fabsf(f[i]));
+    const int exp = Exponent(WarpMax(amax));
+    if (c < C) {
+      uint32_t packed = 0;
+      for (int i = 0; i < 4; ++i) packed |= uint32_t(Quantize(f[i], exp)) << (8 * i);
+      *reinterpret_cast<uint32_t*>(q + r * C + c) = packed;
+    }
+    if (lane == 0) e[w] = exp;
+  }
+}
+
+// A block per 128 rows x 64 columns of the output's blocks: loads the rows (zeros past count[b]), takes
+// each column's maximum, and writes the column's 128 quantized rows as one 128-byte segment of qt.
+constexpr int kColumns = 64;
+template <typename T>
+__global__ void __launch_bounds__(256) ColumnBlocksKernel(const T* v, int64_t M, int64_t C, const int32_t* first,
+                                                          const int32_t* count, int64_t L, uint8_t* qt, int32_t* e) {
+  __shared__ float tile[kBlock][kColumns + 1];
+  __shared__ int exps[kColumns];
+  const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kColumns;
+  // Device data: a block's rows are clamped into [0, M) whatever first and count hold.
+  const int64_t start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
+  const int64_t rows = std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), kBlock), M - start);
+  const int col = threadIdx.x % kColumns;
+  for (int i = threadIdx.x / kColumns; i < kBlock; i += blockDim.x / kColumns)
+    tile[i][col] = i < rows && c0 + col < C ? Conv<T>::To(v[(start + i) * C + c0 + col]) : 0.0f;
+  __syncthreads();
+  {  // four threads per column, 32 rows each
+    const int c = threadIdx.x / 4, part = threadIdx.x % 4;
+    float amax = 0.0f;
+    for (int i = part * 32; i < part * 32 + 32; ++i) amax = fmaxf(amax, fabsf(tile[i][c]));
+    amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 2));
+    if (part == 0) {
+      exps[c] = Exponent(amax);
+      if (c0 + c < C) e[b * C + c0 + c] = exps[c];
+    }
+  }
+  __syncthreads();
+  const int i = threadIdx.x % 32 * 4;  // 32 threads per column, four rows each
+  for (int c = threadIdx.x / 32; c < kColumns && c0 + c < C; c += blockDim.x / 32) {
+    uint32_t packed = 0;
+    for (int j = 0; j < 4; ++j) packed |= uint32_t(Quantize(tile[i + j][c], exps[c])) << (8 * j);
+    *reinterpret_cast<uint32_t*>(qt + (c0 + c) * L + b * kBlock + i) = packed;
+  }
+}
+
+// A block per 128 x 128 tile of one expert, reading the tile twice (the second time from L2): its maximum,
+// then its quantized values as they lie (q) and, through shared memory, transposed (qt). Eight elements a
+// thread and access (K and N are multiples of 16). Holding the tile in registers instead (64 floats a
+// thread) took 8.6 ms for dsv3's w1 on an H100, 0.2 TB/s.
+template <typename T>
+__global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
+                                                          int32_t* e) {
+  __shared__ uint8_t tile[kBlock][kBlock + 4];
+  __shared__ float warp_max[8];
+  const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
+  const int64_t k0 = kb * kBlock, n0 = nb * kBlock;
+  const T* src = w + g * K * N;
+  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;  // 16 threads a row, 16 rows a pass
+  const bool in_columns = n0 + j < N;
+  float amax = 0.0f;
+  for (int i = first_row; i < kBlock; i += 16) {
+    if (k0 + i >= K || !in_columns) continue;
+    const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
+    for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(x.v[u])));
+  }
+  amax = WarpMax(amax);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  const int exp = Exponent(amax);
+  if (threadIdx.x == 0) e[(g * gridDim.y + kb) * gridDim.x + nb] = exp;
+  for (int i = first_row; i < kBlock; i += 16) {
+    if (k0 + i >= K || !in_columns) continue;
+    const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
+    uint64_t packed = 0;
+    for (int u = 0; u < 8; ++u) {
+      const uint8_t b = Quantize(Conv<T>::To(x.v[u]), exp);
+      tile[i][j + u] = b;
+      packed |= uint64_t(b) << (8 * u);
+    }
+    *reinterpret_cast<uint64_t*>(q + g * K * N + (k0 + i) * N + n0 + j) = packed;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kBlock * 16; idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
+    const int n = idx / 16, i = idx % 16 * 8;
+    if (n0 + n >= N || k0 + i >= K) continue;
+    uint64_t packed = 0;
+    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
+    *reinterpret_cast<uint64_t*>(qt + g * K * N + (n0 + n) * K + k0 + i) = packed;
+  }
+}
+
+Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
+  const DataType t = v.element_type();
+  if (t != DataType::BF16 && t != DataType::F16 && t != DataType::F32)
+    return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must be bfloat16, float16 or float32");
+  if (v.dimensions().size() != rank)
+    return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must have rank " + std::to_string(rank));
+  for (int64_t n : v.dimensions())
+    if (n > INT32_MAX) return Error::InvalidArgument("jaxmlp: quantizer extents must be below 2^31");
+  if (v.dimensions().back() % 16)
+    return Error::InvalidArgument(std::string("jaxmlp: ") + name + "'s last dimension must be a multiple of 16");
+  return Error::Success();
+}
+
+Error CheckOut(const char* name, const AnyBuffer& b, std::initializer_list<int64_t> want, DataType t) {
+  JAXMLP_RETURN_IF_ERROR(CheckShape(name, b, want));
+  if (b.element_type() != t) return Error::InvalidArgument(std::string("jaxmlp: ") + name + " has the wrong dtype");
+  return Error::Success();
+}
+
+int64_t Blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+Error Fp8BlockRows(cudaStream_t stream, AnyBuffer v, Result<AnyBuffer> q, Result<AnyBuffer> e) {
+  JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
+  const int64_t R = v.dimensions()[0], C = v.dimensions()[1];
+  JAXMLP_RETURN_IF_ERROR(CheckOut("q", *q, {R, C}, DataType::F8E4M3FN));
+  JAXMLP_RETURN_IF_ERROR(CheckOut("e", *e, {R, Blocks(C)}, DataType::S32));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e}));
+  if (R == 0 || C == 0) return Error::Success();
+  const unsigned grid = unsigned(std::min<int64_t>((R * Blocks(C) + 7) / 8, 65536));
+  ByType(v.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    RowBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(v.untyped_data()), R, C,
+                                                 static_cast<uint8_t*>(q->untyped_data()),
+                                                 static_cast<int32_t*>(e->untyped_data()));
+  });
+  return CheckCuda(cudaGetLastError(), "launching the 1x128 quantizer");
+}
+
+Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuffer count, Result<AnyBuffer> qt,
+                      Result<AnyBuffer> e) {
+  JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
+  const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
+  if (first.dimensions().size() != 1 || first.element_type() != DataType::S32)
+    return Error::InvalidArgument("jaxmlp: first must be a 1-D int32 array");
+  const int64_t B = first.dimensions()[0];
+  JAXMLP_RETURN_IF_ERROR(CheckOut("count", count, {B}, DataType::S32));
+  JAXMLP_RETURN_IF_ERROR(CheckOut("qt", *qt, {C, B * kBlock}, DataType::F8E4M3FN));
+  JAXMLP_RETURN_IF_ERROR(CheckOut("e", *e, {B, C}, DataType::S32));
+  if (B * kBlock > INT32_MAX) return Error::InvalidArgument("jaxmlp: 128 x 1 blocks of more than 2^31 rows");
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*qt, &*e}));
+  if (B == 0 || C == 0) return Error::Success();
+  const dim3 grid(unsigned(B), unsigned((C + kColumns - 1) / kColumns));
+  ByType(v.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ColumnBlocksKernel<T><<<grid, 256, 0, stream>>>(
+        static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
+        static_cast<const int32_t*>(count.untyped_data()), B * kBlock, static_cast<uint8_t*>(qt->untyped_data()),
+        static_cast<int32_t*>(e->untyped_data()));
+  });
+  return CheckCuda(cudaGetLastError(), "launching the 128x1 quantizer");
+}
+
+Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
+                      Result<AnyBuffer> e) {
+  JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
+  const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
+  JAXMLP_RETURN_IF_ERROR(CheckOut("q", *q, {E, K, N}, DataType::F8E4M3FN));
+  JAXMLP_RETURN_IF_ERROR(CheckOut("qt", *qt, {E, N, K}, DataType::F8E4M3FN));
+  JAXMLP_RETURN_IF_ERROR(CheckOut("e", *e, {E, Blocks(K), Blocks(N)}, DataType::S32));
+  if (E > 65535 || Blocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
+  if (E == 0 || K == 0 || N == 0) return Error::Success();
+  const dim3 grid(unsigned(Blocks(N)), unsigned(Blocks(K)), unsigned(E));
+  ByType(w.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    WeightBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(w.untyped_data()), K, N,
+                                                    static_cast<uint8_t*>(q->untyped_data()),
+                                                    static_cast<uint8_t*>(qt->untyped_data()),
+                                                    static_cast<int32_t*>(e->untyped_data()));
+  });
+  return CheckCuda(cudaGetLastError(), "launching the 128x128 quantizer");
+}
+
+}  // namespace
+}  // namespace jaxmlp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRows, jaxmlp::Fp8BlockRows,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Ret<xla::ffi::AnyBuffer>()   // q
+                                  .Ret<xla::ffi::AnyBuffer>(),  // e
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockColumns, jaxmlp::Fp8BlockColumns,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Arg<xla::ffi::AnyBuffer>()   // first
+                                  .Arg<xla::ffi::AnyBuffer>()   // count
+                                  .Ret<xla::ffi::AnyBuffer>()   // qt
+                                  .Ret<xla::ffi::AnyBuffer>(),  // e
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Ret<xla::ffi::AnyBuffer>()   // q
+                                  .Ret<xla::ffi::AnyBuffer>()   // qt
+                                  .Ret<xla::ffi::AnyBuffer>(),  // e
+                              {xla::ffi::Traits::kCmdBufferCompatible});
