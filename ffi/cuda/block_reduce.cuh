@@ -1,7 +1,14 @@
-// The block-wide float sum of the kernels whose sums must be the same bits on every run (no atomics).
+// The block-wide float sum of the kernels whose sums must be the same bits on every run (no atomics), and
+// the warp-wide maximum of the FP8 kernels' absolute maxima.
 #pragma once
 
 namespace jaxmlp {
+
+// The maximum of v over the 32 lanes of a full warp, on every lane (fmaxf: a NaN lane is passed over).
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
+  return v;
+}
 
 // The sum of v over the threads of a block of full warps, kMaxWarps at most, in a fixed order: a tree in
 // each warp, then the warps' sums in warp order. Every thread of the block calls it and gets the sum. It

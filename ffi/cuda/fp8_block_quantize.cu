@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "../common.h"
+#include "block_reduce.cuh"
 #include "elements.cuh"
 #include "launch.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -36,11 +37,6 @@ __device__ __forceinline__ int Exponent(float amax) {
 // e4m3(v / 2^e), round to nearest even, saturating; NaN stays NaN (fp8.to_e4m3).
 __device__ __forceinline__ uint8_t Quantize(float v, int e) {
   return __nv_cvt_float_to_fp8(ldexpf(v, -e), __NV_SATFINITE, __NV_E4M3);
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
-  return v;
 }
 
 // A warp per 1 x 128 block: each lane four consecutive elements (C is a multiple of 16, so a lane's four

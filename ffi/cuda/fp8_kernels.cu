@@ -37,11 +37,6 @@ __device__ __forceinline__ void AtomicMaxNonNegative(float* amax, float v) {
   atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
 }
 
-__device__ __forceinline__ float WarpMax(float v) {
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
-  return v;
-}
-
 // The block's maximum reaches *amax with one atomic per warp (fmaxf drops NaN: a NaN input quantizes to
 // NaN whatever the scale, as in the emulation).
 __device__ __forceinline__ void ReduceAbsMax(float v, float* amax) {
