@@ -35,7 +35,7 @@ def backend_info() -> dict:
     cuda.update(tiled_max_weights=_ffi.TILED_MAX_WEIGHTS, tiled_max_macs=_ffi.TILED_MAX_MACS)
     fp8_ok, fp8_why = _ffi.fp8_status()
     cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
-                fp8_blockwise="quantization in XLA, products on cuBLASLt's block-scaled FP8 grouped GEMM")
+                fp8_blockwise="jaxmlp's CUDA quantizers, products on cuBLASLt's block-scaled FP8 grouped GEMM")
   else:
     cuda["why"] = "no CUDA device visible to JAX"
   info["cuda"] = cuda

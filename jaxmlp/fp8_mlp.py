@@ -2,10 +2,10 @@
 
 On a GPU, the tensorwise recipe (jaxmlp.fp8) runs each direction as one custom call (jaxmlp_mlp_fp8_fwd /
 _bwd, ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) runs each quantization and
-each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu). Elsewhere a recipe is
-emulated: quantize-dequantize in JAX around float32 grouped products, which grouped_mlp computes on jaxmlp's
-grouped GEMM of bfloat16 operands (exact for dequantized FP8 values) and jaxmlp.reference on
-jax.lax.ragged_dot. Both directions carry the same residuals on every platform: for tensorwise the FC1
+each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu), the
+activation between them in XLA. Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32
+grouped products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for
+dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same residuals on every platform: for tensorwise the FC1
 output h, the forward's four amaxes and its e4m3 copies of x, w1 and w2 (not x itself: the backward needs
 only q(x), at half the bytes); for blockwise h, x's 128 x 1 blocks and the quantized weights.
 """
@@ -91,7 +91,7 @@ def _scales(e):
 
 def _cuda_rows(lhs, w, sizes, transposed, dtype):
   (q, e), (wq, we) = lhs, w[:2]
-  if not transposed:  # the tensor cores read w[g] contiguous along the reduction: [n, k], quantize_weights's third
+  if not transposed:  # FP8 tensor cores read w[g] contiguous along the reduction: the transposed copy [n, k]
     wq, we = w[2], jnp.swapaxes(we, 1, 2)
   we = jnp.pad(we, ((0, 0), (0, 0), (0, -we.shape[2] % 4)))  # cuBLASLt's 128x128 layout: blocks per row to 4
   return _ffi.gemm_fp8_blocks("nt", q, _scales(e), wq, _scales(we), sizes, q.shape[0], dtype)

@@ -69,8 +69,8 @@ NUMPY_MODEL = {"tensorwise": fp8_ref.grouped_mlp, "blockwise": fp8_ref.blockwise
 # (cuBLAS 13.10), up to 1.2e-2 relative error; single elements, where an e4m3 rounding moved, up to 6e-2
 # of the largest. On an H100 (2026-11-25) the smallest cases reached 2.7e-2 (y of "one_group", 48 x 16: its
 # first row ~1% low throughout, as where one of the row's few a values rounds to its other e4m3 neighbour;
-# one flip weighs more in fewer elements). On the CPU, where
-# the products are float32 sums: 1e-2, elements 2e-2.
+# one flip weighs more in fewer elements). On the CPU, where the products are float32 sums: 1e-2,
+# elements 2e-2.
 CUDA_TOLERANCE = 3e-2
 
 

@@ -229,7 +229,7 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
   }
 
   const int64_t avg_rows = std::max<int64_t>(M_ / E_, 1);
-  const LtKey key{device_,  s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation,
+  const LtKey key{device_, s.op, s.in_type, s.out_type, s.K, s.N, E, avg_rows, s.beta != 0.0f, s.fast_accumulation,
                   s.scaling};
   const bool blocks = s.scaling == Fp8Scaling::kBlocks;
   const void* scale_a = blocks ? static_cast<const void*>(arrays_.scale_ptrs + (i * 2 + 0) * E_) : s.rhs_scale;

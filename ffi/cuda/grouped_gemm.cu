@@ -191,7 +191,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
     if (s.op == GemmOp::kTNPadded && (pad == 128) != (s.scaling == Fp8Scaling::kBlocks))
       return ffi::Error::Internal("jaxmlp: one call's kTNPadded products share one padding");
   if (padded && PaddedRows(M_, E_, pad) > INT32_MAX)
-    return ffi::Error::InvalidArgument("jaxmlp: M + (pad - 1) E must be below 2^31 for the FP8 weight gradients");
+    return ffi::Error::InvalidArgument("jaxmlp: M + " + std::to_string(pad - 1) +
+                                       " E must be below 2^31 for the FP8 weight gradients");
   SetupParams p{};
   p.sizes = group_sizes_;
   p.E = int32_t(E_);
