@@ -10,7 +10,7 @@ from conftest import check_close, check_padding_rows_zero, max_error, rel_error
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
 import numpy_reference as ref
-from jaxmlp import _ffi, fp8_mlp
+from jaxmlp import _ffi, fp8_blockwise, fp8_mlp
 
 # (M, d, f, group_sizes): empty groups, a skewed group, sizes that are not multiples of 16, padding rows.
 CASES = {
@@ -161,6 +161,21 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case):
   # through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
   for k in results["cpu"]:
     check_close(results["cuda"][k], results["cpu"][k], 3e-2 if fast else CUDA_TOLERANCE, k)
+
+
+@pytest.mark.parametrize("sizes, want", [
+    # groups of 300, 0, 37, 63 and 1 rows of 448: 128-row blocks from each group's first row
+    ([300, 0, 37, 63, 1], [(0, 128), (128, 128), (256, 44), (300, 37), (337, 63), (400, 1)]),
+    # clamped as grouped_mlp clamps: negative sizes count as 0, the running total stops at 448 rows
+    ([-5, 500, 7], [(0, 128), (128, 128), (256, 128), (384, 64)]),
+])
+def test_blockwise_column_blocks(sizes, want):
+  """The weight gradients' 128 x 1 blocks, (first row, rows), that the JAX and the CUDA quantizer read: the
+  groups' blocks in order, then blocks of no rows up to padded_length."""
+  first, rows = fp8_blockwise.column_blocks(jnp.asarray(sizes, jnp.int32), 448)
+  got = list(zip(np.asarray(first).tolist(), np.asarray(rows).tolist()))
+  assert len(got) == fp8_blockwise.padded_length(448, len(sizes)) // 128
+  assert got[:len(want)] == want and all(r == 0 for _, r in got[len(want):]), got
 
 
 @pytest.mark.gpu
