@@ -33,8 +33,8 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       (costs a device-to-host copy; for debugging).
     fp8: None (x's dtype throughout), "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe: FC1 and FC2,
       forward and backward, as FP8 e4m3 products (the recipes: jaxmlp.fp8, jaxmlp.fp8_blockwise; on a GPU
-      "blockwise" is still an emulation at bfloat16's speed); bfloat16 or float16 operands, d and f
-      multiples of 16, no biases.
+      "blockwise" is still slower than bfloat16); bfloat16 or float16 operands, d and f multiples of 16,
+      no biases.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).

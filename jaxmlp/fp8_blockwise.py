@@ -1,4 +1,4 @@
-"""The blockwise FP8 recipe (DeepSeek-V3's block scaling) and its semantics as an emulation in JAX.
+"""The blockwise FP8 recipe (DeepSeek-V3's block scaling): its quantizers in JAX, and the recipe over a backend.
 
 `jaxmlp.grouped_mlp(..., fp8="blockwise")` quantizes every operand of the six products in blocks, each
 block with its own scale from its own absolute maximum (current scaling, stateless):

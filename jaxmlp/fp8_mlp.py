@@ -5,9 +5,10 @@ _bwd, ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) run
 each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu), the
 activation between them in XLA. Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32
 grouped products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for
-dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same residuals on every platform: for tensorwise the FC1
-output h, the forward's four amaxes and its e4m3 copies of x, w1 and w2 (not x itself: the backward needs
-only q(x), at half the bytes); for blockwise h, x's 128 x 1 blocks and the quantized weights.
+dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same
+residuals on every platform: for tensorwise the FC1 output h, the forward's four amaxes and its e4m3 copies
+of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes); for blockwise h, x's
+128 x 1 blocks and the quantized weights.
 """
 from __future__ import annotations
 

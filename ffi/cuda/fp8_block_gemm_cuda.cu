@@ -53,7 +53,8 @@ __global__ void Vec128ScalesKernel(const float* src, const int64_t* offsets, int
 
 Error CheckFloat32(const char* name, const AnyBuffer& b, std::initializer_list<int64_t> want) {
   JAXMLP_RETURN_IF_ERROR(CheckShape(name, b, want));
-  if (b.element_type() != DataType::F32) return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must be float32");
+  if (b.element_type() != DataType::F32)
+    return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must be float32");
   return Error::Success();
 }
 
