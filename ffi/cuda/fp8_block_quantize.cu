@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "../common.h"
 #include "block_reduce.cuh"
@@ -17,6 +18,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
+
+extern std::atomic<int64_t> handler_host_calls;
+
 namespace {
 
 using ffi::AnyBuffer;
@@ -166,6 +170,7 @@ Error CheckOut(const char* name, const AnyBuffer& b, std::initializer_list<int64
 int64_t Blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
 Error Fp8BlockRows(cudaStream_t stream, AnyBuffer v, Result<AnyBuffer> q, Result<AnyBuffer> e) {
+  ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   const int64_t R = v.dimensions()[0], C = v.dimensions()[1];
   JAXMLP_RETURN_IF_ERROR(CheckOut("q", *q, {R, C}, DataType::F8E4M3FN));
@@ -184,6 +189,7 @@ Error Fp8BlockRows(cudaStream_t stream, AnyBuffer v, Result<AnyBuffer> q, Result
 
 Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuffer count, Result<AnyBuffer> qt,
                       Result<AnyBuffer> e) {
+  ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
   if (first.dimensions().size() != 1 || first.element_type() != DataType::S32)
@@ -208,6 +214,7 @@ Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuff
 
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
                       Result<AnyBuffer> e) {
+  ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
   JAXMLP_RETURN_IF_ERROR(CheckOut("q", *q, {E, K, N}, DataType::F8E4M3FN));
