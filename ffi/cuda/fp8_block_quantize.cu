@@ -5,6 +5,8 @@
 //   columns  v [M, C], first [B], count [B] -> qt [C, 128 B], e [B, C] 128 x 1 blocks: block b holds rows
 //            first[b] .. first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
+// One difference: a block holding a NaN takes its exponent from its other values here (fmaxf passes NaN
+// over), from 0 in the JAX code (its maximum is NaN); the NaN itself stays NaN in both.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
