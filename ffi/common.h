@@ -139,13 +139,20 @@ inline ffi::Error CheckExtents(std::initializer_list<int64_t> sizes) {
   return ffi::Error::Success();
 }
 
+// Checks that `buf` has exactly the shape `want` and the dtype t, which the error calls `dtype`.
+inline ffi::Error CheckShapeAndType(const char* name, const ffi::AnyBuffer& buf, std::initializer_list<int64_t> want,
+                                    ffi::DataType t, const char* dtype) {
+  JAXMLP_RETURN_IF_ERROR(CheckShape(name, buf, want));
+  if (buf.element_type() != t)
+    return ffi::Error::InvalidArgument(std::string("jaxmlp: ") + name + " must have " + dtype);
+  return ffi::Error::Success();
+}
+
 // Checks that result `buf` has exactly the shape `want` and the dtype t: the handlers write every result
 // in the operands' dtype.
 inline ffi::Error CheckResult(const char* name, const ffi::AnyBuffer& buf, std::initializer_list<int64_t> want,
                               ffi::DataType t) {
-  JAXMLP_RETURN_IF_ERROR(CheckShape(name, buf, want));
-  if (buf.element_type() != t) return ffi::Error::InvalidArgument(std::string("jaxmlp: ") + name + " must have x's dtype");
-  return ffi::Error::Success();
+  return CheckShapeAndType(name, buf, want, t, "x's dtype");
 }
 
 // Shapes of one grouped MLP call, read off the buffers.

@@ -14,6 +14,7 @@
 #include <atomic>
 
 #include "../common.h"
+#include "group_scan.cuh"
 #include "grouped_gemm.h"
 #include "launch.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -31,8 +32,6 @@ using ffi::Result;
 
 constexpr DataType kFp8 = DataType::F8E4M3FN;
 
-int64_t Blocks(int64_t n) { return (n + 127) / 128; }
-
 // dst[Vec128Base(start, g, blocks) + b * round_up(rows, 4) + r - start] = src[r * blocks + b] for the rows r
 // of each group g (rows [offsets[g], offsets[g + 1])): kNT's lhs scales as cuBLASLt reads them.
 __global__ void Vec128ScalesKernel(const float* src, const int64_t* offsets, int64_t E, int64_t blocks,
@@ -40,22 +39,13 @@ __global__ void Vec128ScalesKernel(const float* src, const int64_t* offsets, int
   const int64_t total = offsets[E] * blocks;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / blocks, b = i % blocks;
-    int64_t lo = 0, hi = E - 1;  // the last group starting at or before r: the one holding r (r < offsets[E])
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (offsets[mid] <= r) lo = mid;
-      else hi = mid - 1;
-    }
-    const int64_t start = offsets[lo], rows = offsets[lo + 1] - start;
-    dst[Vec128Base(start, lo, blocks) + b * ((rows + 3) / 4 * 4) + r - start] = src[i];
+    const int64_t g = GroupOf(offsets, E, r), start = offsets[g], rows = offsets[g + 1] - start;
+    dst[Vec128Base(start, g, blocks) + b * ((rows + 3) / 4 * 4) + r - start] = src[i];
   }
 }
 
 Error CheckFloat32(const char* name, const AnyBuffer& b, std::initializer_list<int64_t> want) {
-  JAXMLP_RETURN_IF_ERROR(CheckShape(name, b, want));
-  if (b.element_type() != DataType::F32)
-    return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must be float32");
-  return Error::Success();
+  return CheckShapeAndType(name, b, want, DataType::F32, "dtype float32");
 }
 
 // The product's shapes, checked: M rows in groups, E groups, out [.., K] or [E, K, N].
@@ -80,18 +70,18 @@ Error CheckOperands(GemmOp op, int64_t rows, const AnyBuffer& lhs, const AnyBuff
     d->K = rhs.dimensions()[1];
     JAXMLP_RETURN_IF_ERROR(CheckShape("lhs", lhs, {rows, d->N}));
     JAXMLP_RETURN_IF_ERROR(CheckShape("rhs", rhs, {d->E, d->K, d->N}));
-    JAXMLP_RETURN_IF_ERROR(CheckFloat32("lhs_scales", lhs_scales, {rows, Blocks(d->N)}));
+    JAXMLP_RETURN_IF_ERROR(CheckFloat32("lhs_scales", lhs_scales, {rows, ScaleBlocks(d->N)}));
     JAXMLP_RETURN_IF_ERROR(
-        CheckFloat32("rhs_scales", rhs_scales, {d->E, Blocks(d->K), (Blocks(d->N) + 3) / 4 * 4}));
+        CheckFloat32("rhs_scales", rhs_scales, {d->E, ScaleBlocks(d->K), (ScaleBlocks(d->N) + 3) / 4 * 4}));
     JAXMLP_RETURN_IF_ERROR(CheckShape("out", out, {rows, d->K}));
   } else if (op == GemmOp::kTNPadded) {
-    d->K = lhs.dimensions()[0], d->L = PaddedRows(rows, d->E, 128);
+    d->K = lhs.dimensions()[0], d->L = PaddedRows(rows, d->E, kScaleBlock);
     if (rhs.dimensions().size() != 2) return CheckShape("rhs", rhs, {-1, d->L});
     d->N = rhs.dimensions()[0];
     JAXMLP_RETURN_IF_ERROR(CheckShape("lhs", lhs, {d->K, d->L}));
     JAXMLP_RETURN_IF_ERROR(CheckShape("rhs", rhs, {d->N, d->L}));
-    JAXMLP_RETURN_IF_ERROR(CheckFloat32("lhs_scales", lhs_scales, {d->L / 128, d->K}));
-    JAXMLP_RETURN_IF_ERROR(CheckFloat32("rhs_scales", rhs_scales, {d->L / 128, d->N}));
+    JAXMLP_RETURN_IF_ERROR(CheckFloat32("lhs_scales", lhs_scales, {d->L / kScaleBlock, d->K}));
+    JAXMLP_RETURN_IF_ERROR(CheckFloat32("rhs_scales", rhs_scales, {d->L / kScaleBlock, d->N}));
     JAXMLP_RETURN_IF_ERROR(CheckShape("out", out, {d->E, d->K, d->N}));
   } else {
     return Error::InvalidArgument("jaxmlp: the block-scaled FP8 product is op nt (1) or tn over padded columns (3)");
@@ -105,7 +95,7 @@ Error CheckOperands(GemmOp op, int64_t rows, const AnyBuffer& lhs, const AnyBuff
 
 // Workspace: the group arrays and cuBLAS's, then kNT's lhs scales laid out per group.
 float* CarveScales(Carver& c, GemmOp op, int64_t M, int64_t E, int64_t N) {
-  return op == GemmOp::kNT ? c.Take<float>(Blocks(N) * (M + 3 * E + 3)) : nullptr;
+  return op == GemmOp::kNT ? c.Take<float>(ScaleBlocks(N) * (M + 3 * E + 3)) : nullptr;
 }
 
 Error GemmFp8Blocks(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffer lhs_scales, AnyBuffer rhs,
@@ -128,10 +118,10 @@ Error GemmFp8Blocks(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffe
   s.scaling = Fp8Scaling::kBlocks;
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({s}));
   if (op == GemmOp::kNT) {
-    const int64_t elems = m.M * Blocks(m.N);
+    const int64_t elems = m.M * ScaleBlocks(m.N);
     const unsigned grid = unsigned(std::min<int64_t>((elems + 255) / 256, 4096));
     Vec128ScalesKernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(lhs_scales.untyped_data()),
-                                                  gemms.offsets(), m.E, Blocks(m.N), vec128);
+                                                  gemms.offsets(), m.E, ScaleBlocks(m.N), vec128);
     JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaGetLastError(), "launching the block-scale layout kernel"));
     JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
     return gemms.ZeroPaddingRows(0);

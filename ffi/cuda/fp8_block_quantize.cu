@@ -16,6 +16,7 @@
 #include "../common.h"
 #include "block_reduce.cuh"
 #include "elements.cuh"
+#include "grouped_gemm.h"
 #include "launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -29,8 +30,6 @@ using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
-
-constexpr int kBlock = 128;
 
 // The least e with amax / 448 <= 2^e (0 where amax is 0): fp8_blockwise.exponent.
 __device__ __forceinline__ int Exponent(float amax) {
@@ -49,10 +48,10 @@ __device__ __forceinline__ uint8_t Quantize(float v, int e) {
 // are all in the row or all past it).
 template <typename T>
 __global__ void __launch_bounds__(256) RowBlocksKernel(const T* v, int64_t R, int64_t C, uint8_t* q, int32_t* e) {
-  const int64_t blocks = (C + kBlock - 1) / kBlock, lane = threadIdx.x % 32;
+  const int64_t blocks = ScaleBlocks(C), lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < R * blocks; w += warps) {
-    const int64_t r = w / blocks, c = w % blocks * kBlock + lane * 4;
+    const int64_t r = w / blocks, c = w % blocks * kScaleBlock + lane * 4;
     Vec<T, 4> x{};
     if (c < C) x = Load<T, 4>(v + r * C + c);
     float f[4], amax = 0.0f;
@@ -73,14 +72,15 @@ constexpr int kColumns = 64;
 template <typename T>
 __global__ void __launch_bounds__(256) ColumnBlocksKernel(const T* v, int64_t M, int64_t C, const int32_t* first,
                                                           const int32_t* count, int64_t L, uint8_t* qt, int32_t* e) {
-  __shared__ float tile[kBlock][kColumns + 1];
+  __shared__ float tile[kScaleBlock][kColumns + 1];
   __shared__ int exps[kColumns];
   const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kColumns;
   // Device data: a block's rows are clamped into [0, M) whatever first and count hold.
   const int64_t start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
-  const int64_t rows = std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), kBlock), M - start);
+  const int64_t rows =
+      std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), int64_t{kScaleBlock}), M - start);
   const int col = threadIdx.x % kColumns;
-  for (int i = threadIdx.x / kColumns; i < kBlock; i += blockDim.x / kColumns)
+  for (int i = threadIdx.x / kColumns; i < kScaleBlock; i += blockDim.x / kColumns)
     tile[i][col] = i < rows && c0 + col < C ? Conv<T>::To(v[(start + i) * C + c0 + col]) : 0.0f;
   __syncthreads();
   {  // four threads per column, 32 rows each
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(256) ColumnBlocksKernel(const T* v, int64_t M,
   for (int c = threadIdx.x / 32; c < kColumns && c0 + c < C; c += blockDim.x / 32) {
     uint32_t packed = 0;
     for (int j = 0; j < 4; ++j) packed |= uint32_t(Quantize(tile[i + j][c], exps[c])) << (8 * j);
-    *reinterpret_cast<uint32_t*>(qt + (c0 + c) * L + b * kBlock + i) = packed;
+    *reinterpret_cast<uint32_t*>(qt + (c0 + c) * L + b * kScaleBlock + i) = packed;
   }
 }
 
@@ -110,15 +110,15 @@ __global__ void __launch_bounds__(256) ColumnBlocksKernel(const T* v, int64_t M,
 template <typename T>
 __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
                                                           int32_t* e) {
-  __shared__ uint8_t tile[kBlock][kBlock + 4];
+  __shared__ uint8_t tile[kScaleBlock][kScaleBlock + 4];
   __shared__ float warp_max[8];
   const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
-  const int64_t k0 = kb * kBlock, n0 = nb * kBlock;
+  const int64_t k0 = kb * kScaleBlock, n0 = nb * kScaleBlock;
   const T* src = w + g * K * N;
   const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;  // 16 threads a row, 16 rows a pass
   const bool in_columns = n0 + j < N;
   float amax = 0.0f;
-  for (int i = first_row; i < kBlock; i += 16) {
+  for (int i = first_row; i < kScaleBlock; i += 16) {
     if (k0 + i >= K || !in_columns) continue;
     const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
     for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(x.v[u])));
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
   const int exp = Exponent(amax);
   if (threadIdx.x == 0) e[(g * gridDim.y + kb) * gridDim.x + nb] = exp;
-  for (int i = first_row; i < kBlock; i += 16) {
+  for (int i = first_row; i < kScaleBlock; i += 16) {
     if (k0 + i >= K || !in_columns) continue;
     const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
     uint64_t packed = 0;
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
     *reinterpret_cast<uint64_t*>(q + g * K * N + (k0 + i) * N + n0 + j) = packed;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < kBlock * 16; idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
+  for (int idx = threadIdx.x; idx < kScaleBlock * 16; idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
     const int n = idx / 16, i = idx % 16 * 8;
     if (n0 + n >= N || k0 + i >= K) continue;
     uint64_t packed = 0;
@@ -163,23 +163,15 @@ Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
   return Error::Success();
 }
 
-Error CheckOut(const char* name, const AnyBuffer& b, std::initializer_list<int64_t> want, DataType t) {
-  JAXMLP_RETURN_IF_ERROR(CheckShape(name, b, want));
-  if (b.element_type() != t) return Error::InvalidArgument(std::string("jaxmlp: ") + name + " has the wrong dtype");
-  return Error::Success();
-}
-
-int64_t Blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
-
 Error Fp8BlockRows(cudaStream_t stream, AnyBuffer v, Result<AnyBuffer> q, Result<AnyBuffer> e) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   const int64_t R = v.dimensions()[0], C = v.dimensions()[1];
-  JAXMLP_RETURN_IF_ERROR(CheckOut("q", *q, {R, C}, DataType::F8E4M3FN));
-  JAXMLP_RETURN_IF_ERROR(CheckOut("e", *e, {R, Blocks(C)}, DataType::S32));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {R, C}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {R, ScaleBlocks(C)}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e}));
   if (R == 0 || C == 0) return Error::Success();
-  const unsigned grid = unsigned(std::min<int64_t>((R * Blocks(C) + 7) / 8, 65536));
+  const unsigned grid = unsigned(std::min<int64_t>((R * ScaleBlocks(C) + 7) / 8, 65536));
   ByType(v.element_type(), [&](auto tag) {
     using T = decltype(tag);
     RowBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(v.untyped_data()), R, C,
@@ -197,10 +189,11 @@ Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuff
   if (first.dimensions().size() != 1 || first.element_type() != DataType::S32)
     return Error::InvalidArgument("jaxmlp: first must be a 1-D int32 array");
   const int64_t B = first.dimensions()[0];
-  JAXMLP_RETURN_IF_ERROR(CheckOut("count", count, {B}, DataType::S32));
-  JAXMLP_RETURN_IF_ERROR(CheckOut("qt", *qt, {C, B * kBlock}, DataType::F8E4M3FN));
-  JAXMLP_RETURN_IF_ERROR(CheckOut("e", *e, {B, C}, DataType::S32));
-  if (B * kBlock > INT32_MAX) return Error::InvalidArgument("jaxmlp: 128 x 1 blocks of more than 2^31 rows");
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("count", count, {B}, DataType::S32, "dtype int32"));
+  JAXMLP_RETURN_IF_ERROR(
+      CheckShapeAndType("qt", *qt, {C, B * kScaleBlock}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {B, C}, DataType::S32, "dtype int32"));
+  if (B * kScaleBlock > INT32_MAX) return Error::InvalidArgument("jaxmlp: 128 x 1 blocks of more than 2^31 rows");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*qt, &*e}));
   if (B == 0 || C == 0) return Error::Success();
   const dim3 grid(unsigned(B), unsigned((C + kColumns - 1) / kColumns));
@@ -208,7 +201,7 @@ Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuff
     using T = decltype(tag);
     ColumnBlocksKernel<T><<<grid, 256, 0, stream>>>(
         static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
-        static_cast<const int32_t*>(count.untyped_data()), B * kBlock, static_cast<uint8_t*>(qt->untyped_data()),
+        static_cast<const int32_t*>(count.untyped_data()), B * kScaleBlock, static_cast<uint8_t*>(qt->untyped_data()),
         static_cast<int32_t*>(e->untyped_data()));
   });
   return CheckCuda(cudaGetLastError(), "launching the 128x1 quantizer");
@@ -219,13 +212,14 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
-  JAXMLP_RETURN_IF_ERROR(CheckOut("q", *q, {E, K, N}, DataType::F8E4M3FN));
-  JAXMLP_RETURN_IF_ERROR(CheckOut("qt", *qt, {E, N, K}, DataType::F8E4M3FN));
-  JAXMLP_RETURN_IF_ERROR(CheckOut("e", *e, {E, Blocks(K), Blocks(N)}, DataType::S32));
-  if (E > 65535 || Blocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {E, K, N}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("qt", *qt, {E, N, K}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(
+      CheckShapeAndType("e", *e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
+  if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
   if (E == 0 || K == 0 || N == 0) return Error::Success();
-  const dim3 grid(unsigned(Blocks(N)), unsigned(Blocks(K)), unsigned(E));
+  const dim3 grid(unsigned(ScaleBlocks(N)), unsigned(ScaleBlocks(K)), unsigned(E));
   ByType(w.element_type(), [&](auto tag) {
     using T = decltype(tag);
     WeightBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(w.untyped_data()), K, N,

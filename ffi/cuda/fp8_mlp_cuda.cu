@@ -67,9 +67,9 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
 
 // The forward's e4m3 copies of x, w1 and w2: results of the forward, operands of the backward.
 Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xq, const AnyBuffer& w1q, const AnyBuffer& w2q) {
-  JAXMLP_RETURN_IF_ERROR(CheckResult("xq", xq, {m.M, m.d}, kFp8));
-  JAXMLP_RETURN_IF_ERROR(CheckResult("w1q", w1q, {m.E, m.d, m.F1}, kFp8));
-  return CheckResult("w2q", w2q, {m.E, m.f, m.d}, kFp8);
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("xq", xq, {m.M, m.d}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("w1q", w1q, {m.E, m.d, m.F1}, kFp8, "dtype float8_e4m3fn"));
+  return CheckShapeAndType("w2q", w2q, {m.E, m.f, m.d}, kFp8, "dtype float8_e4m3fn");
 }
 
 Error CheckFp8(const MlpDims& m, DataType t) {

@@ -83,11 +83,12 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       if (s.scaling != Fp8Scaling::kBlocks) continue;
       const void *scale_a, *scale_b;
       if (s.op == GemmOp::kNT) {  // rhs[g] [K, N] in 128x128 blocks; lhs rows in 1x128 blocks along N
-        const int64_t row_blocks = (K + 127) / 128, red_blocks = (N + 127) / 128;
-        scale_a = s.rhs_scale + g * row_blocks * ((red_blocks + 3) / 4 * 4);
+        const int64_t red_blocks = ScaleBlocks(N);
+        scale_a = s.rhs_scale + g * ScaleBlocks(K) * ((red_blocks + 3) / 4 * 4);
         scale_b = s.lhs_scale + Vec128Base(start, g, red_blocks);
       } else {  // kTNPadded: 1x128 blocks along the tokens, the group's first block at padded_start / 128
-        scale_a = s.rhs_scale + padded_start / 128 * N, scale_b = s.lhs_scale + padded_start / 128 * K;
+        const int64_t block = padded_start / kScaleBlock;
+        scale_a = s.rhs_scale + block * N, scale_b = s.lhs_scale + block * K;
       }
       p.out.scale_ptrs[(i * 2 + 0) * E + slot] = const_cast<void*>(scale_a);
       p.out.scale_ptrs[(i * 2 + 1) * E + slot] = const_cast<void*>(scale_b);
@@ -185,10 +186,10 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
     if (s.scaling == Fp8Scaling::kBlocks && s.op != GemmOp::kNT && s.op != GemmOp::kTNPadded)
       return ffi::Error::Internal("jaxmlp: block-scaled FP8 products are kNT or kTNPadded");
     padded |= s.op == GemmOp::kTNPadded;
-    if (s.op == GemmOp::kTNPadded && s.scaling == Fp8Scaling::kBlocks) pad = 128;
+    if (s.op == GemmOp::kTNPadded && s.scaling == Fp8Scaling::kBlocks) pad = kScaleBlock;
   }
   for (const GemmSpec& s : specs)
-    if (s.op == GemmOp::kTNPadded && (pad == 128) != (s.scaling == Fp8Scaling::kBlocks))
+    if (s.op == GemmOp::kTNPadded && (pad == kScaleBlock) != (s.scaling == Fp8Scaling::kBlocks))
       return ffi::Error::Internal("jaxmlp: one call's kTNPadded products share one padding");
   if (padded && PaddedRows(M_, E_, pad) > INT32_MAX)
     return ffi::Error::InvalidArgument("jaxmlp: M + " + std::to_string(pad - 1) +

@@ -69,6 +69,10 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 //                      (rows: K for lhs, N for rhs).
 enum class Fp8Scaling : int32_t { kTensor = 0, kBlocks = 1 };
 
+// The FP8 scale blocks' length (VEC128, BLK128x128; fp8_blockwise.BLOCK), and the blocks of n elements.
+constexpr int64_t kScaleBlock = 128;
+__host__ __device__ inline int64_t ScaleBlocks(int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; }
+
 // Where kNT's VEC128 scales of group g (first row `start`, `blocks` blocks per row) begin: cuBLASLt reads
 // scale (r, b) of the group at Vec128Base + b * round_up(rows, 4) + r, from a 16-byte aligned start (a
 // group's scales at 4-byte alignment fault with a misaligned address). round_up(start + 3 g, 4) leaves
