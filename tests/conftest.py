@@ -104,8 +104,9 @@ def skip_unless_served(backend, dtype, *row_lengths, empty=False):
 
 @pytest.fixture
 def rng(request):
-  # Fresh inputs per test and per run; the seed is printed on failure for reproduction.
-  seed = int.from_bytes(os.urandom(4), "little")
+  # Fresh inputs per test and per run; the seed is printed on failure, and JAXMLP_TEST_SEED=<seed>
+  # replays it.
+  seed = int(os.environ.get("JAXMLP_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
   request.node.user_properties.append(("seed", seed))
   print(f"seed={seed}")
   return np.random.default_rng(seed)
