@@ -246,6 +246,7 @@ def test_fp8_reference_is_the_emulation(rng, recipe, case):
   with jax.default_device(jax.devices("cpu")[0]):
     got = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu", fp8=recipe)
     want = run(jaxmlp.reference.grouped_mlp, args, gs, dy, "swiglu", fp8=recipe)
-  check_close(got[0], want[0], 1e-3, "y")
-  for k in got[1]:
-    check_close(got[1][k], want[1][k], 1e-3, k)
+  # The two sum in float32 in different orders: where that moves a bfloat16 rounding, an element moves by
+  # 2^-8 of itself (max_error 2.9e-3 was seen on dw1), and an e4m3 rounding of a or dh that follows moves more.
+  for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in got[1]]:
+    assert rel_error(g, w) < 1e-3 and max_error(g, w) < 1e-2, k
