@@ -3,8 +3,11 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
 
   jaxmlp      jaxmlp.grouped_mlp (the FFI custom calls)
   jaxmlp_fp8  jaxmlp.grouped_mlp(fp8="tensorwise"): FC1 and FC2, fwd and bwd, as FP8 e4m3 products
-  jaxmlp_fp8_blockwise  jaxmlp.grouped_mlp(fp8="blockwise"): block scales, quantized in XLA, products on
-              cuBLASLt's block-scaled FP8 grouped GEMM
+  jaxmlp_fp8_blockwise  jaxmlp.grouped_mlp(fp8="blockwise"): block scales, products on cuBLASLt's
+              block-scaled FP8 grouped GEMM
+  jaxmlp_fp8_cached, jaxmlp_fp8_blockwise_cached  the same with the weights quantized before the step
+              (jaxmlp.fp8_weights, not timed): a micro-batch's cost where the weights are quantized once per
+              optimizer step over many micro-batches
   ragged_dot  jaxmlp.reference.grouped_mlp, i.e. jax.lax.ragged_dot: what a JAX user writes today
   tokamax     the same MLP over tokamax.ragged_dot (when tokamax is installed)
   dense       the same MLP as one dense expert over all M rows (jnp.dot): equal FLOPs, no routing;
@@ -12,6 +15,7 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +26,10 @@ import jaxmlp
 from cases import TOLERANCE
 from timing import measure
 
-JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "ragged_dot", "tokamax", "dense")
+JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
+             "ragged_dot", "tokamax", "dense")
+# The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
+CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise"}
 
 
 def swiglu_mlp(x, w1, w2, matmul):
@@ -39,9 +46,9 @@ def forward(impl: str):
   a compiler must not specialise on one routing."""
   if impl == "jaxmlp":
     return jaxmlp.grouped_mlp
-  if impl == "jaxmlp_fp8":
+  if impl in ("jaxmlp_fp8", "jaxmlp_fp8_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8="tensorwise")
-  if impl == "jaxmlp_fp8_blockwise":
+  if impl in ("jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8="blockwise")
   if impl == "ragged_dot":
     return jaxmlp.reference.grouped_mlp
@@ -60,9 +67,16 @@ def forward_backward(fwd):
   output, and without it XLA would drop FC2's forward product from the programs it can see into
   (ragged_dot, dense), which then do 8/9 of the FLOPs counted."""
   def fwd_bwd(x, w1, w2, dy, gs):
-    y, vjp = jax.vjp(lambda x, w1, w2: fwd(x, w1, w2, gs), x, w1, w2)
+    # Quantized weights (jaxmlp.Fp8Weights) are differentiated in their weights alone, as in training.
+    def f(x, a, b):
+      return fwd(x, _with_weights(w1, a), _with_weights(w2, b), gs)
+    y, vjp = jax.vjp(f, x, jaxmlp.fp8.weights_of(w1), jaxmlp.fp8.weights_of(w2))
     return (y, *vjp(dy))
   return fwd_bwd
+
+
+def _with_weights(w, weights):
+  return dataclasses.replace(w, weights=weights) if isinstance(w, jaxmlp.Fp8Weights) else weights
 
 
 def per_expert(sizes):
@@ -123,6 +137,17 @@ def _random_inputs(key, E, d, f, M, dtype):
   return x, w1, w2, dy
 
 
+def impl_inputs(impl: str, inputs):
+  """The operands (x, w1, w2, dy) `impl` takes, from make_inputs'."""
+  if impl == "dense":
+    return dense_inputs(inputs)
+  if impl in CACHED_WEIGHTS:
+    x, w1, w2, dy = inputs
+    quantize = jax.jit(jaxmlp.fp8_weights, static_argnums=1)
+    return x, quantize(w1, CACHED_WEIGHTS[impl]), quantize(w2, CACHED_WEIGHTS[impl]), dy
+  return inputs
+
+
 def dense_inputs(inputs):
   """The dense ceiling's operands: expert 0's weights as one [d, 2f] and one [f, d] matrix."""
   x, w1, w2, dy = inputs
@@ -173,7 +198,7 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
   sets = [make_inputs(shape.E, shape.d, shape.f, shape.M, dtype, seed=i) for i in range(timing["sets"])]
   results, compiled, inputs = {}, {}, {}
   for impl in impls:
-    inputs[impl] = [dense_inputs(s) for s in sets] if impl == "dense" else sets
+    inputs[impl] = [impl_inputs(impl, s) for s in sets]
     pair = _compiled(impl, dtype, shape, inputs[impl][0], gs)
     if isinstance(pair, str):
       results[impl] = _error(pair, progress, impl)
@@ -181,7 +206,7 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
       compiled[impl] = pair
 
   kw = dict(repeats=timing["repeats"], max_call_s=timing["max_call_s"], budget_s=timing["budget_s"])
-  checks = _checks(compiled, sets[0], gs, sizes, dtype, shape)
+  checks = _checks(compiled, {impl: inputs[impl][0] for impl in compiled}, sets[0], gs, sizes, dtype, shape)
   for impl in compiled:
     check = checks[impl]
     if "error" in check:
@@ -203,9 +228,9 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
   return results
 
 
-def _checks(compiled: dict, inputs, gs, sizes, dtype, shape) -> dict:
-  """Forward output and gradients of each implementation against the reference, on the same inputs,
-  before anything is timed."""
+def _checks(compiled: dict, impl_inputs: dict, inputs, gs, sizes, dtype, shape) -> dict:
+  """Forward output and gradients of each implementation (on its impl_inputs) against the reference (on
+  `inputs`, the same data), before anything is timed."""
   checked = [i for i in compiled if i not in ("ragged_dot", "dense")]
   out = {i: {"note": note} for i, note in (("ragged_dot", "reference"), ("dense", "n/a (one expert)"))
          if i in compiled}
@@ -215,10 +240,10 @@ def _checks(compiled: dict, inputs, gs, sizes, dtype, shape) -> dict:
     against, want = _reference_outputs(inputs, gs, sizes, dtype, shape)
   except Exception as e:  # still time the others, but say loudly that nothing vouches for them
     return {**out, **{i: {"note": f"NOT CHECKED: reference failed ({type(e).__name__})"} for i in checked}}
-  x, w1, w2, dy = inputs
   for impl in checked:
     tolerance = TOLERANCE["fp8" if "fp8" in impl else jnp.dtype(dtype).name]
     fwd, fwd_bwd = compiled[impl]
+    x, w1, w2, dy = impl_inputs[impl]
     try:
       got = (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
       errs = {name: rel_err(g, w) for name, g, w in zip(("y", "y (fwd+bwd)", "dx", "dw1", "dw2"), got, want)}

@@ -3,6 +3,7 @@
   jaxmlp.grouped_mlp   fused FC1 -> activation -> FC2 over expert-sorted rows, forward and backward
   jaxmlp.ragged_dot    drop-in for jax.lax.ragged_dot
   jaxmlp.reference     pure-JAX definitions of both (the semantics)
+  jaxmlp.fp8_weights   expert weights quantized once for grouped_mlp(fp8=...), reused over micro-batches
   jaxmlp.dispatch      the MoE layer's token dispatch and combine (dispatch, row_weights, combine), with
                        jaxmlp.reference_moe their pure-JAX definitions
   jaxmlp.backend_info  which backend and GEMM path are in use
@@ -10,10 +11,10 @@
 """
 from . import dispatch, reference, reference_moe
 from .activations import NAMES as ACTIVATIONS, Activation
-from .api import grouped_mlp, ragged_dot
-from .fp8 import Fp8Recipe
+from .api import fp8_weights, grouped_mlp, ragged_dot
+from .fp8 import Fp8Recipe, Fp8Weights
 from .backend import backend_info
 
 __version__ = "0.1.0"
-__all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "backend_info", "dispatch", "grouped_mlp", "ragged_dot",
-           "reference", "reference_moe"]
+__all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "Fp8Weights", "backend_info", "dispatch", "fp8_weights",
+           "grouped_mlp", "ragged_dot", "reference", "reference_moe"]

@@ -270,19 +270,33 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
 
 
-def mlp_fp8_forward(x, w1, w2, group_sizes, scales, act: Activation, recipe, s: MlpShape):
-  """The FP8 forward's custom call (CUDA only): (y [M, d], h [M, F1], amax [4] float32 of x, w1, w2, a, and
-  the e4m3 xq [M, d], w1q [E, d, F1], w2q [E, f, d] the backward takes)."""
+def fp8_tensor_weights(w):
+  """fp8.quantize_weights on the GPU: (q [E, K, N] e4m3, amax float32 [], q transposed [E, N, K])."""
+  _fp8_path_or_raise()
+  E, K, N = w.shape
+  sds = _result_types(w)
+  e4m3 = jnp.float8_e4m3fn
+  call = jax.ffi.ffi_call("jaxmlp_fp8_tensor_weights", [sds((E, K, N), e4m3), sds((1,), jnp.float32),
+                                                        sds((E, N, K), e4m3)], vmap_method="sequential")
+  q, amax, qt = call(w)
+  return q, amax[0], qt
+
+
+def mlp_fp8_forward(x, w1q, w2q, group_sizes, scales, act: Activation, recipe, s: MlpShape):
+  """The FP8 forward's custom call (CUDA only), for weights quantized by fp8_tensor_weights: (y [M, d],
+  h [M, F1], amax [4] float32 of x, w1, w2, a, and the e4m3 xq [M, d] the backward takes)."""
   _fp8_path_or_raise()
   dt, e4m3 = x.dtype, jnp.float8_e4m3fn
+  (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
+  weight_amax = jnp.stack([aw1, aw2])
   args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
-          _optional(scales, dt))
-  sds = _result_types(x, w1, w2, group_sizes, *([] if scales is None else [scales]))
+          _optional(scales, dt), w1t, w2t, weight_amax)
+  sds = _result_types(x, w1, w2, group_sizes, w1t, w2t, weight_amax, *([] if scales is None else [scales]))
   ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32), sds((s.M, s.d), e4m3),
-          sds((s.E, s.d, s.F1), e4m3), sds((s.E, s.f, s.d), e4m3), _workspace(ws, sds)]
+          _workspace(ws, sds)]
   call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", outs, vmap_method="sequential")
-  return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:6])
+  return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:4])
 
 
 def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activation, s: MlpShape):

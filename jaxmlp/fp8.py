@@ -68,6 +68,33 @@ class Fp8Recipe:
       raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weights:
+  """Expert weights quantized once for an FP8 recipe (jaxmlp.fp8_weights), which grouped_mlp takes in place
+  of w1 or w2: quantize the weights once per optimizer step and reuse them over the step's micro-batches
+  (TransformerEngine's weight caching on the first micro-batch), instead of once per call.
+
+  weights: the weights [E, K, N] they were quantized from: grouped_mlp's gradient of w1 or w2 flows to
+    this field; the quantized fields take none (constants of the step, as the weights are).
+  q: [E, K, N] float8_e4m3fn.
+  scales: the recipe's scales: tensorwise, the float32 absolute maximum of the weights (a scalar);
+    blockwise, the int32 exponents [E, ceil(K / 128), ceil(N / 128)] of the 128 x 128 blocks.
+  qt: q transposed, [E, N, K]: the layout FP8 tensor cores read in the forward.
+  recipe: the recipe's name.
+  """
+
+  weights: jax.Array
+  q: jax.Array
+  scales: jax.Array
+  qt: jax.Array
+  recipe: str = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def quantized(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return self.q, self.scales, self.qt
+
+
 def resolve(fp8: str | Fp8Recipe | None) -> Fp8Recipe | None:
   """None, a recipe name or an Fp8Recipe; raises a clear error for anything else."""
   if fp8 is None or isinstance(fp8, Fp8Recipe):
@@ -76,6 +103,25 @@ def resolve(fp8: str | Fp8Recipe | None) -> Fp8Recipe | None:
     return Fp8Recipe(fp8)
   raise TypeError(f"fp8: expected None, a recipe name ({', '.join(RECIPES)}) or jaxmlp.Fp8Recipe, "
                   f"got {type(fp8).__name__}")
+
+
+def resolve_with_weights(fp8: str | Fp8Recipe | None, w1, w2) -> Fp8Recipe | None:
+  """The recipe of a grouped_mlp call: `fp8`, or where it is None the recipe w1 and w2 were quantized for
+  (Fp8Weights); an Fp8Weights of another recipe raises ValueError naming it."""
+  recipe = resolve(fp8)
+  for name, w in (("w1", w1), ("w2", w2)):
+    if isinstance(w, Fp8Weights):
+      if recipe is None:
+        recipe = Fp8Recipe(w.recipe)
+      elif w.recipe != recipe.name:
+        raise ValueError(f"{name}: Fp8Weights quantized for fp8={w.recipe!r}, but the call runs "
+                         f"fp8={recipe.name!r}; quantize it with jaxmlp.fp8_weights(w, {recipe.name!r})")
+  return recipe
+
+
+def weights_of(w):
+  """The weights array of w: Fp8Weights' `weights`, or w itself."""
+  return w.weights if isinstance(w, Fp8Weights) else w
 
 
 def amax(v: jax.Array, valid_rows: jax.Array | None = None) -> jax.Array:
@@ -114,6 +160,13 @@ class Gemm(tp.Protocol):
   def __call__(self, op: str, lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array: ...
 
 
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Weights [E, K, N] with one scale per tensor: (q [E, K, N] e4m3, amax float32 [], q transposed [E, N, K])."""
+  a = amax(w)
+  q = quantize_e4m3(w, a)
+  return q, a, jnp.swapaxes(q, 1, 2)
+
+
 def _activation_and_grads(act: Activation, h: jax.Array):
   """act(h) and its partial derivatives d act / d h (float32 [M, F1]) for a unit output gradient."""
   value, vjp = jax.vjp(act, h)
@@ -121,11 +174,13 @@ def _activation_and_grads(act: Activation, h: jax.Array):
 
 
 def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
-  """(y, residuals) of the FP8 forward; `valid` marks the rows in groups. The residuals: h, the amaxes [4] of
-  x, w1, w2 and a, and q(x), q(w1), q(w2) in e4m3 (q(x) of the rows past the groups is unspecified)."""
+  """(y, residuals) of the FP8 forward for weights quantized by quantize_weights; `valid` marks the rows in
+  groups. The residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x), q(w1), q(w2) in e4m3 (q(x) of the
+  rows past the groups is unspecified)."""
   dtype = x.dtype
-  ax, aw1, aw2 = amax(x, valid), amax(w1), amax(w2)
-  xq, w1q, w2q = quantize_e4m3(x, ax), quantize_e4m3(w1, aw1), quantize_e4m3(w2, aw2)
+  (w1q, aw1, _), (w2q, aw2, _) = w1, w2
+  ax = amax(x, valid)
+  xq = quantize_e4m3(x, ax)
   h = gemm("nn", xq.astype(jnp.float32), w1q.astype(jnp.float32), sizes) * (scale_of(ax) * scale_of(aw1))
   h = jnp.where(valid[:, None], h, 0).astype(dtype)
   a = act(h.astype(jnp.float32))

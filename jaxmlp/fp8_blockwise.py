@@ -174,12 +174,11 @@ def emulation(gemm: Gemm) -> Backend:
   return Backend(quantize_rows, quantize_columns, quantize_weights, rows, columns)
 
 
-def forward(b: Backend, x, w1, w2, sizes, scales, valid, act: Activation):
-  """(y, residuals) of the blockwise forward; `valid` marks the rows in groups. The residuals: h, x in
-  128 x 1 blocks (the weight gradient's operand) and the quantized weights, each with its exponents."""
+def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
+  """(y, residuals) of the blockwise forward for weights quantized by b.quantize_weights; `valid` marks the
+  rows in groups. The residuals: h, x in 128 x 1 blocks (the weight gradient's operand) and the quantized
+  weights, each with its exponents."""
   dtype, rows = x.dtype, valid[:, None]  # rows past the groups: read by no product, zero in the results
-  w1q = b.quantize_weights(w1)
-  w2q = b.quantize_weights(w2)
   h = jnp.where(rows, b.rows(b.quantize_rows(x), w1q, sizes, False, dtype), 0)
   a = act(h.astype(jnp.float32))
   if scales is not None:
@@ -206,8 +205,8 @@ def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   return jnp.where(rows, dx, 0), dw1, dw2, dscales
 
 
-def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
-  return forward(emulation(gemm), x, w1, w2, sizes, scales, valid, act)
+def emulated_forward(gemm: Gemm, x, w1q, w2q, sizes, scales, valid, act: Activation):
+  return forward(emulation(gemm), x, w1q, w2q, sizes, scales, valid, act)
 
 
 def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):

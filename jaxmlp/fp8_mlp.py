@@ -1,14 +1,16 @@
 """grouped_mlp with an FP8 recipe: the custom_vjp, on the CUDA handlers or the emulation.
 
-On a GPU, the tensorwise recipe (jaxmlp.fp8) runs each direction as one custom call (jaxmlp_mlp_fp8_fwd /
-_bwd, ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) runs each quantization and
+On a GPU, the tensorwise recipe (jaxmlp.fp8) quantizes each weight tensor in one custom call
+(jaxmlp_fp8_tensor_weights) and runs each direction as one custom call (jaxmlp_mlp_fp8_fwd / _bwd,
+ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) runs each quantization and
 each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu), the
 activation between them in XLA. Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32
 grouped products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for
 dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same
 residuals on every platform: for tensorwise the FC1 output h, the forward's four amaxes and its e4m3 copies
 of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes); for blockwise h, x's
-128 x 1 blocks and the quantized weights.
+128 x 1 blocks and the quantized weights. The weights are quantized in the call, or once by the caller
+(jaxmlp.fp8_weights, Fp8Weights) and reused over several calls.
 """
 from __future__ import annotations
 
@@ -23,17 +25,42 @@ from .activations import Activation
 
 
 def grouped_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape):
-  """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp); no biases."""
-  return _mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
+  """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp); no biases. w1 and w2: arrays, or
+  Fp8Weights of this recipe."""
+  (w1, w1q), (w2, w2q) = _split(w1), _split(w2)
+  return _mlp(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape)
 
 
 def reference_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe):
   """The FP8 recipe's definition: the emulation around jax.lax.ragged_dot, with the same VJP."""
-  return _reference(x, w1, w2, group_sizes, scales, act, recipe)
+  (w1, w1q), (w2, w2q) = _split(w1), _split(w2)
+  return _reference(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe)
 
 
-def check(x, b1, b2, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape) -> None:
-  """Trace-time checks of an FP8 call, with the reason in the error."""
+def fp8_weights(w, recipe: fp8.Fp8Recipe) -> fp8.Fp8Weights:
+  """jaxmlp.fp8_weights for checked weights: quantized on this platform's kernels, which are not
+  differentiated (the gradient reaches `w` through grouped_mlp)."""
+  return fp8.Fp8Weights(w, *_quantize_weights(jax.lax.stop_gradient(w), recipe), recipe=recipe.name)
+
+
+def _split(w):
+  """(weights, their quantized form (q, scales, qt), or None where the call quantizes them)."""
+  return (w.weights, w.quantized) if isinstance(w, fp8.Fp8Weights) else (w, None)
+
+
+def _quantize_weights(w, recipe: fp8.Fp8Recipe):
+  """(q, scales, qt) of weights [E, K, N] for the recipe, on this platform's kernels."""
+  if recipe.name == "blockwise":
+    return _blockwise_backend().quantize_weights(w)
+  return jax.lax.platform_dependent(w, cpu=fp8.quantize_weights, cuda=_ffi.fp8_tensor_weights)
+
+
+def check(x, b1, b2, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) -> None:
+  """Trace-time checks of an FP8 call, with the reason in the error; w1 and w2 as given (arrays or
+  Fp8Weights, whose `weights` passed check_mlp)."""
+  for name, w in (("w1", w1), ("w2", w2)):
+    if isinstance(w, fp8.Fp8Weights):
+      _check_quantized(name, w, recipe)
   if b1 is not None or b2 is not None:
     raise NotImplementedError(f"fp8={recipe.name!r}: biases (b1, b2) are not supported with FP8 yet")
   if jnp.result_type(x) == jnp.float32:
@@ -49,6 +76,20 @@ def check(x, b1, b2, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape) -> None:
   if padded_rows >= _checks.INDEX_LIMIT:
     raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + {pad - 1} E must stay "
                      f"below 2^31 (the weight gradients pad each group's rows to a multiple of {pad})")
+
+
+def _check_quantized(name: str, w: fp8.Fp8Weights, recipe: fp8.Fp8Recipe) -> None:
+  """An Fp8Weights holds what fp8_weights makes of its `weights` (one built by hand might not)."""
+  E, K, N = np.shape(w.weights)
+  blocks = (E, -(-K // fp8_blockwise.BLOCK), -(-N // fp8_blockwise.BLOCK))
+  want = {"q": ((E, K, N), jnp.float8_e4m3fn), "qt": ((E, N, K), jnp.float8_e4m3fn),
+          "scales": (blocks, jnp.int32) if recipe.name == "blockwise" else ((), jnp.float32)}
+  for field, (shape, dtype) in want.items():
+    got = getattr(w, field)
+    if np.shape(got) != shape or jnp.result_type(got) != dtype:
+      raise ValueError(f"{name}: Fp8Weights.{field} is {jnp.result_type(got).name} {list(np.shape(got))}, expected "
+                       f"{jnp.dtype(dtype).name} {list(shape)} for weights {list(np.shape(w.weights))} "
+                       "(make it with jaxmlp.fp8_weights)")
 
 
 def _valid_rows(sizes, m: int):
@@ -131,8 +172,9 @@ def _blockwise_backend() -> fp8_blockwise.Backend:
 
 
 def _emulated_forward(gemm, recipe):
-  def forward(x, w1, w2, sizes, scales, act):
-    return _emulation(recipe).emulated_forward(gemm, x, w1, w2, sizes, scales, _valid_rows(sizes, x.shape[0]), act)
+  def forward(x, w1q, w2q, sizes, scales, act):
+    valid = _valid_rows(sizes, x.shape[0])
+    return _emulation(recipe).emulated_forward(gemm, x, w1q, w2q, sizes, scales, valid, act)
   return forward
 
 
@@ -145,21 +187,25 @@ def _emulated_backward(gemm, recipe):
 
 # ---- the custom_vjp of the op -------------------------------------------------------------------------------
 # On a GPU the tensorwise recipe runs its own custom calls and the blockwise recipe its products'; elsewhere
-# the emulation runs on jaxmlp's bfloat16 grouped GEMM.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _mlp(x, w1, w2, group_sizes, scales, act, recipe, shape):
-  return _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape)[0]
+# the emulation runs on jaxmlp's bfloat16 grouped GEMM. w1q and w2q: the weights quantized by the caller
+# (Fp8Weights), or None to quantize them here; they take no gradient (the weights w1 and w2 do).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _mlp(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape):
+  return _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape)[0]
 
 
-def _mlp_fwd(x, w1, w2, group_sizes, scales, act, recipe, shape):
-  def emulation(x, w1, w2, sizes, scales):
-    return _emulated_forward(_bfloat16_gemm, recipe)(x, w1, w2, sizes, scales, act)
+def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape):
+  w1q = _quantize_weights(w1, recipe) if w1q is None else w1q
+  w2q = _quantize_weights(w2, recipe) if w2q is None else w2q
 
-  def cuda(x, w1, w2, sizes, scales):
-    y, *residuals = _ffi.mlp_fp8_forward(x, w1, w2, sizes, scales, act, recipe, shape)
-    return y, tuple(residuals)
+  def emulation(x, w1q, w2q, sizes, scales):
+    return _emulated_forward(_bfloat16_gemm, recipe)(x, w1q, w2q, sizes, scales, act)
 
-  args = (x, w1, w2, group_sizes, scales)
+  def cuda(x, w1q, w2q, sizes, scales):
+    y, h, amaxes, xq = _ffi.mlp_fp8_forward(x, w1q, w2q, sizes, scales, act, recipe, shape)
+    return y, (h, amaxes, xq, w1q[0], w2q[0])
+
+  args = (x, w1q, w2q, group_sizes, scales)
   if recipe.name == "blockwise":
     y, residuals = fp8_blockwise.forward(_blockwise_backend(), *args, _valid_rows(group_sizes, x.shape[0]), act)
   else:
@@ -183,19 +229,22 @@ def _mlp_bwd(act, recipe, shape, res, dy):
     dx, dw1, dw2, dscales = fp8_blockwise.backward(_blockwise_backend(), *args[:3], valid, act, args[3])
   else:
     dx, dw1, dw2, dscales = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
-  return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
+  return dx, dw1, dw2, None, None, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _reference(x, w1, w2, group_sizes, scales, act, recipe):
-  return _reference_fwd(x, w1, w2, group_sizes, scales, act, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _reference(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe):
+  return _reference_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe)[0]
 
 
-def _reference_fwd(x, w1, w2, group_sizes, scales, act, recipe):
-  y, residuals = _emulated_forward(_ragged_dot_gemm, recipe)(x, w1, w2, group_sizes, scales, act)
+def _reference_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe):
+  quantize = _emulation(recipe).quantize_weights
+  w1q = quantize(w1) if w1q is None else w1q
+  w2q = quantize(w2) if w2q is None else w2q
+  y, residuals = _emulated_forward(_ragged_dot_gemm, recipe)(x, w1q, w2q, group_sizes, scales, act)
   return y, (residuals, group_sizes, scales)
 
 
@@ -203,7 +252,7 @@ def _reference_bwd(act, recipe, res, dy):
   residuals, group_sizes, scales = res
   dx, dw1, dw2, dscales = _emulated_backward(_ragged_dot_gemm, recipe)(residuals, group_sizes, scales, act,
                                                                        dy.astype(residuals[0].dtype))
-  return dx, dw1, dw2, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
+  return dx, dw1, dw2, None, None, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
 
 
 _reference.defvjp(_reference_fwd, _reference_bwd)

@@ -26,11 +26,12 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   dim but 0 - NYI").
   """
   act = resolve(activation)
-  s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=fp8 is None)
-  recipe = fp8_recipes.resolve(fp8)
+  recipe = fp8_recipes.resolve_with_weights(fp8, w1, w2)
   if recipe is not None:
-    fp8_mlp.check(x, b1, b2, recipe, s)
+    s = _checks.check_mlp(x, fp8_recipes.weights_of(w1), fp8_recipes.weights_of(w2), group_sizes, act, b1, b2, scales)
+    fp8_mlp.check(x, b1, b2, recipe, s, w1, w2)
     return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), scales, act, recipe)
+  s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=True)
   acc = jnp.promote_types(x.dtype, jnp.float32)  # the accumulation dtype: float32, or float64
   sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, s.M), s.M)
   rows = _checks.row_groups(sizes, s.M)  # E for padding rows

@@ -101,6 +101,28 @@ def test_benchmark_compiles_programs_that_fit(monkeypatch):
     np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-4)
 
 
+def test_benchmark_fp8_impls_with_weights_quantized_before_the_step(monkeypatch):
+  """The FP8 implementations in bfloat16 (the CPU mode's float32 skips them): each checked against the
+  reference, and those that take jaxmlp.fp8_weights as inputs give the errors of those that quantize in
+  the step (the same results)."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import cases
+  import jax_impls
+
+  shape = cases.ALL_SHAPES["tiny"]
+  timing = dict(repeats=1, max_call_s=1.0, budget_s=0.01, sets=1)
+  impls = ["jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached"]
+  results = jax_impls.run_case(shape, cases.group_sizes("skewed", shape.E, shape.M), impls, "bfloat16", timing,
+                               lambda *_: None)
+  for impl in impls:
+    assert results[impl]["status"] == "ok" and results[impl]["check"]["ok"], (impl, results[impl])
+    assert results[impl]["fwd_bwd"]["s"] > 0
+  for recipe in ("jaxmlp_fp8", "jaxmlp_fp8_blockwise"):
+    errors = [{k: v for k, v in results[i]["check"].items() if k in ("y", "dx", "dw1", "dw2")}
+              for i in (recipe, recipe + "_cached")]
+    assert errors[0] == errors[1] and errors[0]["dw1"] > 1e-3, errors
+
+
 def test_torch_check_catches_a_wrong_gradient(monkeypatch):
   """torch_mlp.check compares y and every gradient with the float32 loop: right for the real MLP, and
   failing for one whose backward drops the gate's gradient (a forward check alone would pass it)."""

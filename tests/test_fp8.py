@@ -163,6 +163,86 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case):
     check_close(results["cuda"][k], results["cpu"][k], 3e-2 if fast else CUDA_TOLERANCE, k)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("cached", ["w1", "w2", "both"])
+def test_fp8_weights_give_the_results_of_quantizing_in_the_call(platform, rng, recipe, cached):
+  """grouped_mlp with weights quantized beforehand (jaxmlp.fp8_weights, inside the differentiated function:
+  the gradient reaches the weights through Fp8Weights.weights) returns y and every gradient of the call that
+  quantizes them itself, bit for bit; with fp8 omitted the weights' recipe runs."""
+  M, d, f, sizes = BLOCK_CASES["blocks" if recipe == "blockwise" else "uneven"]
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  quantized = {"w1": cached in ("w1", "both"), "w2": cached in ("w2", "both")}
+
+  def with_fp8_weights(x, w1, w2, sizes, **kw):
+    w1, w2 = [jaxmlp.fp8_weights(w, recipe) if quantized[k] else w for k, w in (("w1", w1), ("w2", w2))]
+    return jaxmlp.grouped_mlp(x, w1, w2, sizes, **(kw if cached != "both" else {**kw, "fp8": None}))
+
+  want = run(jax.jit(jaxmlp.grouped_mlp, static_argnames=("activation", "fp8")), args, gs, dy, "swiglu",
+             fp8=recipe)
+  got = run(jax.jit(with_fp8_weights, static_argnames=("activation", "fp8")), args, gs, dy, "swiglu",
+            fp8=recipe)
+  for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in want[1]]:
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=k)
+  # ...and they are not the bfloat16 results: the quantized weights were used.
+  assert rel_error(got[0], run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")[0]) > 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_weights_quantized_once_over_micro_batches(rng, recipe):
+  """Gradient accumulation: weights quantized once, then a scan over micro-batches; the accumulated weight
+  gradients equal the sum of the micro-batches' gradients of calls that quantize the weights themselves."""
+  M, d, f, sizes = BLOCK_CASES["blocks" if recipe == "blockwise" else "uneven"]
+  args, gs, _ = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, scales=False)
+  xs = jnp.asarray(rng.standard_normal((3, M, d)), jnp.bfloat16)
+  dys = jnp.asarray(rng.standard_normal((3, M, d)), jnp.bfloat16)
+
+  def step(w1, w2):
+    w1q, w2q = jaxmlp.fp8_weights(w1, recipe), jaxmlp.fp8_weights(w2, recipe)
+    def micro_batch(total, x_dy):
+      x, dy = x_dy
+      y = jaxmlp.grouped_mlp(x, w1q, w2q, gs, fp8=recipe)
+      return total + jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), None
+    return jax.lax.scan(micro_batch, 0.0, (xs, dys))[0]
+
+  def per_call(w1, w2, x, dy):
+    y = jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=recipe)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  got = jax.jit(jax.grad(step, argnums=(0, 1)))(args["w1"], args["w2"])
+  grads = [jax.jit(jax.grad(per_call, argnums=(0, 1)))(args["w1"], args["w2"], x, dy) for x, dy in zip(xs, dys)]
+  for i, name in enumerate(("w1", "w2")):
+    want = sum(np.asarray(g[i], np.float64) for g in grads)
+    assert got[i].dtype == args[name].dtype
+    check_close(got[i], want, 1e-2, name)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda w1, w2: dict(w1=jaxmlp.fp8_weights(w1, "blockwise"), fp8="tensorwise"), ValueError,
+     r"w1: Fp8Weights quantized for fp8='blockwise', but the call runs fp8='tensorwise'"),
+    (lambda w1, w2: dict(w1=jaxmlp.fp8_weights(w1, "tensorwise"), w2=jaxmlp.fp8_weights(w2, "blockwise")),
+     ValueError, r"w2: Fp8Weights quantized for fp8='blockwise'"),
+    (lambda w1, w2: dict(w2=jaxmlp.Fp8Weights(w2, jnp.zeros((2, 16, 8), jnp.float8_e4m3fn), jnp.float32(1),
+                                              jnp.zeros((2, 16, 16), jnp.float8_e4m3fn), "tensorwise")),
+     ValueError, r"w2: Fp8Weights.q is float8_e4m3fn \[2, 16, 8\], expected float8_e4m3fn \[2, 16, 16\]"),
+])
+def test_fp8_weights_bad_arguments(make, error, match):
+  x, w1, w2 = jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros((2, 16, 32), jnp.bfloat16), jnp.zeros((2, 16, 16), jnp.bfloat16)
+  kw = {"w1": w1, "w2": w2, **make(w1, w2)}
+  with pytest.raises(error, match=match):
+    jaxmlp.grouped_mlp(x, kw.pop("w1"), kw.pop("w2"), jnp.array([4, 4]), **kw)
+
+
+def test_fp8_weights_checks_its_weights():
+  with pytest.raises(ValueError, match=r"fp8_weights: w has shape \[2, 24, 16\], expected \[E, K, N\]"):
+    jaxmlp.fp8_weights(jnp.zeros((2, 24, 16), jnp.bfloat16))
+  with pytest.raises(TypeError, match="fp8_weights: w.dtype float32"):
+    jaxmlp.fp8_weights(jnp.zeros((2, 16, 16)))
+  with pytest.raises(ValueError, match="fp8_weights: fp8 must name a recipe"):
+    jaxmlp.fp8_weights(jnp.zeros((2, 16, 16), jnp.bfloat16), None)
+  with pytest.raises(ValueError, match="fp8: unknown recipe"):
+    jaxmlp.fp8_weights(jnp.zeros((2, 16, 16), jnp.bfloat16), "rowwise")
+
+
 @pytest.mark.parametrize("sizes, want", [
     # groups of 300, 0, 37, 63 and 1 rows of 448: 128-row blocks from each group's first row
     ([300, 0, 37, 63, 1], [(0, 128), (128, 128), (256, 44), (300, 37), (337, 63), (400, 1)]),
@@ -180,9 +260,9 @@ def test_blockwise_column_blocks(sizes, want):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_cuda_blockwise_quantizers_equal_the_jax_ones(rng, dtype):
-  """The CUDA quantizers of the blockwise recipe write the e4m3 values and exponents of its JAX quantizers
-  bit for bit: rows of magnitudes 2^-12 to 2^12, a zero block, blocks cut short by the widths (272, 144)
+def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
+  """The CUDA quantizers of the blockwise recipe (and of the tensorwise weights) write the e4m3 values and
+  exponents (amax) of their JAX quantizers bit for bit: rows of magnitudes 2^-12 to 2^12, a zero block, blocks cut short by the widths (272, 144)
   and by the groups (300 rows: 128, 128 and 44), an empty group and rows past the groups."""
   reason = fp8_reason()
   if reason:
@@ -196,6 +276,9 @@ def test_cuda_blockwise_quantizers_equal_the_jax_ones(rng, dtype):
   quantizers = {"rows": lambda v, w, gs: backend.quantize_rows(v),
                 "columns": lambda v, w, gs: backend.quantize_columns(v, gs),
                 "weights": lambda v, w, gs: backend.quantize_weights(w)}
+  if dtype != "float32":  # and the tensorwise recipe's weights (16-bit only), one scale for the whole tensor
+    tensorwise = jaxmlp.Fp8Recipe("tensorwise")
+    quantizers["tensorwise weights"] = lambda v, w, gs: fp8_mlp._quantize_weights(w, tensorwise)
   bits = lambda a: np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)
   for name, quantize in quantizers.items():
     results = {}

@@ -1,8 +1,8 @@
 // CUDA handlers of the FP8 grouped MLP (the recipe: jaxmlp/fp8.py), one custom call per direction, on the
-// cuBLASLt grouped GEMM with FP8 e4m3 operands. cuBLAS takes FP8 only in the "TN" layout (both operands
-// contiguous along the reduction), so the forward quantizes the weights in one pass into both layouts:
-// transposed for itself, as they lie for the backward's data gradients (a result, saved for the backward
-// with the e4m3 x). The weight gradients read transposed copies of the activations and gradients, each
+// cuBLASLt grouped GEMM with FP8 e4m3 operands, and its weight quantizer. cuBLAS takes FP8 only in the "TN"
+// layout (both operands contiguous along the reduction), so the weights are quantized in one pass into both
+// layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several steps):
+// transposed for the forward, as they lie for the backward's data gradients. The weight gradients read transposed copies of the activations and gradients, each
 // group's rows a 16-aligned column segment (GemmOp::kTNPadded). Group sizes stay on the device: no host
 // sync, command-buffer compatible.
 #include <cuda_runtime.h>
@@ -30,14 +30,12 @@ constexpr DataType kFp8 = DataType::F8E4M3FN;
 
 // Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them).
 struct ForwardScratch {
-  float* scale;             // [4]
-  uint8_t *w1t, *w2t, *aq;  // [E, F1, d], [E, d, f], [M, f]
+  float* scale;  // [4]
+  uint8_t* aq;   // [M, f]
 };
 ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
   ForwardScratch s;
   s.scale = c.Take<float>(4);
-  s.w1t = c.Take<uint8_t>(m.E * m.F1 * m.d);
-  s.w2t = c.Take<uint8_t>(m.E * m.d * m.f);
   s.aq = c.Take<uint8_t>(m.M * m.f);
   return s;
 }
@@ -96,9 +94,9 @@ GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const floa
 
 // Quantization of weights w [E, rows, cols] of one expert after another, in one pass: as they lie
 // (`lying`) and transposed ([E, cols, rows]: `transposed`).
-Fp8Outputs Weights(void* lying, void* transposed, const MlpDims& m, int64_t rows, int64_t cols) {
+Fp8Outputs Weights(void* lying, void* transposed, int64_t E, int64_t rows, int64_t cols) {
   Fp8Outputs o;
-  o.rows_out = lying, o.cols_out = transposed, o.E = m.E, o.group_rows = rows, o.group_stride = rows * cols;
+  o.rows_out = lying, o.cols_out = transposed, o.E = E, o.group_rows = rows, o.group_stride = rows * cols;
   o.ld = rows;
   return o;
 }
@@ -112,42 +110,69 @@ Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms
   return o;
 }
 
+// The weights of one recipe call, w [E, K, N] in x's dtype: q [E, K, N] and qt [E, N, K] in e4m3 with the
+// scale of amax [1] = max |w|.
+Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> amax,
+                       Result<AnyBuffer> qt) {
+  ++handler_host_calls;
+  const DataType t = w.element_type();
+  if (w.dimensions().size() != 3) return Error::InvalidArgument("jaxmlp: w must be [E, K, N], got " + Dims(w.dimensions()));
+  if (t != DataType::BF16 && t != DataType::F16)
+    return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16");
+  const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {E, K, N}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("amax", *amax, {1}, DataType::F32, "dtype float32"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("qt", *qt, {E, N, K}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*amax, &*qt}));
+  float* am = static_cast<float*>(amax->untyped_data());
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, am, sizeof(float)));
+  if (w.element_count() == 0) return Error::Success();
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w.untyped_data(), nullptr, 1, E * K, N, am));
+  return QuantizeRows(stream, t, w.untyped_data(), E * K, N, am, nullptr,
+                      Weights(q->untyped_data(), qt->untyped_data(), E, K, N));
+}
+
+// w1 and w2 are the e4m3 weights of Fp8TensorWeights as they lie (for the shapes; the backward reads
+// them), w1t and w2t the same transposed, weight_amax [2] their absolute maxima.
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
-                    AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
-                    bool fast_accumulation, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax,
-                    Result<AnyBuffer> xq, Result<AnyBuffer> w1q, Result<AnyBuffer> w2q, Result<AnyBuffer> workspace) {
+                    AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
+                    int32_t act, float alpha, float limit, bool fast_accumulation, Result<AnyBuffer> y,
+                    Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xq, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
-  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
   const DataType t = x.element_type();
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
+  for (const AnyBuffer* b : {&b1, &b2, &scales})
+    if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have x's dtype");
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xq, w1, w2));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("w1t", w1t, {m.E, m.F1, m.d}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("w2t", w2t, {m.E, m.d, m.f}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("weight_amax", weight_amax, {2}, DataType::F32, "dtype float32"));
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xq, *w1q, *w2q));
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xq, &*w1q, &*w2q, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xq, &*workspace}));
   float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
   JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemcpyAsync(am + 1, weight_amax.untyped_data(), 2 * sizeof(float),
+                                                   cudaMemcpyDeviceToDevice, stream),
+                                   "copying the weights' amax"));
+  JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, am + 1, 2, s.scale + 1));
 
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      Fp8Product(GemmOp::kNT, m.F1, m.d, xq->untyped_data(), s.scale + 0, s.w1t, s.scale + 1, h->untyped_data(), t,
-                 fast_accumulation),
-      Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, s.w2t, s.scale + 2, y->untyped_data(), t,
+      Fp8Product(GemmOp::kNT, m.F1, m.d, xq->untyped_data(), s.scale + 0, w1t.untyped_data(), s.scale + 1,
+                 h->untyped_data(), t, fast_accumulation),
+      Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, w2t.untyped_data(), s.scale + 2, y->untyped_data(), t,
                  fast_accumulation),
   }));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
-  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w1.untyped_data(), nullptr, 1, m.E * m.d, m.F1, am + 1));
-  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w2.untyped_data(), nullptr, 1, m.E * m.f, m.d, am + 2));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
                                       Activations(xq->untyped_data(), nullptr, gemms, m)));
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w1.untyped_data(), m.E * m.d, m.F1, am + 1, s.scale + 1,
-                                      Weights(w1q->untyped_data(), s.w1t, m, m.d, m.F1)));
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, w2.untyped_data(), m.E * m.f, m.d, am + 2, s.scale + 2,
-                                      Weights(w2q->untyped_data(), s.w2t, m, m.f, m.d)));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
@@ -230,15 +255,26 @@ size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
 
 }  // namespace jaxmlp
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8TensorWeights, jaxmlp::Fp8TensorWeights,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Ret<xla::ffi::AnyBuffer>()   // q
+                                  .Ret<xla::ffi::AnyBuffer>()   // amax
+                                  .Ret<xla::ffi::AnyBuffer>(),  // qt
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
-                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice()))
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
+                                                              // (w1, w2: the e4m3 weights as they lie)
+                                                              .Arg<xla::ffi::AnyBuffer>()   // w1t
+                                                              .Arg<xla::ffi::AnyBuffer>()   // w2t
+                                                              .Arg<xla::ffi::AnyBuffer>())  // weight_amax
                                   .Attr<bool>("fast_accumulation")
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
                                   .Ret<xla::ffi::AnyBuffer>()   // xq
-                                  .Ret<xla::ffi::AnyBuffer>()   // w1q
-                                  .Ret<xla::ffi::AnyBuffer>()   // w2q
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
