@@ -46,34 +46,39 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   """
   act = resolve(activation)
   recipe = fp8_recipes.resolve_with_weights(fp8, w1, w2)
-  (w1_given, w1), (w2_given, w2) = (w1, fp8_recipes.weights_of(w1)), (w2, fp8_recipes.weights_of(w2))
-  shape = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales)
+  dtype = jnp.result_type(x)
+  shape = _checks.check_mlp(x, fp8_recipes.checked_as(w1, dtype), fp8_recipes.checked_as(w2, dtype), group_sizes,
+                            act, b1, b2, scales)
   if recipe is not None:
-    fp8_mlp.check(x, b1, b2, recipe, shape, w1_given, w2_given)
+    fp8_mlp.check(x, b1, b2, recipe, shape, w1, w2)
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, shape.M)
   group_sizes = _checks.host_sizes_as_int32(group_sizes, shape.M)
   if 0 in (shape.M, shape.d, shape.f):
     # An empty problem leaves only biases and zeros to compute, and the handlers take no zero-sized
     # operands (they launch kernels sized by them): the reference, which defines the semantics, does it.
+    w1, w2 = (fp8_recipes.weights_of(w).astype(dtype) for w in (w1, w2))
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   if recipe is not None:
-    return fp8_mlp.grouped_mlp(x, w1_given, w2_given, group_sizes, scales, act, recipe, shape)
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
   return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
 
 
-def fp8_weights(w, fp8: str | fp8_recipes.Fp8Recipe = "tensorwise") -> fp8_recipes.Fp8Weights:
+def fp8_weights(w, fp8: str | fp8_recipes.Fp8Recipe = "tensorwise", dtype=None) -> fp8_recipes.Fp8Weights:
   """Expert weights quantized for an FP8 recipe, once: grouped_mlp(..., fp8=...) takes them in place of w1
   or w2 and then skips their quantization (two passes over the weights per call).
 
   Quantize once per optimizer step and reuse over the step's micro-batches (gradient accumulation), as
-  TransformerEngine caches FP8 weights on the first micro-batch: the results equal those of passing w.
-  The gradient of a grouped_mlp call for these weights flows to `w` (Fp8Weights.weights); the quantization
-  itself is not differentiated (the weights are constants of the step).
+  TransformerEngine caches FP8 weights on the first micro-batch: the results equal those of passing
+  w.astype(dtype). The gradient of a grouped_mlp call for these weights flows to `w` (Fp8Weights.weights)
+  in w's dtype; the quantization itself is not differentiated (the weights are constants of the step).
 
   Args:
-    w: [E, K, N] bfloat16 or float16 weights (w1 [E, d, F1] or w2 [E, f, d]), K and N multiples of 16.
+    w: [E, K, N] weights (w1 [E, d, F1] or w2 [E, f, d]) as the optimizer holds them, float32 master
+      weights too; K and N multiples of 16.
     fp8: the recipe: "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe.
+    dtype: the computation dtype the calls take (x's: bfloat16 or float16), which w is rounded to before
+      it is quantized, as grouped_mlp would take it; default w's dtype.
   """
   recipe = fp8_recipes.resolve(fp8)
   if recipe is None:
@@ -81,10 +86,13 @@ def fp8_weights(w, fp8: str | fp8_recipes.Fp8Recipe = "tensorwise") -> fp8_recip
   shape = np.shape(w)
   if len(shape) != 3 or shape[1] % 16 or shape[2] % 16:
     raise ValueError(f"fp8_weights: w has shape {list(shape)}, expected [E, K, N] with K and N multiples of 16")
-  if jnp.result_type(w) not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"fp8_weights: w.dtype {jnp.result_type(w)} is not supported; FP8 weights are quantized "
-                    "from bfloat16 or float16")
-  return fp8_mlp.fp8_weights(w, recipe)
+  dtype = jnp.dtype(jnp.result_type(w) if dtype is None else dtype)
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"fp8_weights: computation dtype {dtype} is not supported; FP8 weights are quantized from "
+                    "bfloat16 or float16 (pass dtype= for wider weights)")
+  if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+    raise TypeError(f"fp8_weights: w.dtype {jnp.result_type(w)} is not a floating-point type")
+  return fp8_mlp.fp8_weights(w, recipe, dtype)
 
 
 # The operands were checked once, in grouped_mlp: the rules get their sizes (`shape`, static and

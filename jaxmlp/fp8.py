@@ -75,8 +75,9 @@ class Fp8Weights:
   of w1 or w2: quantize the weights once per optimizer step and reuse them over the step's micro-batches
   (TransformerEngine's weight caching on the first micro-batch), instead of once per call.
 
-  weights: the weights [E, K, N] they were quantized from: grouped_mlp's gradient of w1 or w2 flows to
-    this field; the quantized fields take none (constants of the step, as the weights are).
+  weights: the weights [E, K, N] they were quantized from, as the optimizer holds them (float32 master
+    weights too): grouped_mlp's gradient of w1 or w2 flows to this field, in its dtype (so gradients of
+    micro-batches add up in float32 there); the quantized fields take none (constants of the step).
   q: [E, K, N] float8_e4m3fn.
   scales: the recipe's scales: tensorwise, the float32 absolute maximum of the weights (a scalar);
     blockwise, the int32 exponents [E, ceil(K / 128), ceil(N / 128)] of the 128 x 128 blocks.
@@ -122,6 +123,12 @@ def resolve_with_weights(fp8: str | Fp8Recipe | None, w1, w2) -> Fp8Recipe | Non
 def weights_of(w):
   """The weights array of w: Fp8Weights' `weights`, or w itself."""
   return w.weights if isinstance(w, Fp8Weights) else w
+
+
+def checked_as(w, dtype):
+  """What grouped_mlp's operand checks see of w: an Fp8Weights as its weights' shape in the call's dtype
+  (its weights may be wider: the products read only the quantized fields)."""
+  return jax.ShapeDtypeStruct(w.weights.shape, dtype) if isinstance(w, Fp8Weights) else w
 
 
 def amax(v: jax.Array, valid_rows: jax.Array | None = None) -> jax.Array:

@@ -27,25 +27,28 @@ from .activations import Activation
 def grouped_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape):
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp); no biases. w1 and w2: arrays, or
   Fp8Weights of this recipe."""
-  (w1, w1q), (w2, w2q) = _split(w1), _split(w2)
+  (w1, w1q), (w2, w2q) = _split(w1, x.dtype), _split(w2, x.dtype)
   return _mlp(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape)
 
 
 def reference_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe):
   """The FP8 recipe's definition: the emulation around jax.lax.ragged_dot, with the same VJP."""
-  (w1, w1q), (w2, w2q) = _split(w1), _split(w2)
+  (w1, w1q), (w2, w2q) = _split(w1, x.dtype), _split(w2, x.dtype)
   return _reference(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe)
 
 
-def fp8_weights(w, recipe: fp8.Fp8Recipe) -> fp8.Fp8Weights:
-  """jaxmlp.fp8_weights for checked weights: quantized on this platform's kernels, which are not
-  differentiated (the gradient reaches `w` through grouped_mlp)."""
-  return fp8.Fp8Weights(w, *_quantize_weights(jax.lax.stop_gradient(w), recipe), recipe=recipe.name)
+def fp8_weights(w, recipe: fp8.Fp8Recipe, dtype) -> fp8.Fp8Weights:
+  """jaxmlp.fp8_weights for checked weights: w in `dtype`, quantized on this platform's kernels, which are
+  not differentiated (the gradient reaches `w` through grouped_mlp)."""
+  quantized = _quantize_weights(jax.lax.stop_gradient(w).astype(dtype), recipe)
+  return fp8.Fp8Weights(w, *quantized, recipe=recipe.name)
 
 
-def _split(w):
-  """(weights, their quantized form (q, scales, qt), or None where the call quantizes them)."""
-  return (w.weights, w.quantized) if isinstance(w, fp8.Fp8Weights) else (w, None)
+def _split(w, dtype):
+  """(weights in the call's dtype, their quantized form (q, scales, qt) or None where the call quantizes
+  them). Fp8Weights' weights are cast (read by nothing when quantized: the cast is there for its
+  transpose, which hands the gradient to the weights in their own dtype, float32 master weights too)."""
+  return (w.weights.astype(dtype), w.quantized) if isinstance(w, fp8.Fp8Weights) else (w, None)
 
 
 def _quantize_weights(w, recipe: fp8.Fp8Recipe):

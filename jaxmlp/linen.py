@@ -9,6 +9,8 @@ nn.get_partition_spec and map them onto a mesh with nn.logical_axis_rules.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -21,10 +23,12 @@ from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
-from .fp8 import Fp8Recipe
+from .fp8 import Fp8Recipe, Fp8Weights
+from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
+                  check_no_fp8_weights_expert_parallel, default_bias_init, default_kernel_init,
+                  default_router_init, moe, quantized_experts, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -37,6 +41,8 @@ class GroupedMLP(nn.Module):
     >>> mlp = GroupedMLP(num_experts=4, d_model=8, d_ff=16)
     >>> params = mlp.init(jax.random.key(0), x, group_sizes)
     >>> y = mlp.apply(params, x, group_sizes)
+    >>> q = mlp.apply(params, method="fp8_weights")        # with fp8=: once per optimizer step
+    >>> y = mlp.apply(params, x, group_sizes, fp8_weights=q)  # in each micro-batch
 
   Attributes: as the arguments of jaxmlp.nnx.GroupedMLP.
   """
@@ -54,8 +60,10 @@ class GroupedMLP(nn.Module):
   fp8: str | Fp8Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None) -> jax.Array:
-    """x [M, d] sorted by expert, group_sizes [E], optional scales [M] -> [M, d]; see jaxmlp.nnx.GroupedMLP."""
+  def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None,
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> jax.Array:
+    """x [M, d] sorted by expert, group_sizes [E], optional scales [M], optional fp8_weights (this module's
+    fp8_weights(), used in place of w1 and w2) -> [M, d]; see jaxmlp.nnx.GroupedMLP."""
     check_impl(self.impl)
     activation = resolve(self.activation)
     fc1_width = 2 * self.d_ff if activation.gated else self.d_ff
@@ -69,9 +77,17 @@ class GroupedMLP(nn.Module):
                       (self.num_experts, fc1_width), self.param_dtype)
       b2 = self.param("b2", nn.with_logical_partitioning(self.bias_init, B2_AXES),
                       (self.num_experts, self.d_model), self.param_dtype)
-    x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
+    if fp8_weights is None:
+      x, w1, w2, b1, b2, scales = promote_dtype(x, w1, w2, b1, b2, scales, dtype=self.dtype)
+    else:
+      (w1, w2), (x, b1, b2, scales) = fp8_weights, promote_dtype(x, b1, b2, scales, dtype=self.dtype)
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales,
                             fp8=self.fp8)
+
+  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
+    """(w1, w2) in the computation dtype, quantized for the fp8 recipe: `apply(params, method="fp8_weights")`."""
+    params = nn.meta.unbox(self.variables["params"])
+    return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype)
 
 
 class MoE(nn.Module):
@@ -106,8 +122,10 @@ class MoE(nn.Module):
   fp8: str | Fp8Recipe | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE."""
+  def __call__(self, x: jax.Array,
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE. fp8_weights: None
+    or `apply(params, method="fp8_weights")` (see GroupedMLP)."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
     tokens = tokens_of(x, self.d_model)
     # The router computes in float32, as in jaxmlp.nnx.MoE: top-k choices are sensitive to rounding.
@@ -123,6 +141,7 @@ class MoE(nn.Module):
                    z_loss_coef=self.z_loss_coef)
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
     if devices > 1:
+      check_no_fp8_weights_expert_parallel(fp8_weights)
       if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
         experts(jnp.zeros((0, self.d_model), tokens.dtype), jnp.zeros((self.num_experts,), jnp.int32))
       # The parameters go into the shard_map split over the axis; each device applies its share.
@@ -131,5 +150,10 @@ class MoE(nn.Module):
                                    lambda local, rows, sizes: unbound.apply({"params": local}, rows, sizes),
                                    expert_axis=self.expert_axis, **options)
     else:
-      y, aux = moe(tokens, logits, experts, **options, impl=self.impl)
+      y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights), **options, impl=self.impl)
     return y.reshape(x.shape), aux
+
+  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
+    """The experts' weights quantized for the fp8 recipe (see GroupedMLP): `apply(params, method="fp8_weights")`."""
+    params = nn.meta.unbox(self.variables["params"]["experts"])
+    return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from . import dispatch, reference, reference_moe
-from .api import grouped_mlp
+from .api import fp8_weights, grouped_mlp
+from .fp8 import Fp8Recipe, Fp8Weights
 # The layer's original argsort path, kept importable here for its callers (jaxmlp.reference_moe defines it).
 from .reference_moe import sort_by_expert  # noqa: F401
 
@@ -46,6 +47,25 @@ def check_moe_args(num_experts: int, top_k: int, score_func: str, capacity_facto
     raise ValueError(f"score_func: unknown {score_func!r}; expected one of {', '.join(SCORE_FUNCS)}")
   if capacity_factor is not None and not capacity_factor > 0:
     raise ValueError(f"capacity_factor: got {capacity_factor}, expected None or > 0")
+
+
+def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype) -> tuple[Fp8Weights, Fp8Weights]:
+  """The modules' fp8_weights(): the experts' w1 and w2 in the computation dtype, quantized for the
+  layer's recipe (jaxmlp.fp8_weights)."""
+  if fp8 is None:
+    raise ValueError("fp8_weights: the layer was built with fp8=None; give it a recipe (fp8='tensorwise' or "
+                     "'blockwise')")
+  if dtype is None and jnp.result_type(w1) == jnp.float32:
+    raise TypeError("fp8_weights: the parameters are float32 and the layer's dtype is None; FP8 weights are "
+                    "quantized from the 16-bit computation dtype (build the layer with dtype=jnp.bfloat16)")
+  cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
+  return fp8_weights(cast(w1), fp8), fp8_weights(cast(w2), fp8)
+
+
+def check_no_fp8_weights_expert_parallel(fp8_weights) -> None:
+  if fp8_weights is not None:
+    raise NotImplementedError("fp8_weights: weights quantized before the call are not supported with expert "
+                              "parallelism yet (expert_axis); call the layer without them")
 
 
 def tokens_of(x: jax.Array, d_model: int) -> jax.Array:

@@ -13,6 +13,8 @@ Parameters carry logical axis names ("expert", "embed", "mlp"), mapped onto a me
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,11 +27,12 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer
 
 from .activations import Activation, resolve
-from .fp8 import Fp8Recipe
+from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, tokens_of)
+                  check_no_fp8_weights_expert_parallel, default_bias_init, default_kernel_init,
+                  default_router_init, moe, quantized_experts, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -68,6 +71,8 @@ class GroupedMLP(nnx.Module):
       the jax.lax.ragged_dot path).
     fp8: None, "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe: the expert MLP's products in FP8 (see
       jaxmlp.grouped_mlp; needs a 16-bit computation dtype and no biases). Parameters stay as they are.
+      With gradient accumulation, quantize the weights once per optimizer step (`fp8_weights()`) and
+      pass them to each micro-batch's call (`fp8_weights=`).
     rngs: rng key.
   """
 
@@ -114,23 +119,34 @@ class GroupedMLP(nnx.Module):
     self.param_dtype = param_dtype
     self.impl = impl
 
-  def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None, *,
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> jax.Array:
     """Applies expert g to its rows.
 
     Args:
       x: [M, d] rows sorted by expert; rows past sum(group_sizes) are padding (output 0, no gradient).
       group_sizes: [E] integer rows per expert.
       scales: optional [M] router weights; they multiply each row's whole expert output, bias included.
+      fp8_weights: None, or this module's fp8_weights(), taken in place of w1 and w2 (same results; the
+        gradient reaches w1 and w2 through them).
 
     Returns:
       [M, d] in the computation dtype.
     """
     b1 = self.b1[...] if self.b1 is not None else None
     b2 = self.b2[...] if self.b2 is not None else None
-    x, w1, w2, b1, b2, scales = dtypes.promote_dtype(
-      (x, self.w1[...], self.w2[...], b1, b2, scales), dtype=self.dtype)
+    if fp8_weights is None:
+      x, w1, w2, b1, b2, scales = dtypes.promote_dtype(
+        (x, self.w1[...], self.w2[...], b1, b2, scales), dtype=self.dtype)
+    else:
+      (w1, w2), (x, b1, b2, scales) = fp8_weights, dtypes.promote_dtype((x, b1, b2, scales), dtype=self.dtype)
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2, scales=scales,
                             fp8=self.fp8)
+
+  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
+    """(w1, w2) in the computation dtype, quantized for the fp8 recipe (jaxmlp.fp8_weights): quantize once
+    per optimizer step, inside the differentiated function, and pass them to every micro-batch's call."""
+    return quantized_experts(self.w1[...], self.w2[...], self.fp8, self.dtype)
 
 
 class MoE(nnx.Module):
@@ -217,8 +233,10 @@ class MoE(nnx.Module):
     self.impl = impl
     self.expert_axis = expert_axis
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Routes the tokens of x [..., d] through the experts.
+  def __call__(self, x: jax.Array, *,
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routes the tokens of x [..., d] through the experts; fp8_weights: None or this layer's
+    fp8_weights() (see GroupedMLP; not with expert parallelism yet).
 
     Returns:
       (y, aux): y with the shape of x, in the computation dtype; aux holds "load_balancing_loss" and
@@ -229,11 +247,17 @@ class MoE(nnx.Module):
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
                    z_loss_coef=self.z_loss_coef)
     if axis_size(self.expert_axis, self.num_experts, tokens.shape[0]) > 1:
+      check_no_fp8_weights_expert_parallel(fp8_weights)
       # The experts' state goes into the shard_map split over the axis; each device merges its share.
       graphdef, state = nnx.split(self.experts)
       y, aux = moe_expert_parallel(tokens, self.router(tokens), state,
                                    lambda local, rows, sizes: nnx.merge(graphdef, local)(rows, sizes),
                                    expert_axis=self.expert_axis, **options)
     else:
-      y, aux = moe(tokens, self.router(tokens), self.experts, **options, impl=self.impl)
+      experts = functools.partial(self.experts, fp8_weights=fp8_weights)
+      y, aux = moe(tokens, self.router(tokens), experts, **options, impl=self.impl)
     return y.reshape(x.shape), aux
+
+  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
+    """The experts' fp8_weights() (see GroupedMLP)."""
+    return self.experts.fp8_weights()

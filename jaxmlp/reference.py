@@ -28,7 +28,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   act = resolve(activation)
   recipe = fp8_recipes.resolve_with_weights(fp8, w1, w2)
   if recipe is not None:
-    s = _checks.check_mlp(x, fp8_recipes.weights_of(w1), fp8_recipes.weights_of(w2), group_sizes, act, b1, b2, scales)
+    dtype = jnp.result_type(x)
+    s = _checks.check_mlp(x, fp8_recipes.checked_as(w1, dtype), fp8_recipes.checked_as(w2, dtype), group_sizes, act,
+                          b1, b2, scales)
     fp8_mlp.check(x, b1, b2, recipe, s, w1, w2)
     return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), scales, act, recipe)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=True)

@@ -230,6 +230,18 @@ def test_bad_input_names_the_argument(num_experts, shape, axis, message):
       linen_module.init(jax.random.key(0), x)
 
 
+def test_fp8_weights_quantized_before_the_call_are_refused_expert_parallel():
+  module = jaxmlp.nnx.MoE(E, D, 32, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS, dtype=jnp.bfloat16, fp8="tensorwise")
+  linen_module = jaxmlp.linen.MoE(E, D, 32, TOP_K, expert_axis=AXIS, dtype=jnp.bfloat16, fp8="tensorwise")
+  x = jnp.zeros((4, 8, D), jnp.bfloat16)
+  with jax.set_mesh(mesh_of(8)):
+    params = linen_module.init(jax.random.key(0), x)
+    for call in (lambda: module(x, fp8_weights=module.fp8_weights()),
+                 lambda: linen_module.apply(params, x, linen_module.apply(params, method="fp8_weights"))):
+      with pytest.raises(NotImplementedError, match="fp8_weights: .* not supported with expert parallelism"):
+        call()
+
+
 def test_train_example_expert_parallel_matches_one_device():
   result = train_moe.main(["--steps", "2", "--config", "tiny", "--impl", "jaxmlp", "--expert-parallel"])
   assert {"expert-parallel loss diff", "expert-parallel grad error"} <= set(result["checks"])

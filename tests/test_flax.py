@@ -172,6 +172,45 @@ def test_modules_run_their_experts_in_fp8(recipe):
   assert 5e-3 < err < 0.2, err
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_modules_take_their_fp8_weights_quantized_once(recipe):
+  """MoE.fp8_weights() (nnx, and linen's apply(method="fp8_weights")): the experts' float32 parameters
+  quantized once from bfloat16, then two micro-batches' calls with fp8_weights= give the loss and the
+  gradients of calls that quantize themselves, bit for bit (gradients summed in float32 either way)."""
+  f = 32  # FP8 takes widths that are multiples of 16
+  batches = [jax.random.normal(jax.random.key(i), (2, 8, D), jnp.bfloat16) for i in (5, 6)]
+  graphdef, params = nnx.split(jaxmlp.nnx.MoE(E, D, f, 2, dtype=jnp.bfloat16, fp8=recipe, rngs=nnx.Rngs(7)))
+
+  def loss(params, quantize_once):
+    moe = nnx.merge(graphdef, params)
+    weights = moe.fp8_weights() if quantize_once else None
+    return sum(jnp.sum(moe(x, fp8_weights=weights)[0].astype(jnp.float32) ** 2) for x in batches)
+
+  linen_moe = jaxmlp.linen.MoE(E, D, f, 2, dtype=jnp.bfloat16, fp8=recipe)
+
+  def linen_loss(params, quantize_once):
+    weights = linen_moe.apply(params, method="fp8_weights") if quantize_once else None
+    return sum(jnp.sum(linen_moe.apply(params, x, fp8_weights=weights)[0].astype(jnp.float32) ** 2) for x in batches)
+
+  for fn, p in ((loss, params), (linen_loss, {"params": nnx.to_pure_dict(params)})):
+    want, got = (jax.jit(jax.value_and_grad(fn), static_argnums=1)(p, once) for once in (False, True))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert g.dtype == w.dtype
+      np.testing.assert_array_equal(g, w)
+  # The layers compute with the weights given, not their parameters: with w1 doubled, y moves.
+  moe = nnx.merge(graphdef, params)
+  w1q, w2q = moe.fp8_weights()
+  doubled = (jaxmlp.fp8_weights(2 * w1q.weights, recipe, dtype=jnp.bfloat16), w2q)
+  for call in (lambda w: moe(batches[0], fp8_weights=w)[0],
+               lambda w: linen_moe.apply({"params": nnx.to_pure_dict(params)}, batches[0], fp8_weights=w)[0]):
+    assert not np.array_equal(call(doubled), call((w1q, w2q)))
+  with pytest.raises(ValueError, match="fp8_weights: the layer was built with fp8=None"):
+    jaxmlp.nnx.MoE(E, D, f, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(7)).fp8_weights()
+  with pytest.raises(TypeError, match="the parameters are float32 and the layer's dtype is None"):
+    jaxmlp.nnx.GroupedMLP(E, D, f, fp8=recipe, rngs=nnx.Rngs(7)).fp8_weights()
+
+
 # ---- Sharding metadata ---------------------------------------------------------------------------------
 
 

@@ -189,15 +189,16 @@ def test_fp8_weights_give_the_results_of_quantizing_in_the_call(platform, rng, r
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_fp8_weights_quantized_once_over_micro_batches(rng, recipe):
-  """Gradient accumulation: weights quantized once, then a scan over micro-batches; the accumulated weight
-  gradients equal the sum of the micro-batches' gradients of calls that quantize the weights themselves."""
+  """Gradient accumulation with float32 master weights: quantized once (from bfloat16), then a scan over
+  micro-batches; the accumulated float32 weight gradients equal the sum of the micro-batches' gradients of
+  calls that round and quantize the weights themselves."""
   M, d, f, sizes = BLOCK_CASES["blocks" if recipe == "blockwise" else "uneven"]
-  args, gs, _ = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, scales=False)
+  args, gs, _ = inputs(rng, M, d, f, sizes, "swiglu", jnp.float32, scales=False)
   xs = jnp.asarray(rng.standard_normal((3, M, d)), jnp.bfloat16)
   dys = jnp.asarray(rng.standard_normal((3, M, d)), jnp.bfloat16)
 
   def step(w1, w2):
-    w1q, w2q = jaxmlp.fp8_weights(w1, recipe), jaxmlp.fp8_weights(w2, recipe)
+    w1q, w2q = (jaxmlp.fp8_weights(w, recipe, dtype=jnp.bfloat16) for w in (w1, w2))
     def micro_batch(total, x_dy):
       x, dy = x_dy
       y = jaxmlp.grouped_mlp(x, w1q, w2q, gs, fp8=recipe)
@@ -205,15 +206,15 @@ def test_fp8_weights_quantized_once_over_micro_batches(rng, recipe):
     return jax.lax.scan(micro_batch, 0.0, (xs, dys))[0]
 
   def per_call(w1, w2, x, dy):
-    y = jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=recipe)
+    y = jaxmlp.grouped_mlp(x, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), gs, fp8=recipe)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
   got = jax.jit(jax.grad(step, argnums=(0, 1)))(args["w1"], args["w2"])
   grads = [jax.jit(jax.grad(per_call, argnums=(0, 1)))(args["w1"], args["w2"], x, dy) for x, dy in zip(xs, dys)]
   for i, name in enumerate(("w1", "w2")):
     want = sum(np.asarray(g[i], np.float64) for g in grads)
-    assert got[i].dtype == args[name].dtype
-    check_close(got[i], want, 1e-2, name)
+    assert got[i].dtype == jnp.float32  # accumulated in the master weights' dtype
+    check_close(got[i], want, 1e-5, name)
 
 
 @pytest.mark.parametrize("make, error, match", [
@@ -235,8 +236,10 @@ def test_fp8_weights_bad_arguments(make, error, match):
 def test_fp8_weights_checks_its_weights():
   with pytest.raises(ValueError, match=r"fp8_weights: w has shape \[2, 24, 16\], expected \[E, K, N\]"):
     jaxmlp.fp8_weights(jnp.zeros((2, 24, 16), jnp.bfloat16))
-  with pytest.raises(TypeError, match="fp8_weights: w.dtype float32"):
+  with pytest.raises(TypeError, match="fp8_weights: computation dtype float32 is not supported"):
     jaxmlp.fp8_weights(jnp.zeros((2, 16, 16)))
+  with pytest.raises(TypeError, match="fp8_weights: w.dtype int32 is not a floating-point type"):
+    jaxmlp.fp8_weights(jnp.zeros((2, 16, 16), jnp.int32), dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="fp8_weights: fp8 must name a recipe"):
     jaxmlp.fp8_weights(jnp.zeros((2, 16, 16), jnp.bfloat16), None)
   with pytest.raises(ValueError, match="fp8: unknown recipe"):
