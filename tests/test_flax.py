@@ -505,6 +505,29 @@ def test_train_example_fp8_ends_near_bfloat16(capsys, recipe):
   assert capsys.readouterr().out.splitlines()[-1].startswith("OK")
 
 
+def test_train_example_fp8_over_micro_batches(capsys):
+  """--micro-batches with --fp8: each step's gradient accumulated over two halves of its batch, the experts'
+  weights quantized once per step (MoETransformer.fp8_weights): FP8 still ends near the bfloat16 run (same
+  micro-batches), and a step over two halves computes the mean of the halves' losses and gradients."""
+  result = train_moe.main(["--steps", "8", "--config", "tiny", "--seed", "3", "--fp8", "tensorwise",
+                           "--micro-batches", "2"])
+  assert result["match"] and set(result["runs"]) == {"jaxmlp", "jaxmlp fp8"}
+  cfg = train_moe.CONFIGS["tiny"]
+  model = train_moe.MoETransformer(cfg, dtype=jnp.bfloat16, impl="jaxmlp", fp8="tensorwise", rngs=nnx.Rngs(3))
+  graphdef, params = nnx.split(model)
+  batch = train_moe.MarkovChain(cfg.vocab_size, 3).sample(cfg.batch_size, cfg.seq_len + 1)
+  halves = [jax.jit(jax.value_and_grad(lambda p, b: train_moe.loss_fn(graphdef, p, b)[1]))(params, b)
+            for b in np.split(batch, 2)]
+  whole = jax.jit(jax.value_and_grad(lambda p: train_moe.loss_fn(graphdef, p, batch, micro_batches=2)[1]))(params)
+  # Up to bfloat16 rounding: XLA fuses (and so rounds) the model's bfloat16 ops differently inside the loop.
+  np.testing.assert_allclose(whole[0], (halves[0][0] + halves[1][0]) / 2, rtol=1e-4)
+  for got, *parts in zip(jax.tree.leaves(whole[1]), *(jax.tree.leaves(h[1]) for h in halves)):
+    want = (np.float64(parts[0]) + np.float64(parts[1])) / 2
+    assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want), (np.linalg.norm(got - want), np.linalg.norm(want))
+  with pytest.raises(SystemExit, match="--micro-batches: 3 does not divide the tiny config's batch of 8"):
+    train_moe.main(["--steps", "2", "--config", "tiny", "--micro-batches", "3"])
+
+
 def test_train_example_verdict_says_what_failed():
   runs = {"jaxmlp": train_moe.Run("jaxmlp", [2.0, 1.0], 1.0), "reference": train_moe.Run("reference", [2.0, 1.5], 1.0)}
   checks = {"gradient error at start": (3e-6, 1e-4), "final loss rel. diff": (0.33, 0.02)}

@@ -4,6 +4,7 @@ experts computed by jaxmlp.grouped_mlp and by the jax.lax.ragged_dot reference, 
   jaxmlp-train-moe                          # both paths; tiny on CPU, small on GPU
   jaxmlp-train-moe --impl jaxmlp --config small --steps 300 --dtype float32
   jaxmlp-train-moe --expert-parallel        # the MoE layers expert-parallel over all devices
+  jaxmlp-train-moe --fp8 tensorwise --micro-batches 4   # FP8 experts, weights quantized once per step
 (or python -m jaxmlp.examples.train_moe, from outside the source tree).
 
 Both paths train the same model from the same initialisation on the same batches. The run checks that
@@ -112,9 +113,9 @@ class Block(nnx.Module):
     self.moe = MoE(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.top_k, dtype=dtype, impl=impl,
                    expert_axis=expert_axis, fp8=fp8, rngs=rngs)
 
-  def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, mask: jax.Array, fp8_weights=None) -> tuple[jax.Array, jax.Array]:
     x = x + self.attention(self.attention_norm(x), mask=mask)
-    y, aux = self.moe(self.moe_norm(x))
+    y, aux = self.moe(self.moe_norm(x), fp8_weights=fp8_weights)
     return x + y, aux["aux_loss"]
 
 
@@ -128,23 +129,42 @@ class MoETransformer(nnx.Module):
                             for _ in range(cfg.num_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+    self.quantizes_once = fp8 is not None and expert_axis is None
 
-  def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """tokens [B, S] -> (float32 logits [B, S, vocab], the summed router auxiliary losses)."""
+  def __call__(self, tokens: jax.Array, fp8_weights=None) -> tuple[jax.Array, jax.Array]:
+    """tokens [B, S] -> (float32 logits [B, S, vocab], the summed router auxiliary losses); fp8_weights:
+    None, or fp8_weights()."""
     x = self.embed(tokens)
     mask = nnx.make_causal_mask(tokens)
     aux_loss = jnp.zeros((), jnp.float32)
-    for block in self.blocks:
-      x, block_aux = block(x, mask)
+    for i, block in enumerate(self.blocks):
+      x, block_aux = block(x, mask, None if fp8_weights is None else fp8_weights[i])
       aux_loss += block_aux
     return self.lm_head(self.final_norm(x)).astype(jnp.float32), aux_loss
 
+  def fp8_weights(self):
+    """With FP8 experts, each block's expert weights quantized (for all micro-batches of a step); else
+    None. Not expert-parallel: there the layers quantize in each call (jaxmlp.nnx.MoE)."""
+    return [block.moe.fp8_weights() for block in self.blocks] if self.quantizes_once else None
 
-def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(cross-entropy + router losses, cross-entropy) of next-token prediction on batch [B, S + 1]."""
-  logits, aux_loss = nnx.merge(graphdef, params)(batch[:, :-1])
-  cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-  return cross_entropy + aux_loss, cross_entropy
+
+def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
+            micro_batches: int = 1) -> tuple[jax.Array, jax.Array]:
+  """(cross-entropy + router losses, cross-entropy) of next-token prediction on batch [B, S + 1]: the mean
+  over `micro_batches` equal parts of it, run one after the other (gradient accumulation), with FP8 expert
+  weights quantized once for all of them."""
+  model = nnx.merge(graphdef, params)
+  fp8_weights = model.fp8_weights()
+
+  def micro_batch(batch):
+    logits, aux_loss = model(batch[:, :-1], fp8_weights)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return cross_entropy + aux_loss, cross_entropy
+
+  if micro_batches == 1:
+    return micro_batch(batch)
+  losses, cross_entropies = jax.lax.map(micro_batch, batch.reshape(micro_batches, -1, batch.shape[-1]))
+  return losses.mean(), cross_entropies.mean()
 
 
 def initial_gradients(cfg: Config, batch: np.ndarray, *, impl: str, dtype, seed: int) -> nnx.State:
@@ -173,8 +193,9 @@ class Run:
 
 
 def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
-          expert_axis: str | None = None, fp8: str | None = None) -> Run:
-  """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW."""
+          expert_axis: str | None = None, fp8: str | None = None, micro_batches: int = 1) -> Run:
+  """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW, each step's
+  gradient accumulated over `micro_batches` parts of its batch."""
   model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=fp8)
   graphdef, params = nnx.split(model)
   optimizer = optax.adamw(cfg.learning_rate, weight_decay=0.01)
@@ -182,7 +203,8 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
 
   @jax.jit
   def train_step(params, opt_state, batch):
-    (_, cross_entropy), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, batch)
+    (_, cross_entropy), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, batch,
+                                                                                     micro_batches)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, cross_entropy
 
@@ -223,6 +245,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="train the expert MLPs in FP8 (jaxmlp.grouped_mlp's fp8=) beside the same model in "
                            "bfloat16 (same seed, same batches), and check that FP8 ends within "
                            f"{FP8_FINAL_LOSS_TOLERANCE:.0%} of its final loss; needs --dtype bfloat16 (auto picks it)")
+  parser.add_argument("--micro-batches", type=int, default=1,
+                      help="accumulate each step's gradient over this many equal parts of its batch, one after "
+                           "the other; with --fp8 the experts' weights are quantized once per step (jaxmlp.fp8_weights)")
   parser.add_argument("--expert-parallel", action="store_true",
                       help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
                            "on a CPU), and check the first batch's loss and gradients against one device")
@@ -231,6 +256,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.error("--steps: need at least 2 (the first one compiles and is not timed)")
   if args.fp8 and args.dtype == "float32":
     parser.error("--fp8: FP8 takes bfloat16 operands; leave --dtype at auto or bfloat16")
+  if args.micro_batches < 1:
+    parser.error("--micro-batches: need at least 1")
   return args
 
 
@@ -293,6 +320,9 @@ def main(argv: list[str] | None = None) -> dict:
   dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu or args.fp8 else "float32")
   cfg, dtype = CONFIGS[config_name], jnp.dtype(dtype_name)
   steps = args.steps or cfg.steps
+  if cfg.batch_size % args.micro_batches:
+    raise SystemExit(f"--micro-batches: {args.micro_batches} does not divide the {config_name} config's batch "
+                     f"of {cfg.batch_size}")
   impls = ["jaxmlp", "reference"] if args.impl == "both" else [args.impl]
   if args.fp8:  # FP8 against bfloat16 on one path (jaxmlp's, unless --impl reference names the emulation)
     impls = impls[:1]
@@ -314,11 +344,11 @@ def main(argv: list[str] | None = None) -> dict:
       exact = initial_gradients(cfg, batches[0], impl="reference", dtype=jnp.float32, seed=args.seed)
   expert_axis = EXPERT_AXIS if mesh else None
   with jax.default_matmul_precision(precision), on(mesh):
-    runs = {impl: train(cfg, batches, impl=impl, dtype=dtype, seed=args.seed, expert_axis=expert_axis)
-            for impl in impls}
+    runs = {impl: train(cfg, batches, impl=impl, dtype=dtype, seed=args.seed, expert_axis=expert_axis,
+                        micro_batches=args.micro_batches) for impl in impls}
     if args.fp8:
       fp8_run = train(cfg, batches, impl=impls[0], dtype=dtype, seed=args.seed, expert_axis=expert_axis,
-                      fp8=args.fp8)
+                      fp8=args.fp8, micro_batches=args.micro_batches)
       runs[fp8_run.impl] = fp8_run
   result = {"runs": runs, "match": all(np.isfinite(run.losses).all() for run in runs.values())}
   _print_table(runs)
