@@ -181,9 +181,9 @@ def _activation_and_grads(act: Activation, h: jax.Array):
 
 
 def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
-  """(y, residuals) of the FP8 forward for weights quantized by quantize_weights; `valid` marks the rows in
-  groups. The residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x), q(w1), q(w2) in e4m3 (q(x) of the
-  rows past the groups is unspecified)."""
+  """(y, residuals) of the FP8 forward for w1 and w2 quantized by quantize_weights ((q, amax, qt) each);
+  `valid` marks the rows in groups. The residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x), q(w1),
+  q(w2) in e4m3 (q(x) of the rows past the groups is unspecified)."""
   dtype = x.dtype
   (w1q, aw1, _), (w2q, aw2, _) = w1, w2
   ax = amax(x, valid)

@@ -85,7 +85,7 @@ class GroupedMLP(nn.Module):
                             fp8=self.fp8)
 
   def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
-    """(w1, w2) in the computation dtype, quantized for the fp8 recipe: `apply(params, method="fp8_weights")`."""
+    """(w1, w2) quantized for the fp8 recipe from the computation dtype: `apply(params, method="fp8_weights")`."""
     params = nn.meta.unbox(self.variables["params"])
     return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype)
 

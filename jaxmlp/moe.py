@@ -50,16 +50,16 @@ def check_moe_args(num_experts: int, top_k: int, score_func: str, capacity_facto
 
 
 def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype) -> tuple[Fp8Weights, Fp8Weights]:
-  """The modules' fp8_weights(): the experts' w1 and w2 in the computation dtype, quantized for the
-  layer's recipe (jaxmlp.fp8_weights)."""
+  """The modules' fp8_weights(): the experts' w1 and w2 quantized for the layer's recipe from their
+  rounding to the computation dtype (jaxmlp.fp8_weights)."""
   if fp8 is None:
     raise ValueError("fp8_weights: the layer was built with fp8=None; give it a recipe (fp8='tensorwise' or "
                      "'blockwise')")
   if dtype is None and jnp.result_type(w1) == jnp.float32:
     raise TypeError("fp8_weights: the parameters are float32 and the layer's dtype is None; FP8 weights are "
                     "quantized from the 16-bit computation dtype (build the layer with dtype=jnp.bfloat16)")
-  cast = (lambda w: w) if dtype is None else (lambda w: w.astype(dtype))
-  return fp8_weights(cast(w1), fp8), fp8_weights(cast(w2), fp8)
+  # The parameters themselves, not their 16-bit copies: their gradients then add up in their dtype.
+  return fp8_weights(w1, fp8, dtype), fp8_weights(w2, fp8, dtype)
 
 
 def check_no_fp8_weights_expert_parallel(fp8_weights) -> None:

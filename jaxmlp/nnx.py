@@ -144,7 +144,7 @@ class GroupedMLP(nnx.Module):
                             fp8=self.fp8)
 
   def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
-    """(w1, w2) in the computation dtype, quantized for the fp8 recipe (jaxmlp.fp8_weights): quantize once
+    """(w1, w2) quantized for the fp8 recipe from the computation dtype (jaxmlp.fp8_weights): quantize once
     per optimizer step, inside the differentiated function, and pass them to every micro-batch's call."""
     return quantized_experts(self.w1[...], self.w2[...], self.fp8, self.dtype)
 

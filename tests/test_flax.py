@@ -201,6 +201,7 @@ def test_modules_take_their_fp8_weights_quantized_once(recipe):
   # The layers compute with the weights given, not their parameters: with w1 doubled, y moves.
   moe = nnx.merge(graphdef, params)
   w1q, w2q = moe.fp8_weights()
+  assert w1q.weights.dtype == w2q.weights.dtype == jnp.float32  # the parameters: gradients add up in float32
   doubled = (jaxmlp.fp8_weights(2 * w1q.weights, recipe, dtype=jnp.bfloat16), w2q)
   for call in (lambda w: moe(batches[0], fp8_weights=w)[0],
                lambda w: linen_moe.apply({"params": nnx.to_pure_dict(params)}, batches[0], fp8_weights=w)[0]):

@@ -265,8 +265,9 @@ def test_blockwise_column_blocks(sizes, want):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   """The CUDA quantizers of the blockwise recipe (and of the tensorwise weights) write the e4m3 values and
-  exponents (amax) of their JAX quantizers bit for bit: rows of magnitudes 2^-12 to 2^12, a zero block, blocks cut short by the widths (272, 144)
-  and by the groups (300 rows: 128, 128 and 44), an empty group and rows past the groups."""
+  exponents (amax) of their JAX quantizers bit for bit: rows of magnitudes 2^-12 to 2^12, a zero block,
+  blocks cut short by the widths (272, 144) and by the groups (300 rows: 128, 128 and 44), an empty group
+  and rows past the groups."""
   reason = fp8_reason()
   if reason:
     pytest.skip(reason)

@@ -247,7 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            f"{FP8_FINAL_LOSS_TOLERANCE:.0%} of its final loss; needs --dtype bfloat16 (auto picks it)")
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
-                           "the other; with --fp8 the experts' weights are quantized once per step (jaxmlp.fp8_weights)")
+                           "the other; with --fp8 the experts' weights are quantized once per step "
+                           "(jaxmlp.fp8_weights)")
   parser.add_argument("--expert-parallel", action="store_true",
                       help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
                            "on a CPU), and check the first batch's loss and gradients against one device")
