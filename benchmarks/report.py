@@ -131,29 +131,36 @@ def headline(results: dict) -> str:
 
 
 def fp8_section(results: dict) -> str:
-  """jaxmlp's FP8 path against its bf16 path and against the PyTorch FP8 MLP, fwd+bwd."""
+  """jaxmlp's FP8 implementations against its bf16 path and against the PyTorch FP8 MLP, fwd+bwd."""
   fp8 = _impls_present(results, fp8=True)
-  if "jaxmlp_fp8" not in fp8:
+  ours = [i for i in fp8 if i.startswith("jaxmlp")]
+  if not ours:
     return ""
   unit, scale = flop_unit(results["meta"]["mode"])
-  bases = [i for i in ("jaxmlp", *fp8) if i != "jaxmlp_fp8" and i in {*fp8, *_impls_present(results)}]
+  # The PyTorch FP8 MLP to compare with: compiled where it ran, else eager.
+  torch_fp8 = next((i for i in ("torch_fp8_compile", "torch_fp8") if i in fp8), None)
+  bases = [b for b in ("jaxmlp", torch_fp8) if b in {*fp8, *_impls_present(results)}]
   lines = []
-  for base in bases:
-    ratios = [s for c in results["cases"] if (s := speedup(c, base, "fwd_bwd", "jaxmlp_fp8")) is not None]
-    if ratios:
-      lines.append(f"- is **{_span([f'{s:.2f}' for s in ratios])}×** as fast as {IMPL_LABELS[base]}")
+  for impl in ours:
+    for base in bases:
+      ratios = [s for c in results["cases"] if (s := speedup(c, base, "fwd_bwd", impl)) is not None]
+      if ratios:
+        lines.append(f"- {IMPL_LABELS[impl]} is **{_span([f'{s:.2f}' for s in ratios])}×** as fast as "
+                     f"{IMPL_LABELS[base]}")
   impls = ["jaxmlp"] * ("jaxmlp" in bases) + fp8
   cols = ["shape (E, d, f, M)", "routing"] + [IMPL_LABELS[i] for i in impls]
-  cols += [f"FP8 vs {IMPL_LABELS[b]}" for b in bases]
   rows = [f"| {' | '.join(cols)} |", "|" + "---|" * len(cols)]
+  ratio_cols = ["shape", "routing"] + [IMPL_LABELS[i] for i in ours]
+  ratio_rows = [f"| {' | '.join(ratio_cols)} |", "|" + "---|" * len(ratio_cols)]
   for c in results["cases"]:
-    cells = [f"{c['shape']} ({c['E']}, {c['d']}, {c['f']}, {c['M']})", c["routing"]]
-    cells += [num(rate(c, i, "fwd_bwd", scale)) + _wrong(c, i) for i in impls]
-    cells += [num(speedup(c, b, "fwd_bwd", "jaxmlp_fp8"), "{:.2f}×") for b in bases]
-    rows.append(f"| {' | '.join(cells)} |")
-  return ("## FP8\n\njaxmlp FP8 (tensorwise), forward + backward:\n\n" + "\n".join(lines) +
-          f"\n\nfwd+bwd throughput in {unit} (FLOPs counted as for bf16) and jaxmlp FP8's speedup (time of the "
-          "other / time of jaxmlp FP8):\n\n" + "\n".join(rows))
+    case = [f"{c['shape']} ({c['E']}, {c['d']}, {c['f']}, {c['M']})", c["routing"]]
+    rows.append(f"| {' | '.join(case + [num(rate(c, i, 'fwd_bwd', scale)) + _wrong(c, i) for i in impls])} |")
+    ratios = [" / ".join(num(speedup(c, b, "fwd_bwd", i), "{:.2f}×") for b in bases) for i in ours]
+    ratio_rows.append(f"| {' | '.join([c['shape'], c['routing']] + ratios)} |")
+  return ("## FP8\n\nForward + backward:\n\n" + "\n".join(lines) +
+          f"\n\nfwd+bwd throughput in {unit} (FLOPs counted as for bf16):\n\n" + "\n".join(rows) +
+          "\n\nSpeedup of each jaxmlp FP8 implementation over " + " / ".join(IMPL_LABELS[b] for b in bases) +
+          " (time of the other / its time):\n\n" + "\n".join(ratio_rows))
 
 
 def _span(values: list[str]) -> str:

@@ -123,6 +123,22 @@ def test_benchmark_fp8_impls_with_weights_quantized_before_the_step(monkeypatch)
     assert errors[0] == errors[1] and errors[0]["dw1"] > 1e-3, errors
 
 
+def test_report_gives_each_fp8_implementation_its_speedups(monkeypatch):
+  """The FP8 section: every jaxmlp FP8 implementation against jaxmlp bf16 and the compiled PyTorch FP8 MLP."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import report
+
+  times = {"jaxmlp": 2.0, "jaxmlp_fp8": 1.6, "jaxmlp_fp8_cached": 1.25, "torch_fp8_compile": 2.5, "torch_fp8": 5.0}
+  case = {"shape": "dsv3", "routing": "balanced", "E": 32, "d": 7168, "f": 2048, "M": 32768,
+          "flops": {"fwd": 1e12, "fwd_bwd": 3e12},
+          "impls": {i: {"fwd": {"s": t / 3}, "fwd_bwd": {"s": t}, "check": {"ok": True}} for i, t in times.items()}}
+  section = report.fp8_section({"meta": {"mode": "gpu"}, "cases": [case]})
+  label = report.IMPL_LABELS
+  assert f"- {label['jaxmlp_fp8_cached']} is **1.60×** as fast as {label['jaxmlp']}" in section
+  assert f"- {label['jaxmlp_fp8']} is **1.56×** as fast as {label['torch_fp8_compile']}" in section
+  assert "| dsv3 | balanced | 1.25× / 1.56× | 1.60× / 2.00× |" in section, section
+
+
 def test_torch_check_catches_a_wrong_gradient(monkeypatch):
   """torch_mlp.check compares y and every gradient with the float32 loop: right for the real MLP, and
   failing for one whose backward drops the gate's gradient (a forward check alone would pass it)."""
