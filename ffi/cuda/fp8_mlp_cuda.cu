@@ -1,10 +1,10 @@
 // CUDA handlers of the FP8 grouped MLP (the recipe: jaxmlp/fp8.py), one custom call per direction, on the
 // cuBLASLt grouped GEMM with FP8 e4m3 operands, and its weight quantizer. cuBLAS takes FP8 only in the "TN"
 // layout (both operands contiguous along the reduction), so the weights are quantized in one pass into both
-// layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several steps):
-// transposed for the forward, as they lie for the backward's data gradients. The weight gradients read transposed copies of the activations and gradients, each
-// group's rows a 16-aligned column segment (GemmOp::kTNPadded). Group sizes stay on the device: no host
-// sync, command-buffer compatible.
+// layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several calls):
+// transposed for the forward, as they lie for the backward's data gradients. The weight gradients read
+// transposed copies of the activations and gradients, each group's rows a 16-aligned column segment
+// (GemmOp::kTNPadded). Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -110,13 +110,14 @@ Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms
   return o;
 }
 
-// The weights of one recipe call, w [E, K, N] in x's dtype: q [E, K, N] and qt [E, N, K] in e4m3 with the
-// scale of amax [1] = max |w|.
+// The tensorwise recipe's weights w [E, K, N] (bfloat16 or float16): q [E, K, N] and qt [E, N, K] in e4m3
+// with the scale of amax [1] = max |w|.
 Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> amax,
                        Result<AnyBuffer> qt) {
   ++handler_host_calls;
   const DataType t = w.element_type();
-  if (w.dimensions().size() != 3) return Error::InvalidArgument("jaxmlp: w must be [E, K, N], got " + Dims(w.dimensions()));
+  if (w.dimensions().size() != 3)
+    return Error::InvalidArgument("jaxmlp: w must be [E, K, N], got " + Dims(w.dimensions()));
   if (t != DataType::BF16 && t != DataType::F16)
     return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16");
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
