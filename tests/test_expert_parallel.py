@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, check_close
+from conftest import TOLERANCE, check_close, rel_error
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -228,6 +228,24 @@ def test_bad_input_names_the_argument(num_experts, shape, axis, message):
       module(x)
     with pytest.raises(ValueError, match=message):
       linen_module.init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_expert_parallel_is_as_accurate_as_one_device(rng, recipe):
+  """With FP8 the expert-parallel layer quantizes other numbers than the layer on one device (each device's
+  tensorwise scales; the router weights applied after the MLP): its y and gradients lie as close to the
+  float32 layer's as the one-device FP8 layer's do (measured 0.061-0.076 relative error, both)."""
+  seed = int(rng.integers(1 << 30))
+  x, dy = (jnp.asarray(v, jnp.bfloat16) for v in inputs(rng, (4, 16)))
+  exact = nnx_run(jaxmlp.nnx.MoE(E, D, 32, 2, rngs=nnx.Rngs(seed)), x, dy)
+  fp8 = lambda axis: jaxmlp.nnx.MoE(E, D, 32, 2, rngs=nnx.Rngs(seed), expert_axis=axis, dtype=jnp.bfloat16,
+                                    fp8=recipe)
+  for got in (nnx_run(fp8(None), x, dy), nnx_run(fp8(AXIS), x, dy, mesh_of(8))):
+    (y, _, grads), (want_y, _, want_grads) = got, exact
+    assert 1e-2 < rel_error(y, want_y) < 0.12
+    for name in ("x", "experts"):
+      for g, w in zip(jax.tree.leaves(grads[name]), jax.tree.leaves(want_grads[name])):
+        assert rel_error(g, w) < 0.12, name
 
 
 def test_fp8_weights_quantized_before_the_call_are_refused_expert_parallel():
