@@ -349,6 +349,19 @@ def fp8_block_columns(v, first, rows):
   return tuple(call(v, first, rows))
 
 
+def fp8_block_rows_and_columns(v, first, rows, total):
+  """fp8_block_rows and fp8_block_columns of v in one pass: ((q, e), (qt, ec)); `total` [1] int32: the rows in
+  the groups (those the blocks hold)."""
+  (R, C), B = v.shape, first.shape[0]
+  sds = _result_types(v, first, rows, total)
+  e4m3 = jnp.float8_e4m3fn
+  call = jax.ffi.ffi_call("jaxmlp_fp8_block_rows_and_columns",
+                          [sds((R, C), e4m3), sds((R, -(-C // 128)), jnp.int32), sds((C, 128 * B), e4m3),
+                           sds((B, C), jnp.int32)], vmap_method="sequential")
+  q, e, qt, ec = call(v, first, rows, total)
+  return (q, e), (qt, ec)
+
+
 def fp8_block_weights(w):
   """fp8_blockwise.quantize_weights on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K / 128),
   ceil(N / 128)] int32, q transposed [E, N, K])."""

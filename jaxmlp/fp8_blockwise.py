@@ -141,6 +141,11 @@ def quantize_columns(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Arr
   return _quantize(blocks, e[:, None, :]).reshape(-1, C).T, e
 
 
+def quantize_rows_and_columns(v: jax.Array, sizes: jax.Array):
+  """(quantize_rows(v), quantize_columns(v, sizes)): a tensor that is both a row and a column operand."""
+  return quantize_rows(v), quantize_columns(v, sizes)
+
+
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
   """[L, C] float32 of quantize_columns's (q, exponents): the padded rows, no longer transposed."""
   return _dequantize(q.T, jnp.repeat(e, BLOCK, axis=0))
@@ -148,7 +153,8 @@ def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
 
 class Backend(tp.NamedTuple):
   """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
-  module of the same names, bit for bit (the emulation: those functions). The products take quantized
+  module of the same names, bit for bit (the emulation: those functions; quantize_rows_and_columns reads
+  its tensor once where a kernel can). The products take quantized
   operands, accumulate in float32 and round once to `dtype`:
     rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
       [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
@@ -157,6 +163,7 @@ class Backend(tp.NamedTuple):
       [m, N]): [E, K, N]."""
   quantize_rows: tp.Callable
   quantize_columns: tp.Callable
+  quantize_rows_and_columns: tp.Callable
   quantize_weights: tp.Callable
   rows: tp.Callable
   columns: tp.Callable
@@ -171,7 +178,7 @@ def emulation(gemm: Gemm) -> Backend:
   def columns(lhs, rhs, sizes, m, dtype):
     return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
 
-  return Backend(quantize_rows, quantize_columns, quantize_weights, rows, columns)
+  return Backend(quantize_rows, quantize_columns, quantize_rows_and_columns, quantize_weights, rows, columns)
 
 
 def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
@@ -179,28 +186,31 @@ def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
   rows in groups. The residuals: h, x in 128 x 1 blocks (the weight gradient's operand) and the quantized
   weights, each with its exponents."""
   dtype, rows = x.dtype, valid[:, None]  # rows past the groups: read by no product, zero in the results
-  h = jnp.where(rows, b.rows(b.quantize_rows(x), w1q, sizes, False, dtype), 0)
+  x_rows, x_columns = b.quantize_rows_and_columns(x, sizes)
+  h = jnp.where(rows, b.rows(x_rows, w1q, sizes, False, dtype), 0)
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(rows, a, 0)
   y = b.rows(b.quantize_rows(a), w2q, sizes, False, dtype)
-  return jnp.where(rows, y, 0), (h, b.quantize_columns(x, sizes), w1q[:2], w2q[:2])
+  return jnp.where(rows, y, 0), (h, x_columns, w1q[:2], w2q[:2])
 
 
 def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   """(dx, dw1, dw2, dscales or None) of the blockwise backward, from the forward's residuals."""
-  h, xq, w1q, w2q = residuals
+  h, x_columns, w1q, w2q = residuals
   dtype, rows = h.dtype, valid[:, None]
-  da = jnp.where(rows, b.rows(b.quantize_rows(dy), w2q, sizes, True, dtype).astype(jnp.float32), 0)
+  dy_rows, dy_columns = b.quantize_rows_and_columns(dy, sizes)
+  da = jnp.where(rows, b.rows(dy_rows, w2q, sizes, True, dtype).astype(jnp.float32), 0)
   value, vjp = jax.vjp(act, h.astype(jnp.float32))
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
-  dx = b.rows(b.quantize_rows(dh), w1q, sizes, True, dtype)
+  dh_rows, dh_columns = b.quantize_rows_and_columns(dh, sizes)
+  dx = b.rows(dh_rows, w1q, sizes, True, dtype)
   m = h.shape[0]
-  dw2 = b.columns(b.quantize_columns(a, sizes), b.quantize_columns(dy, sizes), sizes, m, dtype)
-  dw1 = b.columns(xq, b.quantize_columns(dh, sizes), sizes, m, dtype)
+  dw2 = b.columns(b.quantize_columns(a, sizes), dy_columns, sizes, m, dtype)
+  dw1 = b.columns(x_columns, dh_columns, sizes, m, dtype)
   dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
   return jnp.where(rows, dx, 0), dw1, dw2, dscales
 

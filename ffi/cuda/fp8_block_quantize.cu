@@ -5,6 +5,8 @@
 //   columns  v [M, C], first [B], count [B] -> qt [C, 128 B], e [B, C] 128 x 1 blocks: block b holds rows
 //            first[b] .. first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
+//   rows_and_columns  v, first, count, total [1] -> rows' and columns' results of v in one read (total: the
+//            rows in groups, those the blocks hold; the rows after them are quantized as rows only)
 // One difference: a block holding a NaN takes its exponent from its other values here (fmaxf passes NaN
 // over), from 0 in the JAX code (its maximum is NaN); the NaN itself stays NaN in both.
 #include <cuda_fp8.h>
@@ -150,6 +152,76 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
   }
 }
 
+// A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
+// columns' quantization of that 128 x 128 region from one read of it, written as RowBlocksKernel and
+// ColumnBlocksKernel write them. The blocks after the layout's B take the rows past the groups,
+// [total, M), rows only: every row of v is quantized once (the groups' rows each lie in one block b).
+// Two threads a row, then two a column, 64 values each.
+constexpr int kTilePitch = kScaleBlock + 1;  // floats a tile row: a column's 128 values lie in 32 banks
+constexpr int kTileBytes = kScaleBlock * kTilePitch * sizeof(float);
+template <typename T>
+__global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t M, int64_t C, const int32_t* first,
+                                                            const int32_t* count, const int32_t* total, int64_t B,
+                                                            uint8_t* q, int32_t* e, uint8_t* qt, int32_t* ec) {
+  extern __shared__ float tile[];  // [128][kTilePitch]
+  const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kScaleBlock;
+  const bool columns = b < B;
+  // Device data: the rows are clamped into [0, M) whatever first, count and total hold.
+  int64_t start, rows;
+  if (columns) {
+    start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
+    rows = std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), int64_t{kScaleBlock}), M - start);
+  } else {
+    start = std::min<int64_t>(std::max<int32_t>(*total, 0), M) + (b - B) * kScaleBlock;
+    rows = std::max<int64_t>(std::min<int64_t>(M - start, int64_t{kScaleBlock}), 0);
+    if (rows == 0) return;  // the whole block: no row of v left for it
+  }
+  {  // 16 threads a row, eight columns each (C is a multiple of 16: eight are all in the row or all past it)
+    const int j = threadIdx.x % 16 * 8;
+    for (int i = threadIdx.x / 16; i < kScaleBlock; i += blockDim.x / 16) {
+      float f[8] = {};
+      if (i < rows && c0 + j < C) {
+        const Vec<T, 8> x = Load<T, 8>(v + (start + i) * C + c0 + j);
+        for (int u = 0; u < 8; ++u) f[u] = Conv<T>::To(x.v[u]);
+      }
+      for (int u = 0; u < 8; ++u) tile[i * kTilePitch + j + u] = f[u];
+    }
+  }
+  __syncthreads();
+  const int half = threadIdx.x % 2, line = threadIdx.x / 2;  // line: a row, then a column, of the tile
+  {  // rows: 1 x 128 blocks
+    const float* row = tile + line * kTilePitch + half * 64;
+    float amax = 0.0f;
+    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(row[u]));
+    const int exp = Exponent(fmaxf(amax, __shfl_xor_sync(~0u, amax, 1)));
+    if (line < rows) {
+      const int64_t r = start + line;
+      if (half == 0) e[r * ScaleBlocks(C) + blockIdx.y] = exp;
+      for (int u0 = 0; u0 < 64 && c0 + half * 64 + u0 < C; u0 += 8) {
+        uint64_t packed = 0;
+        for (int u = 0; u < 8; ++u) packed |= uint64_t(Quantize(row[u0 + u], exp)) << (8 * u);
+        *reinterpret_cast<uint64_t*>(q + r * C + c0 + half * 64 + u0) = packed;
+      }
+    }
+  }
+  if (!columns) return;
+  {  // columns: 128 x 1 blocks, zeros past the block's rows
+    float amax = 0.0f;
+    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(tile[(half * 64 + u) * kTilePitch + line]));
+    const int exp = Exponent(fmaxf(amax, __shfl_xor_sync(~0u, amax, 1)));
+    if (c0 + line < C) {
+      if (half == 0) ec[b * C + c0 + line] = exp;
+      uint8_t* out = qt + (c0 + line) * B * kScaleBlock + b * kScaleBlock + half * 64;
+      for (int u0 = 0; u0 < 64; u0 += 8) {
+        uint64_t packed = 0;
+        for (int u = 0; u < 8; ++u)
+          packed |= uint64_t(Quantize(tile[(half * 64 + u0 + u) * kTilePitch + line], exp)) << (8 * u);
+        *reinterpret_cast<uint64_t*>(out + u0) = packed;
+      }
+    }
+  }
+}
+
 Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
   const DataType t = v.element_type();
   if (t != DataType::BF16 && t != DataType::F16 && t != DataType::F32)
@@ -160,6 +232,16 @@ Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
     if (n > INT32_MAX) return Error::InvalidArgument("jaxmlp: quantizer extents must be below 2^31");
   if (v.dimensions().back() % 16)
     return Error::InvalidArgument(std::string("jaxmlp: ") + name + "'s last dimension must be a multiple of 16");
+  return Error::Success();
+}
+
+// The column blocks' (first, count) of Fp8BlockColumns and Fp8BlockRowsAndColumns: int32 [B] each.
+Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t* B) {
+  if (first.dimensions().size() != 1 || first.element_type() != DataType::S32)
+    return Error::InvalidArgument("jaxmlp: first must be a 1-D int32 array");
+  *B = first.dimensions()[0];
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("count", count, {*B}, DataType::S32, "dtype int32"));
+  if (*B * kScaleBlock > INT32_MAX) return Error::InvalidArgument("jaxmlp: 128 x 1 blocks of more than 2^31 rows");
   return Error::Success();
 }
 
@@ -186,14 +268,11 @@ Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuff
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
-  if (first.dimensions().size() != 1 || first.element_type() != DataType::S32)
-    return Error::InvalidArgument("jaxmlp: first must be a 1-D int32 array");
-  const int64_t B = first.dimensions()[0];
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("count", count, {B}, DataType::S32, "dtype int32"));
+  int64_t B = 0;
+  JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &B));
   JAXMLP_RETURN_IF_ERROR(
       CheckShapeAndType("qt", *qt, {C, B * kScaleBlock}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {B, C}, DataType::S32, "dtype int32"));
-  if (B * kScaleBlock > INT32_MAX) return Error::InvalidArgument("jaxmlp: 128 x 1 blocks of more than 2^31 rows");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*qt, &*e}));
   if (B == 0 || C == 0) return Error::Success();
   const dim3 grid(unsigned(B), unsigned((C + kColumns - 1) / kColumns));
@@ -205,6 +284,39 @@ Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuff
         static_cast<int32_t*>(e->untyped_data()));
   });
   return CheckCuda(cudaGetLastError(), "launching the 128x1 quantizer");
+}
+
+Error Fp8BlockRowsAndColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuffer count, AnyBuffer total,
+                             Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
+  ++handler_host_calls;
+  JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
+  const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
+  int64_t B = 0;
+  JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &B));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("total", total, {1}, DataType::S32, "dtype int32"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {M, C}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {M, ScaleBlocks(C)}, DataType::S32, "dtype int32"));
+  JAXMLP_RETURN_IF_ERROR(
+      CheckShapeAndType("qt", *qt, {C, B * kScaleBlock}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *ec, {B, C}, DataType::S32, "dtype int32"));
+  if (ScaleBlocks(C) > 65535) return Error::InvalidArgument("jaxmlp: too many column blocks for one grid");
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e, &*qt, &*ec}));
+  if (C == 0 || B + M == 0) return Error::Success();
+  const dim3 grid(unsigned(B + ScaleBlocks(M)), unsigned(ScaleBlocks(C)));
+  cudaError_t status = cudaSuccess;
+  ByType(v.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    // The tile's 66 KB of shared memory are over the 48 KB a launch gets without asking.
+    status = cudaFuncSetAttribute(RowsAndColumnsKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes);
+    if (status != cudaSuccess) return;
+    RowsAndColumnsKernel<T><<<grid, 256, kTileBytes, stream>>>(
+        static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
+        static_cast<const int32_t*>(count.untyped_data()), static_cast<const int32_t*>(total.untyped_data()), B,
+        static_cast<uint8_t*>(q->untyped_data()), static_cast<int32_t*>(e->untyped_data()),
+        static_cast<uint8_t*>(qt->untyped_data()), static_cast<int32_t*>(ec->untyped_data()));
+  });
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory"));
+  return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
 }
 
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
@@ -249,6 +361,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockColumns, jaxmlp::Fp8BlockColumns,
                                   .Arg<xla::ffi::AnyBuffer>()   // count
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
                                   .Ret<xla::ffi::AnyBuffer>(),  // e
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndColumns,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Arg<xla::ffi::AnyBuffer>()   // first
+                                  .Arg<xla::ffi::AnyBuffer>()   // count
+                                  .Arg<xla::ffi::AnyBuffer>()   // total
+                                  .Ret<xla::ffi::AnyBuffer>()   // q
+                                  .Ret<xla::ffi::AnyBuffer>()   // e
+                                  .Ret<xla::ffi::AnyBuffer>()   // qt
+                                  .Ret<xla::ffi::AnyBuffer>(),  // ec
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
