@@ -104,8 +104,10 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   args = (tokens, logits, expert_params)
   if explicit:  # shard_map moves Auto operands itself, Explicit ones not
     args = jax.sharding.reshard(args, split)
-  y, losses = jax.shard_map(shard, in_specs=(split, split, split), out_specs=(split, P()),
-                            axis_names={expert_axis})(*args)
+  # Compiled as one program also when called outside jit (a Linen init): op by op, jax 0.11.2's XLA:CPU
+  # crashed (segmentation fault) compiling the ops of the shard.
+  y, losses = jax.jit(jax.shard_map(shard, in_specs=(split, split, split), out_specs=(split, P()),
+                                    axis_names={expert_axis}))(*args)
   if explicit:  # y as the tokens were, so that the caller's reshape is the one it does without EP
     y = jax.sharding.reshard(y, jax.typeof(tokens).sharding.spec)
   return y, losses

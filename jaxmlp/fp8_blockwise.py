@@ -26,7 +26,7 @@ Where each quantization happens (rounding to x's dtype as in the tensorwise reci
             dx = round(qr(dh) @ qb(w1)^T),  dw1 = round(qc(x)^T @ qc(dh)),  dw2 = round(qc(a)^T @ qc(dy))
 
 qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Between the directions the
-backward keeps h, qc(x) with its scales and the quantized weights with theirs. All data is e4m3: small
+backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is e4m3: small
 blocks leave no range to protect with e5m2.
 
 On a GPU (`Backend`) the quantizers are CUDA kernels that compute this module's quantizers bit for bit
@@ -183,33 +183,33 @@ def emulation(gemm: Gemm) -> Backend:
 
 def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
   """(y, residuals) of the blockwise forward for weights quantized by b.quantize_weights; `valid` marks the
-  rows in groups. The residuals: h, x in 128 x 1 blocks (the weight gradient's operand) and the quantized
-  weights, each with its exponents."""
+  rows in groups. The residuals: h, x and a in 128 x 1 blocks (the weight gradients' operands: a's from
+  here, where it is quantized anyway, rather than from h again) and the quantized weights, each with its
+  exponents."""
   dtype, rows = x.dtype, valid[:, None]  # rows past the groups: read by no product, zero in the results
   x_rows, x_columns = b.quantize_rows_and_columns(x, sizes)
   h = jnp.where(rows, b.rows(x_rows, w1q, sizes, False, dtype), 0)
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
-  a = jnp.where(rows, a, 0)
-  y = b.rows(b.quantize_rows(a), w2q, sizes, False, dtype)
-  return jnp.where(rows, y, 0), (h, x_columns, w1q[:2], w2q[:2])
+  a_rows, a_columns = b.quantize_rows_and_columns(jnp.where(rows, a, 0), sizes)
+  y = b.rows(a_rows, w2q, sizes, False, dtype)
+  return jnp.where(rows, y, 0), (h, x_columns, a_columns, w1q[:2], w2q[:2])
 
 
 def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   """(dx, dw1, dw2, dscales or None) of the blockwise backward, from the forward's residuals."""
-  h, x_columns, w1q, w2q = residuals
+  h, x_columns, a_columns, w1q, w2q = residuals
   dtype, rows = h.dtype, valid[:, None]
   dy_rows, dy_columns = b.quantize_rows_and_columns(dy, sizes)
   da = jnp.where(rows, b.rows(dy_rows, w2q, sizes, True, dtype).astype(jnp.float32), 0)
   value, vjp = jax.vjp(act, h.astype(jnp.float32))
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
-  a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
   dh_rows, dh_columns = b.quantize_rows_and_columns(dh, sizes)
   dx = b.rows(dh_rows, w1q, sizes, True, dtype)
   m = h.shape[0]
-  dw2 = b.columns(b.quantize_columns(a, sizes), dy_columns, sizes, m, dtype)
+  dw2 = b.columns(a_columns, dy_columns, sizes, m, dtype)
   dw1 = b.columns(x_columns, dh_columns, sizes, m, dtype)
   dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
   return jnp.where(rows, dx, 0), dw1, dw2, dscales

@@ -8,8 +8,8 @@ activation between them in XLA. Elsewhere a recipe is emulated: quantize-dequant
 grouped products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for
 dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same
 residuals on every platform: for tensorwise the FC1 output h, the forward's four amaxes and its e4m3 copies
-of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes); for blockwise h, x's
-128 x 1 blocks and the quantized weights. The weights are quantized in the call, or once by the caller
+of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes); for blockwise h, x's and
+a's 128 x 1 blocks and the quantized weights. The weights are quantized in the call, or once by the caller
 (jaxmlp.fp8_weights, Fp8Weights) and reused over several calls.
 """
 from __future__ import annotations

@@ -248,6 +248,19 @@ def test_fp8_expert_parallel_is_as_accurate_as_one_device(rng, recipe):
         assert rel_error(g, w) < 0.12, name
 
 
+def test_expert_parallel_outside_jit(rng):
+  """Called op by op (a Linen init and apply without jit): the same results as under jit (jax 0.11.2's
+  XLA:CPU crashed compiling the shard's ops one by one)."""
+  x, dy = inputs(rng, (4, 8))
+  module = jaxmlp.linen.MoE(E, D, F, TOP_K, expert_axis=AXIS)
+  with jax.set_mesh(mesh_of(8)):
+    params = module.init(jax.random.key(0), x)
+    y, aux = module.apply(params, x)
+  want_y, want_aux = jax.jit(jaxmlp.linen.MoE(E, D, F, TOP_K).apply)(params, x)
+  check_close(y, want_y, TOL, "y")
+  np.testing.assert_allclose(aux["aux_loss"], want_aux["aux_loss"], rtol=1e-5)
+
+
 def test_fp8_weights_quantized_before_the_call_are_refused_expert_parallel():
   module = jaxmlp.nnx.MoE(E, D, 32, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS, dtype=jnp.bfloat16, fp8="tensorwise")
   linen_module = jaxmlp.linen.MoE(E, D, 32, TOP_K, expert_axis=AXIS, dtype=jnp.bfloat16, fp8="tensorwise")
