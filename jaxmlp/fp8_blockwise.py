@@ -26,8 +26,8 @@ Where each quantization happens (rounding to x's dtype as in the tensorwise reci
             dx = round(qr(dh) @ qb(w1)^T),  dw1 = round(qc(x)^T @ qc(dh)),  dw2 = round(qc(a)^T @ qc(dy))
 
 qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Between the directions the
-backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is e4m3: small
-blocks leave no range to protect with e5m2.
+backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is
+e4m3: small blocks leave no range to protect with e5m2.
 
 On a GPU (`Backend`) the quantizers are CUDA kernels that compute this module's quantizers bit for bit
 (ffi/cuda/fp8_block_quantize.cu) and each product is an FP8 tensor-core product with cuBLASLt's block
@@ -154,8 +154,8 @@ def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
 class Backend(tp.NamedTuple):
   """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
   module of the same names, bit for bit (the emulation: those functions; quantize_rows_and_columns reads
-  its tensor once where a kernel can). The products take quantized
-  operands, accumulate in float32 and round once to `dtype`:
+  its tensor once where a kernel can). The products take quantized operands, accumulate in float32 and
+  round once to `dtype`:
     rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
       [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
       reads only q and exponents): [M, n];
