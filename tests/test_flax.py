@@ -176,7 +176,7 @@ def test_modules_run_their_experts_in_fp8(recipe):
 def test_modules_take_their_fp8_weights_quantized_once(recipe):
   """MoE.fp8_weights() (nnx, and linen's apply(method="fp8_weights")): the experts' float32 parameters
   quantized once from bfloat16, then two micro-batches' calls with fp8_weights= give the loss and the
-  gradients of calls that quantize themselves, bit for bit (gradients summed in float32 either way)."""
+  gradients of calls that quantize themselves (gradients summed in float32 either way)."""
   f = 32  # FP8 takes widths that are multiples of 16
   batches = [jax.random.normal(jax.random.key(i), (2, 8, D), jnp.bfloat16) for i in (5, 6)]
   graphdef, params = nnx.split(jaxmlp.nnx.MoE(E, D, f, 2, dtype=jnp.bfloat16, fp8=recipe, rngs=nnx.Rngs(7)))
@@ -192,12 +192,14 @@ def test_modules_take_their_fp8_weights_quantized_once(recipe):
     weights = linen_moe.apply(params, method="fp8_weights") if quantize_once else None
     return sum(jnp.sum(linen_moe.apply(params, x, fp8_weights=weights)[0].astype(jnp.float32) ** 2) for x in batches)
 
+  # Bit for bit here; 1e-6 allows a GPU's XLA to fuse the rest of the two programs differently, where
+  # weights quantized otherwise would be ~1e-2 off.
   for fn, p in ((loss, params), (linen_loss, {"params": nnx.to_pure_dict(params)})):
     want, got = (jax.jit(jax.value_and_grad(fn), static_argnums=1)(p, once) for once in (False, True))
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert g.dtype == w.dtype
-      np.testing.assert_array_equal(g, w)
+      assert np.linalg.norm(np.float64(g) - np.float64(w)) <= 1e-6 * np.linalg.norm(np.float64(w))
   # The layers compute with the weights given, not their parameters: with w1 doubled, y moves.
   moe = nnx.merge(graphdef, params)
   w1q, w2q = moe.fp8_weights()
