@@ -7,6 +7,7 @@
 # unpacked first, and wheels carried in .whl installed (`pip download --python-version 3.12 ... -d .whl
 # scipy-openblas32`).
 #   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
+#   bash benchmarks/gpu_session.sh quantizers ARGS build + benchmarks/fp8_quantizers.py ARGS (blockwise quantizers)
 #   bash benchmarks/gpu_session.sh kernels ARGS    build + Nsight Compute times of each kernel of a step
 #                                               (benchmarks/kernel_share.py ARGS, e.g. `dsv3 balanced fp8`)
 # SKIP_BUILD=1: use the jaxmlp this machine already has (an earlier call's build). JAXMLP_CUDA=pip: build with
@@ -119,6 +120,8 @@ elif [ "$what" = kernels ]; then
     && { echo "kernels of a step: $*"; python3 benchmarks/kernel_share.py --summarize "$csv"; } | tee -a "$OUT/summary.txt"
 elif [ "$what" = moe_layer ]; then
   python3 benchmarks/moe_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -40
+elif [ "$what" = quantizers ]; then
+  python3 benchmarks/fp8_quantizers.py "$@" 2>&1 | tee "$OUT/fp8_quantizers.log" | tail -20
 else
   python3 benchmarks/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
