@@ -30,8 +30,6 @@ using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
 
-constexpr DataType kFp8 = DataType::F8E4M3FN;
-
 // dst[Vec128Base(start, g, blocks) + b * round_up(rows, 4) + r - start] = src[r * blocks + b] for the rows r
 // of each group g (rows [offsets[g], offsets[g + 1])): kNT's lhs scales as cuBLASLt reads them.
 __global__ void Vec128ScalesKernel(const float* src, const int64_t* offsets, int64_t E, int64_t blocks,

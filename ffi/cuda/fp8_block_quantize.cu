@@ -249,7 +249,7 @@ Error Fp8BlockRows(cudaStream_t stream, AnyBuffer v, Result<AnyBuffer> q, Result
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   const int64_t R = v.dimensions()[0], C = v.dimensions()[1];
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {R, C}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {R, C}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {R, ScaleBlocks(C)}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e}));
   if (R == 0 || C == 0) return Error::Success();
@@ -270,8 +270,7 @@ Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuff
   const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
   int64_t B = 0;
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &B));
-  JAXMLP_RETURN_IF_ERROR(
-      CheckShapeAndType("qt", *qt, {C, B * kScaleBlock}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {C, B * kScaleBlock}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {B, C}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*qt, &*e}));
   if (B == 0 || C == 0) return Error::Success();
@@ -294,10 +293,9 @@ Error Fp8BlockRowsAndColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, 
   int64_t B = 0;
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &B));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("total", total, {1}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {M, C}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {M, C}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {M, ScaleBlocks(C)}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(
-      CheckShapeAndType("qt", *qt, {C, B * kScaleBlock}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {C, B * kScaleBlock}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *ec, {B, C}, DataType::S32, "dtype int32"));
   if (ScaleBlocks(C) > 65535) return Error::InvalidArgument("jaxmlp: too many column blocks for one grid");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e, &*qt, &*ec}));
@@ -324,8 +322,8 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {E, K, N}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("qt", *qt, {E, N, K}, DataType::F8E4M3FN, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {E, K, N}));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {E, N, K}));
   JAXMLP_RETURN_IF_ERROR(
       CheckShapeAndType("e", *e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
   if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");

@@ -26,8 +26,6 @@ using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
 
-constexpr DataType kFp8 = DataType::F8E4M3FN;
-
 // Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them).
 struct ForwardScratch {
   float* scale;  // [4]
@@ -65,9 +63,9 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
 
 // The forward's e4m3 copies of x, w1 and w2: results of the forward, operands of the backward.
 Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xq, const AnyBuffer& w1q, const AnyBuffer& w2q) {
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("xq", xq, {m.M, m.d}, kFp8, "dtype float8_e4m3fn"));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("w1q", w1q, {m.E, m.d, m.F1}, kFp8, "dtype float8_e4m3fn"));
-  return CheckShapeAndType("w2q", w2q, {m.E, m.f, m.d}, kFp8, "dtype float8_e4m3fn");
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("xq", xq, {m.M, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1q", w1q, {m.E, m.d, m.F1}));
+  return CheckFp8Buffer("w2q", w2q, {m.E, m.f, m.d});
 }
 
 Error CheckFp8(const MlpDims& m, DataType t) {
@@ -121,9 +119,9 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
   if (t != DataType::BF16 && t != DataType::F16)
     return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16");
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("q", *q, {E, K, N}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {E, K, N}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("amax", *amax, {1}, DataType::F32, "dtype float32"));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("qt", *qt, {E, N, K}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {E, N, K}));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*amax, &*qt}));
   float* am = static_cast<float*>(amax->untyped_data());
   JAXMLP_RETURN_IF_ERROR(Zero(stream, am, sizeof(float)));
@@ -147,8 +145,8 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   for (const AnyBuffer* b : {&b1, &b2, &scales})
     if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have x's dtype");
   JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xq, w1, w2));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("w1t", w1t, {m.E, m.F1, m.d}, kFp8, "dtype float8_e4m3fn"));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("w2t", w2t, {m.E, m.d, m.f}, kFp8, "dtype float8_e4m3fn"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1t", w1t, {m.E, m.F1, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w2t", w2t, {m.E, m.d, m.f}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("weight_amax", weight_amax, {2}, DataType::F32, "dtype float32"));
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));

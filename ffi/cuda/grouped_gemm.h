@@ -69,6 +69,12 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 //                      (rows: K for lhs, N for rhs).
 enum class Fp8Scaling : int32_t { kTensor = 0, kBlocks = 1 };
 
+// The format of every FP8 operand and copy, and the check of such a buffer's shape and dtype.
+constexpr ffi::DataType kFp8 = ffi::DataType::F8E4M3FN;
+inline ffi::Error CheckFp8Buffer(const char* name, const ffi::AnyBuffer& buf, std::initializer_list<int64_t> want) {
+  return CheckShapeAndType(name, buf, want, kFp8, "dtype float8_e4m3fn");
+}
+
 // The FP8 scale blocks' length (VEC128, BLK128x128; fp8_blockwise.BLOCK), and the blocks of n elements.
 constexpr int64_t kScaleBlock = 128;
 __host__ __device__ inline int64_t ScaleBlocks(int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; }
