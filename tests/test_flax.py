@@ -524,9 +524,13 @@ def test_train_example_fp8_over_micro_batches(capsys):
   whole = jax.jit(jax.value_and_grad(lambda p: train_moe.loss_fn(graphdef, p, batch, micro_batches=2)[1]))(params)
   # Up to bfloat16 rounding: XLA fuses (and so rounds) the model's bfloat16 ops differently inside the loop.
   np.testing.assert_allclose(whole[0], (halves[0][0] + halves[1][0]) / 2, rtol=1e-4)
+  # On a GPU those bfloat16 differences reach dy, whose e4m3 roundings (steps of 2^-3 relative) then move:
+  # measured 1.9% off on an H100. Halving the gradient or dropping a half is 50% off or more.
+  tolerance = 1e-2 if jax.default_backend() == "cpu" else 5e-2
   for got, *parts in zip(jax.tree.leaves(whole[1]), *(jax.tree.leaves(h[1]) for h in halves)):
     want = (np.float64(parts[0]) + np.float64(parts[1])) / 2
-    assert np.linalg.norm(got - want) < 1e-2 * np.linalg.norm(want), (np.linalg.norm(got - want), np.linalg.norm(want))
+    assert np.linalg.norm(got - want) < tolerance * np.linalg.norm(want), (np.linalg.norm(got - want),
+                                                                           np.linalg.norm(want))
   with pytest.raises(SystemExit, match="--micro-batches: 3 does not divide the tiny config's batch of 8"):
     train_moe.main(["--steps", "2", "--config", "tiny", "--micro-batches", "3"])
 
