@@ -99,8 +99,8 @@ __global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, cons
 // elements), quantizes them, stores them in the input's layout if asked, and leaves them in shared
 // memory, column-major; then each thread stores 16 rows of one column of the tile into the transposed
 // layout as one 16-byte store where those rows are consecutive there and aligned (always for the
-// weights, and for activations in groups whose first row is a multiple of 16), else byte by byte.
-// C % V == 0.
+// weights, and for activations in groups whose first row is a multiple of 16), else byte by byte, with
+// the zeros of the padded layout after a group's last row (so no pass zeroes cols_out before). C % V == 0.
 constexpr int kTile = 64, kTileThreads = 256, kTileStride = kTile + 16;  // 16-byte aligned smem columns
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, i
   constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
   __shared__ alignas(16) uint8_t tile[kTile][kTileStride];  // [column][row]
   __shared__ int64_t dest[kTile];                           // cols_out index of (row, column 0); -1: none
+  __shared__ int8_t padding[kTile];                         // zeros after the row in cols_out
   const int64_t valid = o.row_offsets ? o.row_offsets[o.E] : R;
   const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
   if (scale_out && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
@@ -117,12 +118,16 @@ __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, i
   if (threadIdx.x < kTile) {
     const int64_t r = r0 + threadIdx.x;
     int64_t base = -1;
+    int pad = 0;
     if (r < valid) {
       const int64_t g = o.row_offsets ? GroupOf(o.row_offsets, o.E, r) : r / o.group_rows;
       const int64_t first_row = o.row_offsets ? o.row_offsets[g] : g * o.group_rows;
       base = g * o.group_stride + (o.col_offsets ? o.col_offsets[g] : 0) + r - first_row;
+      // The padded layout: a group's columns start at a multiple of 16 and run to one.
+      if (o.col_offsets && r + 1 == o.row_offsets[g + 1]) pad = int((16 - (r + 1 - first_row) % 16) % 16);
     }
     dest[threadIdx.x] = base;
+    padding[threadIdx.x] = int8_t(pad);
   }
   const int cc = (threadIdx.x % kRowThreads) * V;
   uint8_t* rows_out = static_cast<uint8_t*>(o.rows_out);
@@ -148,8 +153,12 @@ __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, i
   if (d0 >= 0 && d15 == d0 + 15 && d0 % 16 == 0 && o.ld % 16 == 0) {
     *reinterpret_cast<uint4*>(cols_out + d0) = *reinterpret_cast<const uint4*>(&tile[col][first]);
   } else {
-    for (int k = 0; k < 16; ++k)
-      if (dest[first + k] >= 0) cols_out[dest[first + k]] = tile[col][first + k];
+    for (int k = 0; k < 16; ++k) {
+      const int64_t d = dest[first + k];
+      if (d < 0) continue;
+      cols_out[d] = tile[col][first + k];
+      for (int z = 1; z <= padding[first + k]; ++z) cols_out[d + z] = 0;
+    }
   }
 }
 

@@ -23,7 +23,9 @@ ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int
 //   rows_out[r * C + c]                                           (the input's layout), and/or
 //   cols_out[g * group_stride + c * ld + col_offsets[g] + r - row_offsets[g]]     (transposed per group)
 // Groups are given by row_offsets [E + 1] (rows past row_offsets[E] are skipped), or, where it is null, are
-// E blocks of group_rows rows each (the weights' experts: col_offsets null means 0).
+// E blocks of group_rows rows each (the weights' experts: col_offsets null means 0). With col_offsets (each
+// a multiple of 16: the weight gradients' padded layout) cols_out also gets zeros after each group's rows
+// up to the next multiple of 16.
 struct Fp8Outputs {
   void* rows_out = nullptr;
   void* cols_out = nullptr;

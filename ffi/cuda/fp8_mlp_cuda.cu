@@ -205,21 +205,17 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*dscales, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
-  const int64_t L = PaddedRows(m.M, m.E);
-  // The transposed copies' columns between the groups must be zeros: they are summed over.
+  // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
   JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
-  for (uint8_t* transposed : {s.xt, s.dyt}) JAXMLP_RETURN_IF_ERROR(Zero(stream, transposed, m.d * L));
-  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.at, m.f * L));
-  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.dht, m.F1 * L));
   JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, fwd, 4, s.scale));
 
   float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
         *sdh = s.scale + 5;
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, false),                 // da
-      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, false),          // dw2
-      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, false),  // dx
-      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, false),         // dw1
+      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, fast_accumulation),                 // da
+      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, fast_accumulation),          // dw2
+      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast_accumulation),  // dx
+      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, fast_accumulation),         // dw1
   }));
   // Transposed copies of the FP8 x, a and dh (exact copies: no scale).
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, x.untyped_data(), m.M, m.d, nullptr, nullptr,
