@@ -8,6 +8,8 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
   jaxmlp_fp8_cached, jaxmlp_fp8_blockwise_cached  the same with the weights quantized before the step
               (jaxmlp.fp8_weights, not timed): a micro-batch's cost where the weights are quantized once per
               optimizer step over many micro-batches
+  jaxmlp_fp8_cached_fast_bwd  jaxmlp_fp8_cached with fast accumulation in the backward's products too
+              (Fp8Recipe.backward_fast_accumulation)
   ragged_dot  jaxmlp.reference.grouped_mlp, i.e. jax.lax.ragged_dot: what a JAX user writes today
   tokamax     the same MLP over tokamax.ragged_dot (when tokamax is installed)
   dense       the same MLP as one dense expert over all M rows (jnp.dot): equal FLOPs, no routing;
@@ -27,9 +29,10 @@ from cases import TOLERANCE
 from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
-             "ragged_dot", "tokamax", "dense")
+             "jaxmlp_fp8_cached_fast_bwd", "ragged_dot", "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
-CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise"}
+CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
+                  "jaxmlp_fp8_cached_fast_bwd": "tensorwise"}
 
 
 def swiglu_mlp(x, w1, w2, matmul):
@@ -48,6 +51,8 @@ def forward(impl: str):
     return jaxmlp.grouped_mlp
   if impl in ("jaxmlp_fp8", "jaxmlp_fp8_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8="tensorwise")
+  if impl == "jaxmlp_fp8_cached_fast_bwd":
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", backward_fast_accumulation=True))
   if impl in ("jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8="blockwise")
   if impl == "ragged_dot":

@@ -18,19 +18,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 IMPL_ORDER = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
-              "ragged_dot", "tokamax", "torch", "torch_compile",
+              "jaxmlp_fp8_cached_fast_bwd", "ragged_dot", "tokamax", "torch", "torch_compile",
               "torch_fp8", "torch_fp8_compile", "dense")
 IMPL_LABELS = {"jaxmlp": "jaxmlp", "jaxmlp_fp8": "jaxmlp FP8 (tensorwise)",
                "jaxmlp_fp8_blockwise": "jaxmlp FP8 (blockwise)",
                "jaxmlp_fp8_cached": "jaxmlp FP8 (tensorwise, weights quantized before the step)",
                "jaxmlp_fp8_blockwise_cached": "jaxmlp FP8 (blockwise, weights quantized before the step)",
+               "jaxmlp_fp8_cached_fast_bwd": "jaxmlp FP8 (tensorwise, weights quantized before the step, "
+                                             "fast accumulation in the backward)",
                "ragged_dot": "jax.lax.ragged_dot", "tokamax": "tokamax.ragged_dot",
                "torch": "torch._grouped_mm (eager)", "torch_compile": "torch._grouped_mm (torch.compile)",
                "torch_fp8": "torch._scaled_grouped_mm FP8 (row-wise, eager)",
                "torch_fp8_compile": "torch._scaled_grouped_mm FP8 (row-wise, torch.compile)",
                "dense": "dense GEMM (ceiling)"}
 COLORS = {"jaxmlp": "#d62728", "jaxmlp_fp8": "#8c1515", "jaxmlp_fp8_blockwise": "#e7969c",
-          "jaxmlp_fp8_cached": "#5a0d0d", "jaxmlp_fp8_blockwise_cached": "#c45a62", "ragged_dot": "#1f77b4",
+          "jaxmlp_fp8_cached": "#5a0d0d", "jaxmlp_fp8_blockwise_cached": "#c45a62",
+          "jaxmlp_fp8_cached_fast_bwd": "#2b0505", "ragged_dot": "#1f77b4",
           "tokamax": "#9467bd", "torch": "#ff7f0e", "torch_compile": "#bcbd22", "torch_fp8": "#8c564b",
           "torch_fp8_compile": "#e377c2", "dense": "#7f7f7f"}
 OVERHEAD_TARGET_US = 10.0  # per layer, fwd+bwd, with command buffers, on an H100/H200
@@ -50,8 +53,8 @@ def rate(case: dict, impl: str, mode: str, scale: float) -> float | None:
 
 
 # FP8 implementations: compared among themselves and with jaxmlp's bf16 path in a section of their own.
-FP8_IMPLS = ("jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached", "torch_fp8",
-             "torch_fp8_compile")
+FP8_IMPLS = ("jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
+             "jaxmlp_fp8_cached_fast_bwd", "torch_fp8", "torch_fp8_compile")
 
 
 def speedup(case: dict, impl: str, mode: str, base: str = "jaxmlp") -> float | None:

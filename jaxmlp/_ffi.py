@@ -299,7 +299,7 @@ def mlp_fp8_forward(x, w1q, w2q, group_sizes, scales, act: Activation, recipe, s
   return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:4])
 
 
-def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activation, s: MlpShape):
+def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activation, recipe, s: MlpShape):
   """The FP8 backward's custom call (CUDA only), from the forward's residuals: (dx, dw1, dw2, dscales or None)."""
   _fp8_path_or_raise()
   dt = h.dtype
@@ -310,7 +310,7 @@ def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activa
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
           sds((s.M,) if scales is not None else (0,), dt), _workspace(ws, sds)]
   dx, dw1, dw2, dscales = jax.ffi.ffi_call("jaxmlp_mlp_fp8_bwd", outs, vmap_method="sequential")(
-      *args, **_act_attrs(act))[:4]
+      *args, **_act_attrs(act), fast_accumulation=bool(recipe.backward_fast_accumulation))[:4]
   return dx, dw1, dw2, dscales if scales is not None else None
 
 

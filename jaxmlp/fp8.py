@@ -55,13 +55,16 @@ class Fp8Recipe:
   name: "tensorwise" (one scale per tensor, current scaling; see the module docstring) or "blockwise" (one
     scale per 1 x 128 block of activations and gradients, per 128 x 128 block of weights: jaxmlp.fp8_blockwise).
   fast_accumulation: the forward's products accumulate in the tensor cores' faster, less precise FP8
-    accumulator (cuBLASLt's FAST_ACCUM; the backward never does), as TransformerEngine's recipes do. Only
-    the CUDA kernels of the tensorwise recipe have it; their results then differ from the emulation by ~1e-2
-    (tests/test_fp8.py).
+    accumulator (cuBLASLt's FAST_ACCUM), as TransformerEngine's recipes do. Only the CUDA kernels of the
+    tensorwise recipe have it; their results then differ from the emulation by ~1e-2 (tests/test_fp8.py).
+  backward_fast_accumulation: the same for the backward's four products (data and weight gradients). Off by
+    default, as in TransformerEngine, which keeps the precise accumulator for gradients; on, the weight
+    gradients' products run faster (README: FP8).
   """
 
   name: str = "tensorwise"
   fast_accumulation: bool = True
+  backward_fast_accumulation: bool = False
 
   def __post_init__(self):
     if self.name not in RECIPES:

@@ -230,7 +230,7 @@ def _mlp_bwd(act, recipe, shape, res, dy):
 
   def cuda(residuals, sizes, scales, dy):
     h, amaxes, xq, w1q, w2q = residuals
-    return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, scales, h, amaxes, dy, act, shape)
+    return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, scales, h, amaxes, dy, act, recipe, shape)
 
   args = (residuals, group_sizes, scales, dy.astype(residuals[0].dtype))
   if recipe.name == "blockwise":

@@ -184,8 +184,9 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
 // x, w1 and w2 are the forward's e4m3 copies (xq, w1q, w2q).
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
-                     AnyBuffer amax, int32_t act, float alpha, float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1,
-                     Result<AnyBuffer> dw2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
+                     AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation,
+                     Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> dscales,
+                     Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -279,6 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                                               .Arg<xla::ffi::AnyBuffer>()   // h
                                                               .Arg<xla::ffi::AnyBuffer>()   // dy
                                                               .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
+                                  .Attr<bool>("fast_accumulation")
                                   .Ret<xla::ffi::AnyBuffer>()                               // dx
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw1
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw2
