@@ -77,7 +77,9 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
 
   Args:
     tokens [T, d], logits [T, E]: split over the axis by their leading dimension.
-    expert_params: a pytree of arrays with leading dimension E, split over the axis (the "expert" axis).
+    expert_params: a pytree of arrays with leading dimension E, split over the axis (the "expert" axis),
+      and of scalars, which every device takes whole (the scale of weights quantized by the tensorwise
+      recipe, jaxmlp.Fp8Weights).
     expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
     exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on a mesh of GPUs.
   Returns (y [T, d], the router_losses dict of all T tokens).
@@ -99,14 +101,15 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
                       ragged=exchange == "ragged_all_to_all")
 
   split = P(expert_axis)
+  specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
   mesh = jax.sharding.get_abstract_mesh()
   explicit = mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Explicit
   args = (tokens, logits, expert_params)
   if explicit:  # shard_map moves Auto operands itself, Explicit ones not
-    args = jax.sharding.reshard(args, split)
+    args = jax.sharding.reshard(args, specs)
   # Compiled as one program also when called outside jit (a Linen init): op by op, jax 0.11.2's XLA:CPU
   # crashed (segmentation fault) compiling the ops of the shard.
-  y, losses = jax.jit(jax.shard_map(shard, in_specs=(split, split, split), out_specs=(split, P()),
+  y, losses = jax.jit(jax.shard_map(shard, in_specs=specs, out_specs=(split, P()),
                                     axis_names={expert_axis}))(*args)
   if explicit:  # y as the tokens were, so that the caller's reshape is the one it does without EP
     y = jax.sharding.reshard(y, jax.typeof(tokens).sharding.spec)

@@ -27,8 +27,7 @@ from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  check_no_fp8_weights_expert_parallel, default_bias_init, default_kernel_init,
-                  default_router_init, moe, quantized_experts, tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -141,14 +140,14 @@ class MoE(nn.Module):
                    z_loss_coef=self.z_loss_coef)
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
     if devices > 1:
-      check_no_fp8_weights_expert_parallel(fp8_weights)
       if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
         experts(jnp.zeros((0, self.d_model), tokens.dtype), jnp.zeros((self.num_experts,), jnp.int32))
       # The parameters go into the shard_map split over the axis; each device applies its share.
       unbound = experts.clone(parent=None, num_experts=self.num_experts // devices)
-      y, aux = moe_expert_parallel(tokens, logits, nn.meta.unbox(experts.variables["params"]),
-                                   lambda local, rows, sizes: unbound.apply({"params": local}, rows, sizes),
-                                   expert_axis=self.expert_axis, **options)
+      y, aux = moe_expert_parallel(
+          tokens, logits, (nn.meta.unbox(experts.variables["params"]), fp8_weights),
+          lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1]),
+          expert_axis=self.expert_axis, **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights), **options, impl=self.impl)
     return y.reshape(x.shape), aux

@@ -31,8 +31,7 @@ from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  check_no_fp8_weights_expert_parallel, default_bias_init, default_kernel_init,
-                  default_router_init, moe, quantized_experts, tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -236,7 +235,7 @@ class MoE(nnx.Module):
   def __call__(self, x: jax.Array, *,
                fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d] through the experts; fp8_weights: None or this layer's
-    fp8_weights() (see GroupedMLP; not with expert parallelism yet).
+    fp8_weights() (see GroupedMLP), split over expert_axis with the experts.
 
     Returns:
       (y, aux): y with the shape of x, in the computation dtype; aux holds "load_balancing_loss" and
@@ -247,12 +246,13 @@ class MoE(nnx.Module):
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
                    z_loss_coef=self.z_loss_coef)
     if axis_size(self.expert_axis, self.num_experts, tokens.shape[0]) > 1:
-      check_no_fp8_weights_expert_parallel(fp8_weights)
-      # The experts' state goes into the shard_map split over the axis; each device merges its share.
+      # The experts' state (and quantized weights) go into the shard_map split over the axis; each device
+      # merges its share.
       graphdef, state = nnx.split(self.experts)
-      y, aux = moe_expert_parallel(tokens, self.router(tokens), state,
-                                   lambda local, rows, sizes: nnx.merge(graphdef, local)(rows, sizes),
-                                   expert_axis=self.expert_axis, **options)
+      y, aux = moe_expert_parallel(
+          tokens, self.router(tokens), (state, fp8_weights),
+          lambda local, rows, sizes: nnx.merge(graphdef, local[0])(rows, sizes, fp8_weights=local[1]),
+          expert_axis=self.expert_axis, **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights)
       y, aux = moe(tokens, self.router(tokens), experts, **options, impl=self.impl)

@@ -261,23 +261,59 @@ def test_expert_parallel_outside_jit(rng):
   np.testing.assert_allclose(aux["aux_loss"], want_aux["aux_loss"], rtol=1e-5)
 
 
-def test_fp8_weights_quantized_before_the_call_are_refused_expert_parallel():
-  module = jaxmlp.nnx.MoE(E, D, 32, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS, dtype=jnp.bfloat16, fp8="tensorwise")
-  linen_module = jaxmlp.linen.MoE(E, D, 32, TOP_K, expert_axis=AXIS, dtype=jnp.bfloat16, fp8="tensorwise")
-  x = jnp.zeros((4, 8, D), jnp.bfloat16)
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_weights_quantized_before_the_call_expert_parallel(rng, recipe):
+  """fp8_weights() quantized once, outside the layer, split over the axis with the experts: blockwise gives
+  the numbers of the layer that quantizes its own share (a block never spans two experts), bit for bit;
+  tensorwise scales the weights by their global maximum, not each device's, so only as accurate. The
+  gradient reaches the experts' parameters through the quantized weights, in nnx and in Linen."""
+  seed = int(rng.integers(1 << 30))
+  x, dy = (jnp.asarray(v, jnp.bfloat16) for v in inputs(rng, (4, 16)))
+  make = lambda: jaxmlp.nnx.MoE(E, D, 32, 2, rngs=nnx.Rngs(seed), expert_axis=AXIS, dtype=jnp.bfloat16, fp8=recipe)
+
+  def cached_loss(module, x, dy):
+    y, aux = module(x, fp8_weights=module.fp8_weights())
+    return jnp.sum(y * dy) + 10.0 * aux["aux_loss"], (y, aux)
+
+  module = make()
   with jax.set_mesh(mesh_of(8)):
-    params = linen_module.init(jax.random.key(0), x)
-    for call in (lambda: module(x, fp8_weights=module.fp8_weights()),
-                 lambda: linen_module.apply(params, x, linen_module.apply(params, method="fp8_weights"))):
-      with pytest.raises(NotImplementedError, match="fp8_weights: .* not supported with expert parallelism"):
-        call()
+    got = _flat(jax.jit(nnx.grad(cached_loss, argnums=(0, 1), has_aux=True))(module, x, dy))
+  want = nnx_run(make(), x, dy, mesh_of(8))
+  exact = nnx_run(jaxmlp.nnx.MoE(E, D, 32, 2, rngs=nnx.Rngs(seed)), x, dy)
+  # Tensorwise: the global scale, not each device's, so other numbers: the given weights were used.
+  assert (recipe == "tensorwise") != np.array_equal(got[0], want[0])
+  for name, g, w, e in zip(("y", "experts", "x"), (got[0], got[2]["experts"], got[2]["x"]),
+                           (want[0], want[2]["experts"], want[2]["x"]), (exact[0], exact[2]["experts"], exact[2]["x"])):
+    for leaf, want_leaf, exact_leaf in zip(jax.tree.leaves(g), jax.tree.leaves(w), jax.tree.leaves(e)):
+      assert np.abs(leaf).max() > 0, name
+      if recipe == "blockwise":
+        check_close(leaf, want_leaf, 1e-6, name)
+      assert rel_error(leaf, exact_leaf) < 0.12, name
+
+  linen_module = jaxmlp.linen.MoE(E, D, 32, 2, expert_axis=AXIS, dtype=jnp.bfloat16, fp8=recipe)
+  with jax.set_mesh(mesh_of(8)):
+    params = linen_module.init(jax.random.key(seed), x)
+    cached = jax.jit(lambda p, x: linen_module.apply(p, x, fp8_weights=linen_module.apply(p, method="fp8_weights")))
+    y, aux = cached(params, x)
+    want_y, want_aux = jax.jit(linen_module.apply)(params, x)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(cached(p, x)[0] * dy)))(params)
+  assert (recipe == "tensorwise") != np.array_equal(y, want_y)
+  if recipe == "blockwise":
+    check_close(y, want_y, 1e-6, "linen y")
+  assert rel_error(y, want_y) < 0.12
+  np.testing.assert_allclose(aux["aux_loss"], want_aux["aux_loss"], rtol=1e-5)
+  expert_grads = nn.meta.unbox(grads["params"]["experts"])
+  assert all(np.abs(expert_grads[k]).max() > 0 for k in ("w1", "w2"))
 
 
-def test_train_example_expert_parallel_matches_one_device():
-  result = train_moe.main(["--steps", "2", "--config", "tiny", "--impl", "jaxmlp", "--expert-parallel"])
+@pytest.mark.parametrize("flags", [[], ["--fp8", "tensorwise", "--micro-batches", "2"]], ids=["bf16", "fp8"])
+def test_train_example_expert_parallel_matches_one_device(flags):
+  """With --fp8 and --micro-batches the experts' weights are quantized once per step, split over the axis."""
+  result = train_moe.main(["--steps", "2", "--config", "tiny", "--impl", "jaxmlp", "--expert-parallel", *flags])
   assert {"expert-parallel loss diff", "expert-parallel grad error"} <= set(result["checks"])
   assert result["match"]
-  assert np.all(np.isfinite(result["runs"]["jaxmlp"].losses))
+  assert all(np.all(np.isfinite(run.losses)) for run in result["runs"].values())
+  assert len(result["runs"]) == (2 if flags else 1)
 
 
 def test_inside_a_shard_map_over_the_axis_is_an_error():
