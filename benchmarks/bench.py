@@ -30,7 +30,8 @@ import report
 
 HERE = Path(__file__).resolve().parent
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
-         "jaxmlp_fp8_cached_fast_bwd", "ragged_dot", "tokamax", "torch", "torch_compile", "torch_fp8", "torch_fp8_compile", "dense")
+         "jaxmlp_fp8_cached_fast_bwd", "ragged_dot", "tokamax", "torch", "torch_compile", "torch_fp8",
+         "torch_fp8_compile", "dense")
 # The script (in benchmarks/) and its flags for each torch impl.
 TORCH_IMPLS = {"torch": ["torch_mlp.py"], "torch_compile": ["torch_mlp.py", "--compile"],
                "torch_fp8": ["torch_fp8_mlp.py"], "torch_fp8_compile": ["torch_fp8_mlp.py", "--compile"]}

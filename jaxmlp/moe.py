@@ -62,7 +62,6 @@ def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype
   return fp8_weights(w1, fp8, dtype), fp8_weights(w2, fp8, dtype)
 
 
-
 def tokens_of(x: jax.Array, d_model: int) -> jax.Array:
   """x [..., d_model] as tokens [T, d_model]; a width that is not d_model is an error, not a reshape
   that would mix features of neighbouring tokens."""

@@ -212,11 +212,12 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
 
   float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
         *sdh = s.scale + 5;
+  const bool fast = fast_accumulation;
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, fast_accumulation),                 // da
-      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, fast_accumulation),          // dw2
-      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast_accumulation),  // dx
-      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, fast_accumulation),         // dw1
+      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, fast),                 // da
+      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, fast),          // dw2
+      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast),  // dx
+      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, fast),         // dw1
   }));
   // Transposed copies of the FP8 x, a and dh (exact copies: no scale).
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, x.untyped_data(), m.M, m.d, nullptr, nullptr,
