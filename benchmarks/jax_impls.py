@@ -197,32 +197,36 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
 
   Returns {impl: {"fwd": timing, "fwd_bwd": timing, "peak_bytes": int, "check": {...}, "status": "ok"}},
   or {"status": "error", "error": ...} for one that failed. `progress(impl, mode, timing_or_error)` is
-  called once per implementation and mode.
+  called once per implementation and mode. The reference runs first, and each implementation's own
+  inputs (quantized weights) live only while it is checked and timed: with all of them alive at once,
+  mixtral with two input sets ran an 80 GB H100 out of memory.
   """
   gs = jnp.asarray(sizes)
   sets = [make_inputs(shape.E, shape.d, shape.f, shape.M, dtype, seed=i) for i in range(timing["sets"])]
-  results, compiled, inputs = {}, {}, {}
+  reference = None
+  if any(impl not in ("ragged_dot", "dense") for impl in impls):
+    try:  # kept on the host: the timings get the device's memory
+      against, outputs = _reference_outputs(sets[0], gs, sizes, dtype, shape)
+      reference = against, jax.device_get(outputs)
+    except Exception as e:
+      reference = type(e).__name__
+  kw = dict(repeats=timing["repeats"], max_call_s=timing["max_call_s"], budget_s=timing["budget_s"])
+  results = {}
   for impl in impls:
-    inputs[impl] = [impl_inputs(impl, s) for s in sets]
-    pair = _compiled(impl, dtype, shape, inputs[impl][0], gs)
+    inputs = [impl_inputs(impl, s) for s in sets]
+    pair = _compiled(impl, dtype, shape, inputs[0], gs)
     if isinstance(pair, str):
       results[impl] = _error(pair, progress, impl)
-    else:
-      compiled[impl] = pair
-
-  kw = dict(repeats=timing["repeats"], max_call_s=timing["max_call_s"], budget_s=timing["budget_s"])
-  checks = _checks(compiled, {impl: inputs[impl][0] for impl in compiled}, sets[0], gs, sizes, dtype, shape)
-  for impl in compiled:
-    check = checks[impl]
+      continue
+    check = _check(impl, pair, inputs[0], gs, reference, dtype)
     if "error" in check:
       results[impl] = _error(check["error"], progress, impl)
       continue
-    results[impl] = {"check": check, "peak_bytes": peak_bytes(compiled[impl][1])}  # known even if timing fails
-    sets_i = inputs[impl]
+    results[impl] = {"check": check, "peak_bytes": peak_bytes(pair[1])}  # known even if timing fails
     modes = ("fwd", "fwd_bwd")
-    for k, (mode, fn, n_args) in enumerate(zip(modes, compiled[impl], (3, 4))):
+    for k, (mode, fn, n_args) in enumerate(zip(modes, pair, (3, 4))):
       try:
-        t = measure(lambda i: fn(*sets_i[i % len(sets_i)][:n_args], gs), jax.block_until_ready, **kw)
+        t = measure(lambda i: fn(*inputs[i % len(inputs)][:n_args], gs), jax.block_until_ready, **kw)
       except Exception as e:  # e.g. out of memory: keep what was measured, report the rest as failed
         results[impl].update(_error(e, progress, impl, modes[k:]))
         break
@@ -233,30 +237,24 @@ def run_case(shape, sizes, impls, dtype, timing: dict, progress) -> dict:
   return results
 
 
-def _checks(compiled: dict, impl_inputs: dict, inputs, gs, sizes, dtype, shape) -> dict:
-  """Forward output and gradients of each implementation (on its impl_inputs) against the reference (on
-  `inputs`, the same data), before anything is timed."""
-  checked = [i for i in compiled if i not in ("ragged_dot", "dense")]
-  out = {i: {"note": note} for i, note in (("ragged_dot", "reference"), ("dense", "n/a (one expert)"))
-         if i in compiled}
-  if not checked:
-    return out
+def _check(impl: str, pair, impl_inputs, gs, reference, dtype) -> dict:
+  """Forward output and gradients of `impl` (compiled `pair`, on its impl_inputs) against `reference`
+  (_reference_outputs on the same data, or why it failed), before anything is timed."""
+  if impl in ("ragged_dot", "dense"):
+    return {"note": "reference" if impl == "ragged_dot" else "n/a (one expert)"}
+  if isinstance(reference, str):  # still time it, but say loudly that nothing vouches for it
+    return {"note": f"NOT CHECKED: reference failed ({reference})"}
+  against, want = reference
+  tolerance = TOLERANCE["fp8" if "fp8" in impl else jnp.dtype(dtype).name]
+  fwd, fwd_bwd = pair
+  x, w1, w2, dy = impl_inputs
   try:
-    against, want = _reference_outputs(inputs, gs, sizes, dtype, shape)
-  except Exception as e:  # still time the others, but say loudly that nothing vouches for them
-    return {**out, **{i: {"note": f"NOT CHECKED: reference failed ({type(e).__name__})"} for i in checked}}
-  for impl in checked:
-    tolerance = TOLERANCE["fp8" if "fp8" in impl else jnp.dtype(dtype).name]
-    fwd, fwd_bwd = compiled[impl]
-    x, w1, w2, dy = impl_inputs[impl]
-    try:
-      got = (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
-      errs = {name: rel_err(g, w) for name, g, w in zip(("y", "y (fwd+bwd)", "dx", "dw1", "dw2"), got, want)}
-      out[impl] = {**errs, "max": max(errs.values()), "tolerance": tolerance,
-                   "ok": max(errs.values()) <= tolerance, "against": against}
-    except Exception as e:
-      out[impl] = {"error": f"{type(e).__name__}: {e}"}
-  return out
+    got = (fwd(x, w1, w2, gs), *fwd_bwd(x, w1, w2, dy, gs))
+    errs = {name: rel_err(g, w) for name, g, w in zip(("y", "y (fwd+bwd)", "dx", "dw1", "dw2"), got, want)}
+    return {**errs, "max": max(errs.values()), "tolerance": tolerance, "ok": max(errs.values()) <= tolerance,
+            "against": against}
+  except Exception as e:
+    return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _reference_outputs(inputs, gs, sizes, dtype, shape):
