@@ -97,18 +97,24 @@ __global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, cons
 
 // One 64 x 64 tile of v per block, rows along blockIdx.x. Each thread loads 16 bytes of a row (V
 // elements), quantizes them, stores them in the input's layout if asked, and leaves them in shared
-// memory, column-major; then each thread stores 16 rows of one column of the tile into the transposed
-// layout as one 16-byte store where those rows are consecutive there and aligned (always for the
-// weights, and for activations in groups whose first row is a multiple of 16), else byte by byte, with
-// the zeros of the padded layout after a group's last row (so no pass zeroes cols_out before). C % V == 0.
-constexpr int kTile = 64, kTileThreads = 256, kTileStride = kTile + 16;  // 16-byte aligned smem columns
+// memory row-major, V bytes in one store; then each thread gathers 16 rows of one column of the tile and
+// stores them into the transposed layout as one 16-byte store where those rows are consecutive there and
+// aligned (always for the weights, and for activations in groups whose first row is a multiple of 16),
+// else byte by byte, with the zeros of the padded layout after a group's last row (so no pass zeroes
+// cols_out before). Four threads store a column's 64 rows, 64 contiguous bytes. C % V == 0.
+//
+// Shared memory: row r's 16-byte chunk j lies at chunk j ^ (r / 16 % 4). Without it (a column-major tile,
+// byte stores), the eight threads of a row chunk all stored into one bank; here the V-byte stores of a
+// warp and the byte loads of a warp (8 columns by 4 row chunks) each touch every bank at most once.
+constexpr int kTile = 64, kTileThreads = 256;
+__device__ __forceinline__ int Swizzled(int row, int col) { return row * kTile + (col ^ (row / 16 % 4 * 16)); }
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
                                                                    float* scale_out, Fp8Outputs o) {
   constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
-  __shared__ alignas(16) uint8_t tile[kTile][kTileStride];  // [column][row]
-  __shared__ int64_t dest[kTile];                           // cols_out index of (row, column 0); -1: none
-  __shared__ int8_t padding[kTile];                         // zeros after the row in cols_out
+  __shared__ alignas(16) uint8_t tile[kTile * kTile];  // [row][column], swizzled
+  __shared__ int64_t dest[kTile];                      // cols_out index of (row, column 0); -1: none
+  __shared__ int8_t padding[kTile];                    // zeros after the row in cols_out
   const int64_t valid = o.row_offsets ? o.row_offsets[o.E] : R;
   const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
   if (scale_out && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
@@ -141,22 +147,24 @@ __global__ void __launch_bounds__(kTileThreads) QuantizeTileKernel(const T* v, i
       for (int k = 0; k < V; ++k) q.b[k] = ToE4m3(ToFloat(x.v[k]) * inv);
       if (rows_out) *reinterpret_cast<Bytes<V>*>(rows_out + r * C + c0 + cc) = q;
     }
-#pragma unroll
-    for (int k = 0; k < V; ++k) tile[cc + k][rr] = q.b[k];
+    *reinterpret_cast<Bytes<V>*>(&tile[Swizzled(rr, cc)]) = q;  // V <= 16: within one chunk
   }
   __syncthreads();
   // kTile columns x kTile / 16 chunks of 16 rows = kTileThreads chunks: one per thread.
   const int col = threadIdx.x / (kTile / 16), first = (threadIdx.x % (kTile / 16)) * 16;
   if (c0 + col >= C) return;
+  uint32_t packed[4] = {};
+#pragma unroll
+  for (int k = 0; k < 16; ++k) packed[k / 4] |= uint32_t(tile[Swizzled(first + k, col)]) << (8 * (k % 4));
   uint8_t* cols_out = static_cast<uint8_t*>(o.cols_out) + (c0 + col) * o.ld;
   const int64_t d0 = dest[first], d15 = dest[first + 15];
   if (d0 >= 0 && d15 == d0 + 15 && d0 % 16 == 0 && o.ld % 16 == 0) {
-    *reinterpret_cast<uint4*>(cols_out + d0) = *reinterpret_cast<const uint4*>(&tile[col][first]);
+    *reinterpret_cast<uint4*>(cols_out + d0) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   } else {
     for (int k = 0; k < 16; ++k) {
       const int64_t d = dest[first + k];
       if (d < 0) continue;
-      cols_out[d] = tile[col][first + k];
+      cols_out[d] = uint8_t(packed[k / 4] >> (8 * (k % 4)));
       for (int z = 1; z <= padding[first + k]; ++z) cols_out[d + z] = 0;
     }
   }
