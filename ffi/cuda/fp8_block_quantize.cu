@@ -156,14 +156,21 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
 // columns' quantization of that 128 x 128 region from one read of it, written as RowBlocksKernel and
 // ColumnBlocksKernel write them. The blocks after the layout's B take the rows past the groups,
 // [total, M), rows only: every row of v is quantized once (the groups' rows each lie in one block b).
-// Two threads a row, then two a column, 64 values each.
-constexpr int kTilePitch = kScaleBlock + 1;  // floats a tile row: a column's 128 values lie in 32 banks
-constexpr int kTileBytes = kScaleBlock * kTilePitch * sizeof(float);
+// The tile holds v's own values: 33 KB for 16-bit types, so that an SM holds twice the blocks it holds
+// of float's 66 KB (three, as the first version held every type). Each thread loads its share of the
+// region 128 bytes at a time (all of bf16's eight 16-byte loads in flight at once); then two threads take
+// a row, then two a column, 64 values each.
+template <typename T>
+constexpr int kTilePitch = kScaleBlock + int(4 / sizeof(T));  // a tile row, in T: a column's values in 32 banks
+template <typename T>
+constexpr int kTileBytes = kScaleBlock * kTilePitch<T> * int(sizeof(T));
 template <typename T>
 __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t M, int64_t C, const int32_t* first,
                                                             const int32_t* count, const int32_t* total, int64_t B,
                                                             uint8_t* q, int32_t* e, uint8_t* qt, int32_t* ec) {
-  extern __shared__ float tile[];  // [128][kTilePitch]
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* tile = reinterpret_cast<T*>(smem);  // [128][kTilePitch<T>]
+  constexpr int kPitch = kTilePitch<T>;
   const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kScaleBlock;
   const bool columns = b < B;
   // Device data: the rows are clamped into [0, M) whatever first, count and total hold.
@@ -177,37 +184,44 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t 
     if (rows == 0) return;  // the whole block: no row of v left for it
   }
   {  // 16 threads a row, eight columns each (C is a multiple of 16: eight are all in the row or all past it)
-    const int j = threadIdx.x % 16 * 8;
-    for (int i = threadIdx.x / 16; i < kScaleBlock; i += blockDim.x / 16) {
-      float f[8] = {};
-      if (i < rows && c0 + j < C) {
-        const Vec<T, 8> x = Load<T, 8>(v + (start + i) * C + c0 + j);
-        for (int u = 0; u < 8; ++u) f[u] = Conv<T>::To(x.v[u]);
+    constexpr int kPasses = kScaleBlock / 16, kBatch = 16 / sizeof(T);  // 256 threads: 16 rows a pass
+    const int j = threadIdx.x % 16 * 8, i0 = threadIdx.x / 16;
+#pragma unroll
+    for (int p0 = 0; p0 < kPasses; p0 += kBatch) {
+      Vec<T, 8> x[kBatch];
+#pragma unroll
+      for (int p = 0; p < kBatch; ++p) {
+        const int i = i0 + 16 * (p0 + p);
+        x[p] = Vec<T, 8>{};
+        if (i < rows && c0 + j < C) x[p] = Load<T, 8>(v + (start + i) * C + c0 + j);
       }
-      for (int u = 0; u < 8; ++u) tile[i * kTilePitch + j + u] = f[u];
+#pragma unroll
+      for (int p = 0; p < kBatch; ++p)
+        for (int u = 0; u < 8; ++u) tile[(i0 + 16 * (p0 + p)) * kPitch + j + u] = x[p].v[u];
     }
   }
   __syncthreads();
   const int half = threadIdx.x % 2, line = threadIdx.x / 2;  // line: a row, then a column, of the tile
   {  // rows: 1 x 128 blocks
-    const float* row = tile + line * kTilePitch + half * 64;
+    const T* row = tile + line * kPitch + half * 64;
     float amax = 0.0f;
-    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(row[u]));
+    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(row[u])));
     const int exp = Exponent(fmaxf(amax, __shfl_xor_sync(~0u, amax, 1)));
     if (line < rows) {
       const int64_t r = start + line;
       if (half == 0) e[r * ScaleBlocks(C) + blockIdx.y] = exp;
       for (int u0 = 0; u0 < 64 && c0 + half * 64 + u0 < C; u0 += 8) {
         uint64_t packed = 0;
-        for (int u = 0; u < 8; ++u) packed |= uint64_t(Quantize(row[u0 + u], exp)) << (8 * u);
+        for (int u = 0; u < 8; ++u) packed |= uint64_t(Quantize(Conv<T>::To(row[u0 + u]), exp)) << (8 * u);
         *reinterpret_cast<uint64_t*>(q + r * C + c0 + half * 64 + u0) = packed;
       }
     }
   }
   if (!columns) return;
   {  // columns: 128 x 1 blocks, zeros past the block's rows
+    const T* column = tile + half * 64 * kPitch + line;
     float amax = 0.0f;
-    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(tile[(half * 64 + u) * kTilePitch + line]));
+    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(column[u * kPitch])));
     const int exp = Exponent(fmaxf(amax, __shfl_xor_sync(~0u, amax, 1)));
     if (c0 + line < C) {
       if (half == 0) ec[b * C + c0 + line] = exp;
@@ -215,7 +229,7 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t 
       for (int u0 = 0; u0 < 64; u0 += 8) {
         uint64_t packed = 0;
         for (int u = 0; u < 8; ++u)
-          packed |= uint64_t(Quantize(tile[(half * 64 + u0 + u) * kTilePitch + line], exp)) << (8 * u);
+          packed |= uint64_t(Quantize(Conv<T>::To(column[(u0 + u) * kPitch]), exp)) << (8 * u);
         *reinterpret_cast<uint64_t*>(out + u0) = packed;
       }
     }
@@ -304,10 +318,11 @@ Error Fp8BlockRowsAndColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, 
   cudaError_t status = cudaSuccess;
   ByType(v.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    // The tile's 66 KB of shared memory are over the 48 KB a launch gets without asking.
-    status = cudaFuncSetAttribute(RowsAndColumnsKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes);
+    // float's 66 KB of shared memory are over the 48 KB a launch gets without asking.
+    status = cudaFuncSetAttribute(RowsAndColumnsKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kTileBytes<T>);
     if (status != cudaSuccess) return;
-    RowsAndColumnsKernel<T><<<grid, 256, kTileBytes, stream>>>(
+    RowsAndColumnsKernel<T><<<grid, 256, kTileBytes<T>, stream>>>(
         static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
         static_cast<const int32_t*>(count.untyped_data()), static_cast<const int32_t*>(total.untyped_data()), B,
         static_cast<uint8_t*>(q->untyped_data()), static_cast<int32_t*>(e->untyped_data()),
