@@ -264,3 +264,27 @@ def test_overhead_train_step_is_one_sgd_step_of_the_stack(monkeypatch):
   np.testing.assert_allclose(float(loss), np.vdot(y2, dy), rtol=1e-4)
   for got, w, g in zip([*new_w1s, *new_w2s], [*w1s, *w2s], [g1["w1"], g2["w1"], g1["w2"], g2["w2"]]):
     np.testing.assert_allclose(np.asarray(got), w - lr * g, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_share_summarizes_an_nsight_compute_csv(tmp_path, capsys, monkeypatch):
+  """kernel_share.py --summarize: time per kernel of ours (one line each, the rest summed) over the two
+  profiled steps, and the second step's kernels in launch order."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import kernel_share
+
+  step = [("jaxmlp::<unnamed>::AbsMaxKernel<__nv_bfloat16, 8>(const T1 *, const long *, long)", "us", "150"),
+          ("nvjet_sm90_qqtst_128x128_ptrGroup_TNT", "ms", "1.5"),
+          ("jaxmlp::<unnamed>::QuantizeTileKernel<__nv_bfloat16>(const T1 *, long, long)", "ns", "2,000")]
+  head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+  rows = [f'"{i}","{name}","gpu__time_duration.sum","{unit}","{value}"'
+          for i, (name, unit, value) in enumerate(step + step[::-1])]
+  csv = tmp_path / "ncu.csv"
+  csv.write_text("==PROF== Connected\n" + "\n".join([head, *rows]) + "\n")
+  kernel_share.summarize(str(csv))
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].split()[:4] == ["cuBLAS", "GEMMs", "and", "XLA"] and "1500.0 us" in out[0]
+  assert out[1].startswith("AbsMaxKernel") and "150.0 us" in out[1]
+  assert out[2].startswith("QuantizeTileKernel") and "2.0 us" in out[2]
+  assert "jaxmlp's own kernels: 152.0 us of 1652.0 us" in out[3]
+  assert [line.split(None, 2)[2] for line in out[-3:]] == [
+      "QuantizeTileKernel", "nvjet_sm90_qqtst_128x128_ptrGroup_TNT", "AbsMaxKernel"]
