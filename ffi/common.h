@@ -98,8 +98,14 @@ inline ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buf, std::i
     if (!err_.success()) return err_;     \
   } while (0)
 
+// An optional operand (b1, b2, scales; combine's weights and rows) or result is absent where the Python
+// wrappers pass a scalar (jaxmlp/_ffi.py ABSENT), which no present one is. Not a 0-element array: jax
+// 0.11.2's partitioner crashed (segmentation fault) compiling a custom call's 0-element operands inside
+// a loop under shard_map (gradient accumulation over the expert-parallel layer).
+inline bool Present(const ffi::AnyBuffer& b) { return b.dimensions().size() != 0; }
+
 // The operands every grouped-MLP call starts with, on both backends: x, w1, w2, group_sizes, b1, b2,
-// scales (a 0-element buffer means absent). The backward appends h and dy.
+// scales (optional: Present). The backward appends h and dy.
 template <typename Binding>
 auto BindMlpOperands(Binding b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // x
@@ -187,9 +193,9 @@ inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   JAXMLP_RETURN_IF_ERROR(CheckShape("group_sizes", group_sizes, {m.E}));
   if (group_sizes.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jaxmlp: group_sizes must be int32");
-  m.has_b1 = b1.element_count() > 0;
-  m.has_b2 = b2.element_count() > 0;
-  m.has_scales = scales.element_count() > 0;
+  m.has_b1 = Present(b1);
+  m.has_b2 = Present(b2);
+  m.has_scales = Present(scales);
   if (m.has_b1) JAXMLP_RETURN_IF_ERROR(CheckShape("b1", b1, {m.E, m.F1}));
   if (m.has_b2) JAXMLP_RETURN_IF_ERROR(CheckShape("b2", b2, {m.E, m.d}));
   if (m.has_scales) JAXMLP_RETURN_IF_ERROR(CheckShape("scales", scales, {m.M}));
@@ -198,7 +204,7 @@ inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
 }
 
 // Validates x [M, d], w1 [E, d, F1], w2 [E, f, d], group_sizes [E] int32, and the optional b1 [E, F1],
-// b2 [E, d], scales [M] (a 0-element buffer means absent). All float operands share x's dtype.
+// b2 [E, d], scales [M] (each optional: Present). All float operands share x's dtype.
 inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
                            const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
                            const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,

@@ -63,7 +63,7 @@ struct CombineDims {
   bool weighted;
 };
 
-// rows [R, d], row_of_slot [T, k] int32, weights [T, k] float32 or 0 elements (unweighted) -> y [T, d] in
+// rows [R, d], row_of_slot [T, k] int32, weights [T, k] float32 or absent (unweighted) -> y [T, d] in
 // `out_type`.
 inline ffi::Error CheckCombine(const ffi::AnyBuffer& rows, const ffi::AnyBuffer& row_of_slot,
                                const ffi::AnyBuffer& weights, const ffi::AnyBuffer& y, CombineDims* out) {
@@ -73,7 +73,7 @@ inline ffi::Error CheckCombine(const ffi::AnyBuffer& rows, const ffi::AnyBuffer&
   if (!IsFloat(rows.element_type()) || row_of_slot.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jaxmlp: combine's rows must be float and row_of_slot int32");
   CombineDims m{row_of_slot.dimensions()[0], row_of_slot.dimensions()[1], rows.dimensions()[0],
-                rows.dimensions()[1], weights.element_count() > 0};
+                rows.dimensions()[1], Present(weights)};
   JAXMLP_RETURN_IF_ERROR(CheckExtents({m.T, m.k, m.R, m.d, m.T * m.k}));
   if (m.weighted) {
     JAXMLP_RETURN_IF_ERROR(CheckShape("weights", weights, {m.T, m.k}));
@@ -85,9 +85,9 @@ inline ffi::Error CheckCombine(const ffi::AnyBuffer& rows, const ffi::AnyBuffer&
   return ffi::Error::Success();
 }
 
-// The combine's backward: dy [T, d] and rows [R, d] (its forward's operand; 0 elements when unweighted),
-// row_of_slot [T, k], slot_of_row [R], weights -> drows [R, d] in dy's dtype, dweights [T, k] float32 (0
-// elements when unweighted).
+// The combine's backward: dy [T, d] and rows [R, d] (its forward's operand; absent when unweighted),
+// row_of_slot [T, k], slot_of_row [R], weights -> drows [R, d] in dy's dtype, dweights [T, k] float32
+// (absent when unweighted).
 inline ffi::Error CheckCombineBackward(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& rows,
                                        const ffi::AnyBuffer& row_of_slot, const ffi::AnyBuffer& slot_of_row,
                                        const ffi::AnyBuffer& weights, const ffi::AnyBuffer& drows,
@@ -100,7 +100,7 @@ inline ffi::Error CheckCombineBackward(const ffi::AnyBuffer& dy, const ffi::AnyB
       slot_of_row.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jaxmlp: combine's dy must be float, row_of_slot and slot_of_row int32");
   CombineDims m{dy.dimensions()[0], row_of_slot.dimensions()[1], drows.dimensions()[0], dy.dimensions()[1],
-                weights.element_count() > 0};
+                Present(weights)};
   JAXMLP_RETURN_IF_ERROR(CheckExtents({m.T, m.k, m.R, m.d, m.T * m.k}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("row_of_slot", row_of_slot, {m.T, m.k}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("slot_of_row", slot_of_row, {m.R}));

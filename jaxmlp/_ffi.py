@@ -134,9 +134,15 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
   return E * K * N <= TILED_MAX_WEIGHTS and M * K * N <= TILED_MAX_MACS
 
 
+# The shape of an optional operand or result that is absent (no b1, b2 or scales; an unweighted combine):
+# a scalar, which the handlers leave alone (ffi/common.h Present). Not a 0-element array: jax 0.11.2's
+# partitioner crashed (segmentation fault) compiling those inside a loop under shard_map (gradient
+# accumulation over the expert-parallel layer).
+ABSENT = ()
+
+
 def _optional(a, dtype):
-  """Absent optional operands travel as 0-element buffers."""
-  return jnp.zeros((0,), dtype) if a is None else a
+  return jnp.zeros(ABSENT, dtype) if a is None else a
 
 
 def _cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> str:
@@ -211,8 +217,8 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
           h, dy.astype(dt))
   sds = _result_types(*args)
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
-          sds((s.E, s.F1) if b1 is not None else (0,), dt), sds((s.E, s.d) if b2 is not None else (0,), dt),
-          sds((s.M,) if scales is not None else (0,), dt)]
+          sds((s.E, s.F1) if b1 is not None else ABSENT, dt), sds((s.E, s.d) if b2 is not None else ABSENT, dt),
+          sds((s.M,) if scales is not None else ABSENT, dt)]
   attrs = _act_attrs(act)
 
   def cpu(*a):
@@ -308,7 +314,7 @@ def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activa
   sds = _result_types(xq, w1q, w2q, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
   ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
-          sds((s.M,) if scales is not None else (0,), dt), _workspace(ws, sds)]
+          sds((s.M,) if scales is not None else ABSENT, dt), _workspace(ws, sds)]
   dx, dw1, dw2, dscales = jax.ffi.ffi_call("jaxmlp_mlp_fp8_bwd", outs, vmap_method="sequential")(
       *args, **_act_attrs(act), fast_accumulation=bool(recipe.backward_fast_accumulation))[:4]
   return dx, dw1, dw2, dscales if scales is not None else None

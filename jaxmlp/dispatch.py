@@ -139,7 +139,7 @@ def _dispatch_call(x, experts, num_experts, capacity, pad_to):
 
 def _combine_call(rows, row_of_slot, weights):
   T = row_of_slot.shape[0]
-  w = jnp.zeros((0,), jnp.float32) if weights is None else weights
+  w = jnp.zeros(_ffi.ABSENT, jnp.float32) if weights is None else weights
   return _call("jaxmlp_combine", [((T, rows.shape[1]), rows.dtype)], rows, row_of_slot, w)[0]
 
 
@@ -147,11 +147,11 @@ def _combine_backward_call(dy, rows, plan: Plan, weights):
   """(drows, dweights): drows[r] = weights[slot] * dy[token of r] (0 on padding rows); dweights[t, j] =
   <dy[t], rows[row_of_slot[t, j]]> in float32 (0 if dropped). Unweighted: rows and dweights are unused."""
   weighted = weights is not None
-  empty = jnp.zeros((0,), jnp.float32)
-  outs = [((plan.slot_of_row.shape[0], dy.shape[1]), dy.dtype), (plan.row_of_slot.shape if weighted else (0,),
-                                                                  jnp.float32)]
-  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, rows if weighted else empty.astype(dy.dtype),
-                          plan.row_of_slot, plan.slot_of_row, weights if weighted else empty)
+  absent = jnp.zeros(_ffi.ABSENT, jnp.float32)
+  outs = [((plan.slot_of_row.shape[0], dy.shape[1]), dy.dtype),
+          (plan.row_of_slot.shape if weighted else _ffi.ABSENT, jnp.float32)]
+  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, rows if weighted else absent.astype(dy.dtype),
+                          plan.row_of_slot, plan.slot_of_row, weights if weighted else absent)
   return drows, (dweights if weighted else None)
 
 

@@ -104,3 +104,28 @@ def test_ragged_dot_data_parallel(backend, rng):
   tol = TOLERANCE[jnp.dtype(dtype).name]
   for got, want in ((out, want_out), (dlhs, want_dlhs), (drhs, want_drhs)):
     check_close(got, want, tol)
+
+
+@pytest.mark.parametrize("optional", ["none", "scales", "b1"])
+def test_gradient_accumulated_in_a_loop_over_a_shard_map(backend, rng, optional):
+  """Gradient accumulation over micro-batches (jax.lax.map) of a shard_map holding grouped_mlp, with some
+  optional operands absent: the gradient equals the micro-batches' gradients summed outside any loop.
+  (jax 0.11.2 crashed compiling the loop when absent operands were 0-element arrays.)"""
+  mesh = mesh_for(backend)
+  n, E = mesh.devices.size, len(SIZES[0])
+  dtype = dtype_for(backend)
+  x = put(mesh, rng.standard_normal((2, n * M, d)), P(None, "dev"), dtype)
+  w1 = put(mesh, rng.standard_normal((n * E, d, 2 * f)) / np.sqrt(d), P("dev"), dtype)
+  w2 = put(mesh, rng.standard_normal((n * E, f, d)) / np.sqrt(f), P("dev"), dtype)
+  b1 = put(mesh, rng.standard_normal((n * E, 2 * f)), P("dev"), dtype)
+  gs = put(mesh, device_sizes(n), P("dev"), jnp.int32)
+
+  def mlp(x, w1, w2, b1, gs):
+    return jaxmlp.grouped_mlp(x, w1, w2, gs, scales=x[:, 0] if optional == "scales" else None,
+                              b1=b1 if optional == "b1" else None)
+
+  sharded = jax.shard_map(mlp, mesh=mesh, in_specs=(P("dev"),) * 5, out_specs=P("dev"))
+  loss = lambda w1, x: jnp.sum(sharded(x, w1, w2, b1, gs).astype(jnp.float32) ** 2)
+  looped = jax.jit(jax.grad(lambda w1: jax.lax.map(lambda x: loss(w1, x), x).sum()))(w1)
+  parts = [jax.jit(jax.grad(loss))(w1, x[i]) for i in range(2)]
+  check_close(looped, np.float64(parts[0]) + np.float64(parts[1]), TOLERANCE[jnp.dtype(dtype).name])

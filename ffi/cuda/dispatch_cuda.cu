@@ -49,7 +49,7 @@ Error Combine(cudaStream_t stream, int32_t device, AnyBuffer rows, AnyBuffer row
   JAXMLP_RETURN_IF_ERROR(CheckCombine(rows, row_of_slot, weights, *y, &m));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y}));
   return CombineRows(stream, device, rows.element_type(), rows.untyped_data(), m.R, m.d, As<int32_t>(row_of_slot),
-                     As<float>(weights), m.T, m.k, y->untyped_data());
+                     m.weighted ? As<float>(weights) : nullptr, m.T, m.k, y->untyped_data());
 }
 
 Error CombineBackward(cudaStream_t stream, int32_t device, AnyBuffer dy, AnyBuffer rows, AnyBuffer row_of_slot,
@@ -61,7 +61,8 @@ Error CombineBackward(cudaStream_t stream, int32_t device, AnyBuffer dy, AnyBuff
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*drows, &*dweights}));
   return CombineBackwardRows(stream, device, dy.element_type(), dy.untyped_data(),
                              m.weighted ? rows.untyped_data() : nullptr, As<int32_t>(row_of_slot),
-                             As<int32_t>(slot_of_row), As<float>(weights), m.T, m.k, m.R, m.d, drows->untyped_data(),
+                             As<int32_t>(slot_of_row), m.weighted ? As<float>(weights) : nullptr, m.T, m.k, m.R, m.d,
+                             drows->untyped_data(),
                              m.weighted ? As<float>(*dweights) : nullptr);
 }
 

@@ -80,7 +80,7 @@ Error Zero(cudaStream_t stream, void* p, size_t bytes) {
   return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
 }
 
-void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
+void* Data(const AnyBuffer& b) { return Present(b) ? b.untyped_data() : nullptr; }
 
 // An FP8 product: lhs and rhs e4m3 with their scales, out in `t`.
 GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const float* lhs_scale, const void* rhs,

@@ -51,7 +51,7 @@ BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int es
   return s;
 }
 
-void* Data(const AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
+void* Data(const AnyBuffer& b) { return Present(b) ? b.untyped_data() : nullptr; }
 
 template <GemmPath kPath>
 Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
