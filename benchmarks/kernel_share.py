@@ -21,7 +21,7 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
         "ZeroRowsKernel",
         # the FP8 path's (ffi/cuda/fp8_kernels.cu, fp8_block_quantize.cu, fp8_block_gemm_cuda.cu)
         "AbsMaxKernel", "QuantizeElementwiseKernel", "QuantizeTileKernel", "ActAbsMaxKernel", "ActQuantizeKernel",
-        "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel", "ZeroPaddingKernel",
+        "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel",
         "RowBlocksKernel", "ColumnBlocksKernel", "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel")
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
          "jaxmlp_fp8_cached_fast_bwd")
