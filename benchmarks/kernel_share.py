@@ -18,7 +18,7 @@ from collections import defaultdict
 import cases
 
 OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroupsKernel", "ColumnSumKernel",
-        "ZeroRowsKernel",
+        "GroupSumKernel", "ZeroRowsKernel",
         # the FP8 path's (ffi/cuda/fp8_kernels.cu, fp8_block_quantize.cu, fp8_block_gemm_cuda.cu)
         "AbsMaxKernel", "QuantizeElementwiseKernel", "QuantizeTileKernel", "ActAbsMaxKernel", "ActQuantizeKernel",
         "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel",
