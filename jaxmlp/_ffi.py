@@ -336,28 +336,10 @@ def gemm_fp8_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, group_sizes, rows
   return call(*args, op=np.int32(code), rows=np.int64(rows))[0]
 
 
-def fp8_block_rows(v):
-  """fp8_blockwise.quantize_rows on the GPU: (q [R, C] e4m3, exponents [R, ceil(C / 128)] int32)."""
-  R, C = v.shape
-  sds = _result_types(v)
-  call = jax.ffi.ffi_call("jaxmlp_fp8_block_rows", [sds((R, C), jnp.float8_e4m3fn), sds((R, -(-C // 128)), jnp.int32)],
-                          vmap_method="sequential")
-  return tuple(call(v))
-
-
-def fp8_block_columns(v, first, rows):
-  """fp8_blockwise.quantize_columns on the GPU, from its blocks' (first row, rows) [B]: (q [C, 128 B] e4m3,
-  exponents [B, C] int32)."""
-  C, B = v.shape[1], first.shape[0]
-  sds = _result_types(v, first, rows)
-  call = jax.ffi.ffi_call("jaxmlp_fp8_block_columns", [sds((C, 128 * B), jnp.float8_e4m3fn), sds((B, C), jnp.int32)],
-                          vmap_method="sequential")
-  return tuple(call(v, first, rows))
-
-
 def fp8_block_rows_and_columns(v, first, rows, total):
-  """fp8_block_rows and fp8_block_columns of v in one pass: ((q, e), (qt, ec)); `total` [1] int32: the rows in
-  the groups (those the blocks hold)."""
+  """fp8_blockwise.quantize_rows_and_columns on the GPU, from the column blocks' (first row, rows) [B], in
+  one pass: ((q [R, C] e4m3, exponents [R, ceil(C / 128)] int32), (qt [C, 128 B] e4m3, exponents [B, C]
+  int32)); `total` [1] int32: the rows in the groups (those the blocks hold)."""
   (R, C), B = v.shape, first.shape[0]
   sds = _result_types(v, first, rows, total)
   e4m3 = jnp.float8_e4m3fn

@@ -153,16 +153,14 @@ def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
 
 class Backend(tp.NamedTuple):
   """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
-  module of the same names, bit for bit (the emulation: those functions; quantize_rows_and_columns reads
-  its tensor once where a kernel can). The products take quantized operands, accumulate in float32 and
-  round once to `dtype`:
+  module of the same names, bit for bit (the emulation: those functions; a kernel reads the tensor of
+  quantize_rows_and_columns once). The products take quantized operands, accumulate in float32 and round
+  once to `dtype`:
     rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
       [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
       reads only q and exponents): [M, n];
     columns(lhs, rhs, sizes, m, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
       [m, N]): [E, K, N]."""
-  quantize_rows: tp.Callable
-  quantize_columns: tp.Callable
   quantize_rows_and_columns: tp.Callable
   quantize_weights: tp.Callable
   rows: tp.Callable
@@ -178,7 +176,7 @@ def emulation(gemm: Gemm) -> Backend:
   def columns(lhs, rhs, sizes, m, dtype):
     return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
 
-  return Backend(quantize_rows, quantize_columns, quantize_rows_and_columns, quantize_weights, rows, columns)
+  return Backend(quantize_rows_and_columns, quantize_weights, rows, columns)
 
 
 def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):

@@ -147,17 +147,13 @@ def _cuda_columns(lhs, rhs, sizes, m, dtype):
   return _ffi.gemm_fp8_blocks("tn", lq, _scales(le), rq, _scales(re), sizes, m, dtype)
 
 
-def _cuda_quantize_columns(v, sizes):
-  return _ffi.fp8_block_columns(v, *fp8_blockwise.column_blocks(sizes, v.shape[0]))
-
-
 def _cuda_quantize_rows_and_columns(v, sizes):
   total = jnp.sum(_checks.clamp_group_sizes(sizes, v.shape[0]), keepdims=True).astype(jnp.int32)
   return _ffi.fp8_block_rows_and_columns(v, *fp8_blockwise.column_blocks(sizes, v.shape[0]), total)
 
 
-_CUDA_BLOCKWISE = fp8_blockwise.Backend(_ffi.fp8_block_rows, _cuda_quantize_columns, _cuda_quantize_rows_and_columns,
-                                        _ffi.fp8_block_weights, _cuda_rows, _cuda_columns)
+_CUDA_BLOCKWISE = fp8_blockwise.Backend(_cuda_quantize_rows_and_columns, _ffi.fp8_block_weights, _cuda_rows,
+                                        _cuda_columns)
 
 
 def _blockwise_backend() -> fp8_blockwise.Backend:
@@ -172,8 +168,6 @@ def _blockwise_backend() -> fp8_blockwise.Backend:
     return call
 
   return fp8_blockwise.Backend(
-      quantize_rows=per_platform("quantize_rows"),
-      quantize_columns=per_platform("quantize_columns"),
       quantize_rows_and_columns=per_platform("quantize_rows_and_columns"),
       quantize_weights=per_platform("quantize_weights"),
       rows=lambda lhs, w, sizes, transposed, dtype: per_platform("rows", transposed, dtype)(lhs, w, sizes),

@@ -1,12 +1,13 @@
 // CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8_blockwise.py defines them, and its JAX code
 // is the CPU's): one pass over each tensor, writing e4m3 data and the int32 exponent e of each block's
 // scale 2^e bit for bit as the JAX code computes them, in the layouts jaxmlp_gemm_fp8_blocks reads.
-//   rows     v [R, C] -> q [R, C], e [R, ceil(C / 128)]               1 x 128 blocks along the rows
-//   columns  v [M, C], first [B], count [B] -> qt [C, 128 B], e [B, C] 128 x 1 blocks: block b holds rows
-//            first[b] .. first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
+//   rows_and_columns  v [M, C], first [B], count [B], total [1] -> both of
+//            rows     q [M, C], e [M, ceil(C / 128)]           1 x 128 blocks along the rows, and
+//            columns  qt [C, 128 B], ec [B, C]                 128 x 1 blocks: block b holds rows first[b] ..
+//                     first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
+//            from one read (total: the rows in groups, those the blocks hold; the rows after them are
+//            quantized as rows only)
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
-//   rows_and_columns  v, first, count, total [1] -> rows' and columns' results of v in one read (total: the
-//            rows in groups, those the blocks hold; the rows after them are quantized as rows only)
 // One difference: a block holding a NaN takes its exponent from its other values here (fmaxf passes NaN
 // over), from 0 in the JAX code (its maximum is NaN); the NaN itself stays NaN in both.
 #include <cuda_fp8.h>
@@ -44,65 +45,6 @@ __device__ __forceinline__ int Exponent(float amax) {
 // e4m3(v / 2^e), round to nearest even, saturating; NaN stays NaN (fp8.to_e4m3).
 __device__ __forceinline__ uint8_t Quantize(float v, int e) {
   return __nv_cvt_float_to_fp8(ldexpf(v, -e), __NV_SATFINITE, __NV_E4M3);
-}
-
-// A warp per 1 x 128 block: each lane four consecutive elements (C is a multiple of 16, so a lane's four
-// are all in the row or all past it).
-template <typename T>
-__global__ void __launch_bounds__(256) RowBlocksKernel(const T* v, int64_t R, int64_t C, uint8_t* q, int32_t* e) {
-  const int64_t blocks = ScaleBlocks(C), lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < R * blocks; w += warps) {
-    const int64_t r = w / blocks, c = w % blocks * kScaleBlock + lane * 4;
-    Vec<T, 4> x{};
-    if (c < C) x = Load<T, 4>(v + r * C + c);
-    float f[4], amax = 0.0f;
-    for (int i = 0; i < 4; ++i) f[i] = Conv<T>::To(x.v[i]), amax = fmaxf(amax, fabsf(f[i]));
-    const int exp = Exponent(WarpMax(amax));
-    if (c < C) {
-      uint32_t packed = 0;
-      for (int i = 0; i < 4; ++i) packed |= uint32_t(Quantize(f[i], exp)) << (8 * i);
-      *reinterpret_cast<uint32_t*>(q + r * C + c) = packed;
-    }
-    if (lane == 0) e[w] = exp;
-  }
-}
-
-// A block per 128 rows x 64 columns of the output's blocks: loads the rows (zeros past count[b]), takes
-// each column's maximum, and writes the column's 128 quantized rows as one 128-byte segment of qt.
-constexpr int kColumns = 64;
-template <typename T>
-__global__ void __launch_bounds__(256) ColumnBlocksKernel(const T* v, int64_t M, int64_t C, const int32_t* first,
-                                                          const int32_t* count, int64_t L, uint8_t* qt, int32_t* e) {
-  __shared__ float tile[kScaleBlock][kColumns + 1];
-  __shared__ int exps[kColumns];
-  const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kColumns;
-  // Device data: a block's rows are clamped into [0, M) whatever first and count hold.
-  const int64_t start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
-  const int64_t rows =
-      std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), int64_t{kScaleBlock}), M - start);
-  const int col = threadIdx.x % kColumns;
-  for (int i = threadIdx.x / kColumns; i < kScaleBlock; i += blockDim.x / kColumns)
-    tile[i][col] = i < rows && c0 + col < C ? Conv<T>::To(v[(start + i) * C + c0 + col]) : 0.0f;
-  __syncthreads();
-  {  // four threads per column, 32 rows each
-    const int c = threadIdx.x / 4, part = threadIdx.x % 4;
-    float amax = 0.0f;
-    for (int i = part * 32; i < part * 32 + 32; ++i) amax = fmaxf(amax, fabsf(tile[i][c]));
-    amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 2));
-    if (part == 0) {
-      exps[c] = Exponent(amax);
-      if (c0 + c < C) e[b * C + c0 + c] = exps[c];
-    }
-  }
-  __syncthreads();
-  const int i = threadIdx.x % 32 * 4;  // 32 threads per column, four rows each
-  for (int c = threadIdx.x / 32; c < kColumns && c0 + c < C; c += blockDim.x / 32) {
-    uint32_t packed = 0;
-    for (int j = 0; j < 4; ++j) packed |= uint32_t(Quantize(tile[i + j][c], exps[c])) << (8 * j);
-    *reinterpret_cast<uint32_t*>(qt + (c0 + c) * L + b * kScaleBlock + i) = packed;
-  }
 }
 
 // A block per 128 x 128 tile of one expert, reading the tile twice (the second time from L2): its maximum,
@@ -153,8 +95,8 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
 }
 
 // A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
-// columns' quantization of that 128 x 128 region from one read of it, written as RowBlocksKernel and
-// ColumnBlocksKernel write them. The blocks after the layout's B take the rows past the groups,
+// columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
+// the rows past the groups,
 // [total, M), rows only: every row of v is quantized once (the groups' rows each lie in one block b).
 // The tile holds v's own values: 33 KB for 16-bit types, so that an SM holds twice the blocks it holds
 // of float's 66 KB (three, as the first version held every type). Each thread loads its share of the
@@ -249,7 +191,7 @@ Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
   return Error::Success();
 }
 
-// The column blocks' (first, count) of Fp8BlockColumns and Fp8BlockRowsAndColumns: int32 [B] each.
+// The column blocks' (first, count) of Fp8BlockRowsAndColumns: int32 [B] each.
 Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t* B) {
   if (first.dimensions().size() != 1 || first.element_type() != DataType::S32)
     return Error::InvalidArgument("jaxmlp: first must be a 1-D int32 array");
@@ -257,46 +199,6 @@ Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t*
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("count", count, {*B}, DataType::S32, "dtype int32"));
   if (*B * kScaleBlock > INT32_MAX) return Error::InvalidArgument("jaxmlp: 128 x 1 blocks of more than 2^31 rows");
   return Error::Success();
-}
-
-Error Fp8BlockRows(cudaStream_t stream, AnyBuffer v, Result<AnyBuffer> q, Result<AnyBuffer> e) {
-  ++handler_host_calls;
-  JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
-  const int64_t R = v.dimensions()[0], C = v.dimensions()[1];
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {R, C}));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {R, ScaleBlocks(C)}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e}));
-  if (R == 0 || C == 0) return Error::Success();
-  const unsigned grid = unsigned(std::min<int64_t>((R * ScaleBlocks(C) + 7) / 8, 65536));
-  ByType(v.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    RowBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(v.untyped_data()), R, C,
-                                                 static_cast<uint8_t*>(q->untyped_data()),
-                                                 static_cast<int32_t*>(e->untyped_data()));
-  });
-  return CheckCuda(cudaGetLastError(), "launching the 1x128 quantizer");
-}
-
-Error Fp8BlockColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuffer count, Result<AnyBuffer> qt,
-                      Result<AnyBuffer> e) {
-  ++handler_host_calls;
-  JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
-  const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
-  int64_t B = 0;
-  JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &B));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {C, B * kScaleBlock}));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {B, C}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*qt, &*e}));
-  if (B == 0 || C == 0) return Error::Success();
-  const dim3 grid(unsigned(B), unsigned((C + kColumns - 1) / kColumns));
-  ByType(v.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    ColumnBlocksKernel<T><<<grid, 256, 0, stream>>>(
-        static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
-        static_cast<const int32_t*>(count.untyped_data()), B * kScaleBlock, static_cast<uint8_t*>(qt->untyped_data()),
-        static_cast<int32_t*>(e->untyped_data()));
-  });
-  return CheckCuda(cudaGetLastError(), "launching the 128x1 quantizer");
 }
 
 Error Fp8BlockRowsAndColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuffer count, AnyBuffer total,
@@ -357,24 +259,6 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
 
 }  // namespace
 }  // namespace jaxmlp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRows, jaxmlp::Fp8BlockRows,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Ret<xla::ffi::AnyBuffer>()   // q
-                                  .Ret<xla::ffi::AnyBuffer>(),  // e
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockColumns, jaxmlp::Fp8BlockColumns,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Arg<xla::ffi::AnyBuffer>()   // first
-                                  .Arg<xla::ffi::AnyBuffer>()   // count
-                                  .Ret<xla::ffi::AnyBuffer>()   // qt
-                                  .Ret<xla::ffi::AnyBuffer>(),  // e
-                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndColumns,
                               xla::ffi::Ffi::Bind()
