@@ -22,7 +22,7 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
         # the FP8 path's (ffi/cuda/fp8_kernels.cu, fp8_block_quantize.cu, fp8_block_gemm_cuda.cu)
         "AbsMaxKernel", "QuantizeElementwiseKernel", "QuantizeTileKernel", "ActAbsMaxKernel", "ActQuantizeKernel",
         "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel",
-        "RowBlocksKernel", "ColumnBlocksKernel", "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel")
+        "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel")
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
          "jaxmlp_fp8_cached_fast_bwd")
 # jaxmlp's own GEMM on small problems: a GEMM, so reported on its own and not counted among OURS.
