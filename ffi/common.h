@@ -103,6 +103,8 @@ inline ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buf, std::i
 // 0.11.2's partitioner crashed (segmentation fault) compiling a custom call's 0-element operands inside
 // a loop under shard_map (gradient accumulation over the expert-parallel layer).
 inline bool Present(const ffi::AnyBuffer& b) { return b.dimensions().size() != 0; }
+// An optional operand's data, null where it is absent.
+inline void* DataIfPresent(const ffi::AnyBuffer& b) { return Present(b) ? b.untyped_data() : nullptr; }
 
 // The operands every grouped-MLP call starts with, on both backends: x, w1, w2, group_sizes, b1, b2,
 // scales (optional: Present). The backward appends h and dy.

@@ -80,8 +80,6 @@ Error Zero(cudaStream_t stream, void* p, size_t bytes) {
   return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
 }
 
-void* Data(const AnyBuffer& b) { return Present(b) ? b.untyped_data() : nullptr; }
-
 // An FP8 product: lhs and rhs e4m3 with their scales, out in `t`.
 GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const float* lhs_scale, const void* rhs,
                     const float* rhs_scale, void* out, DataType t, bool fast_accumulation) {
@@ -175,9 +173,9 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
-                                          Data(scales), y->untyped_data(), am + 3));
+                                          DataIfPresent(scales), y->untyped_data(), am + 3));
   JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
-                                            Data(scales), am + 3, s.scale + 3, s.aq));
+                                            DataIfPresent(scales), am + 3, s.scale + 3, s.aq));
   return gemms.Run(1);  // y = a w2
 }
 
@@ -228,11 +226,11 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d,
-                                                  h.untyped_data(), s.da, Data(scales), fwd + 3, s.aq,
+                                                  h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3, s.aq,
                                                   m.has_scales ? dscales->untyped_data() : nullptr,
                                                   dx->untyped_data(), s.amax + 1));
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
-                                                    s.da, Data(scales), s.amax + 1, sdh, s.dhq));
+                                                    s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(
       QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));

@@ -51,8 +51,6 @@ BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int es
   return s;
 }
 
-void* Data(const AnyBuffer& b) { return Present(b) ? b.untyped_data() : nullptr; }
-
 template <GemmPath kPath>
 Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                  AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
@@ -77,8 +75,8 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
   JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
-                                           m.M, m.f, m.d, h->untyped_data(), Data(b1), Data(scales), s.a,
-                                           y->untyped_data(), Data(b2)));
+                                           m.M, m.f, m.d, h->untyped_data(), DataIfPresent(b1),
+                                           DataIfPresent(scales), s.a, y->untyped_data(), DataIfPresent(b2)));
   return gemms.Run(1);  // y (+)= a @ w2
 }
 
@@ -111,9 +109,9 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
   }));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
-                                            m.M, m.f, m.d, h.untyped_data(), s.da, Data(scales), s.da,
+                                            m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), s.da,
                                             dh->untyped_data(), m.has_scales ? dscales->untyped_data() : nullptr,
-                                            dx->untyped_data(), dy.untyped_data(), Data(b2)));
+                                            dx->untyped_data(), dy.untyped_data(), DataIfPresent(b2)));
   // dx first: on the tiled path its blocks, the launch's longest (the reduction runs over F1), then start
   // in the first wave.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
@@ -123,8 +121,8 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
                                            s.bias_partials, db1->untyped_data()));
   if (m.has_b2)
     JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), Data(scales), s.bias_partials,
-                        db2->untyped_data()));  // y = s * (a @ w2 + b2): rows weighted by their scale
+        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), DataIfPresent(scales),
+                        s.bias_partials, db2->untyped_data()));  // y = s * (a @ w2 + b2): rows weighted by their scale
   return Error::Success();
 }
 
