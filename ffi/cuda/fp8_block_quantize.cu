@@ -96,8 +96,8 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
 
 // A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
 // columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
-// the rows past the groups,
-// [total, M), rows only: every row of v is quantized once (the groups' rows each lie in one block b).
+// the rows past the groups, [total, M), rows only: every row of v is quantized once (the groups' rows each
+// lie in one block b).
 // The tile holds v's own values: 33 KB for 16-bit types, so that an SM holds twice the blocks it holds
 // of float's 66 KB (three, as the first version held every type). Each thread loads its share of the
 // region 128 bytes at a time (all of bf16's eight 16-byte loads in flight at once); then two threads take
@@ -201,8 +201,9 @@ Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t*
   return Error::Success();
 }
 
-Error Fp8BlockRowsAndColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, AnyBuffer count, AnyBuffer total,
-                             Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
+Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, AnyBuffer first, AnyBuffer count,
+                             AnyBuffer total, Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt,
+                             Result<AnyBuffer> ec) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
@@ -220,11 +221,18 @@ Error Fp8BlockRowsAndColumns(cudaStream_t stream, AnyBuffer v, AnyBuffer first, 
   cudaError_t status = cudaSuccess;
   ByType(v.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    // float's 66 KB of shared memory are over the 48 KB a launch gets without asking.
-    status = cudaFuncSetAttribute(RowsAndColumnsKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kTileBytes<T>);
-    if (status != cudaSuccess) return;
-    RowsAndColumnsKernel<T><<<grid, 256, kTileBytes<T>, stream>>>(
+    // float's 66 KB of shared memory are over the 48 KB a launch gets without asking: asked once per
+    // device and kernel, not in every call (launch.cuh).
+    const auto kernel = RowsAndColumnsKernel<T>;
+    const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
+                                                [&](int) -> std::optional<bool> {
+      status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>);
+      if (status == cudaSuccess) return true;
+      cudaGetLastError();   // reported below; leave no error for the launch check
+      return std::nullopt;  // the next call asks again
+    });
+    if (!allowed) return;
+    kernel<<<grid, 256, kTileBytes<T>, stream>>>(
         static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
         static_cast<const int32_t*>(count.untyped_data()), static_cast<const int32_t*>(total.untyped_data()), B,
         static_cast<uint8_t*>(q->untyped_data()), static_cast<int32_t*>(e->untyped_data()),
@@ -261,8 +269,7 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
 }  // namespace jaxmlp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndColumns,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jaxmlp::BindStreamAndDevice()
                                   .Arg<xla::ffi::AnyBuffer>()   // v
                                   .Arg<xla::ffi::AnyBuffer>()   // first
                                   .Arg<xla::ffi::AnyBuffer>()   // count
