@@ -129,7 +129,7 @@ class MoETransformer(nnx.Module):
                             for _ in range(cfg.num_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
-    self.quantizes_once = fp8 is not None
+    self.fp8 = fp8
 
   def __call__(self, tokens: jax.Array, fp8_weights=None) -> tuple[jax.Array, jax.Array]:
     """tokens [B, S] -> (float32 logits [B, S, vocab], the summed router auxiliary losses); fp8_weights:
@@ -145,7 +145,7 @@ class MoETransformer(nnx.Module):
   def fp8_weights(self):
     """With FP8 experts, each block's expert weights quantized (for all micro-batches of a step); else
     None."""
-    return [block.moe.fp8_weights() for block in self.blocks] if self.quantizes_once else None
+    return [block.moe.fp8_weights() for block in self.blocks] if self.fp8 is not None else None
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
