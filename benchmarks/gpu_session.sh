@@ -7,6 +7,8 @@
 # unpacked first, and wheels carried in .whl installed (`pip download --python-version 3.12 ... -d .whl
 # scipy-openblas32`).
 #   bash benchmarks/gpu_session.sh moe_layer ARGS  build + benchmarks/moe_layer.py ARGS (the MoE layer's parts)
+#   bash benchmarks/gpu_session.sh expert_parallel ARGS  build + the GPUs' links, benchmarks/moe_expert_parallel.py
+#                                               ARGS and jaxmlp-train-moe --expert-parallel over all GPUs
 #   bash benchmarks/gpu_session.sh quantizers ARGS build + benchmarks/fp8_quantizers.py ARGS (blockwise quantizers)
 #   bash benchmarks/gpu_session.sh kernels ARGS    build + Nsight Compute times of each kernel of a step
 #                                               (benchmarks/kernel_share.py ARGS, e.g. `dsv3 balanced fp8`)
@@ -120,6 +122,10 @@ elif [ "$what" = kernels ]; then
     && { echo "kernels of a step: $*"; python3 benchmarks/kernel_share.py --summarize "$csv"; } | tee -a "$OUT/summary.txt"
 elif [ "$what" = moe_layer ]; then
   python3 benchmarks/moe_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -40
+elif [ "$what" = expert_parallel ]; then
+  nvidia-smi topo -m | tee "$OUT/topology.txt"
+  python3 benchmarks/moe_expert_parallel.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_expert_parallel.log" | tail -14
+  jaxmlp-train-moe --expert-parallel --impl jaxmlp 2>&1 | tee "$OUT/train_moe_ep.log" | tail -8
 elif [ "$what" = quantizers ]; then
   python3 benchmarks/fp8_quantizers.py "$@" 2>&1 | tee "$OUT/fp8_quantizers.log" | tail -20
 else

@@ -1,0 +1,143 @@
+"""The MoE layer expert-parallel over the GPUs of one host against one GPU, fwd+bwd, and the exchange alone.
+
+  layer, 1 device   jaxmlp.nnx.MoE on one GPU with all E experts and T tokens;
+  layer, P devices  the same layer with expert_axis over P GPUs (jaxmlp.expert_parallel): T tokens and
+                    E/P experts per GPU, the experts' weights split over the axis, so each GPU does the
+                    one-GPU layer's work plus the exchanges: the difference is what expert parallelism costs;
+  padded exchange   the same with jax.lax.all_to_all over per-peer blocks sized for the worst case (the
+                    CPU's exchange), for comparison;
+  exchange out, round trip
+                    the rows of one layer (T * k per GPU, balanced over the experts) sent to their experts'
+                    GPUs, and there and back, through jax.lax.ragged_all_to_all alone; the bandwidth is the
+                    bytes one GPU sends to the others per trip over the time of one trip.
+
+bf16, random routing; on a CPU (host devices, float32, the tiny shape, the layers alone) it checks that the
+script runs.
+
+  python benchmarks/moe_expert_parallel.py --out /tmp/ep
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType
+
+import jaxmlp.nnx
+from jaxmlp import expert_parallel
+from timing import measure
+
+# name: (T tokens per device, d model width, E experts, k top-k, f expert hidden width)
+SHAPES = {"qwen3": (8192, 2048, 128, 8, 768), "tiny": (64, 32, 8, 2, 48)}
+AXIS = "expert"
+
+
+def layer_seconds(shape, devices, dtype, timing, exchange=None) -> dict:
+  """fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device."""
+  T, d, E, k, f = shape
+  n = len(devices)
+  keys = jax.random.split(jax.random.key(0), 2)
+  x = jax.random.normal(keys[0], (n * T, d), dtype)
+  dy = jax.random.normal(keys[1], (n * T, d), dtype)
+
+  def loss(module, x):
+    y, aux = module(x)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + aux["aux_loss"]
+
+  step = jax.jit(nnx.grad(loss, argnums=(0, 1)))
+  make = lambda axis: jaxmlp.nnx.MoE(E, d, f, k, rngs=nnx.Rngs(0), expert_axis=axis, dtype=dtype)
+  if n == 1:
+    with jax.default_device(devices[0]):
+      module = make(None)
+      return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
+  mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
+  rules = (("expert", AXIS), ("embed", None), ("mlp", None))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    module = make(AXIS)
+    x = jax.sharding.reshard(x, jax.P(AXIS))
+    if exchange is None:
+      return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
+    # The layer with another exchange than the backend's own: the benchmark's only way to pick it.
+    original = jaxmlp.nnx.moe_expert_parallel
+    jaxmlp.nnx.moe_expert_parallel = functools.partial(original, exchange=exchange)
+    try:
+      return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
+    finally:
+      jaxmlp.nnx.moe_expert_parallel = original
+
+
+def exchange_seconds(shape, devices, dtype, timing, round_trip: bool) -> dict:
+  """jax.lax.ragged_all_to_all of each GPU's T * k rows, the experts' groups balanced, out (and back)."""
+  T, d, E, k, _ = shape
+  n = len(devices)
+  mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
+  rows = jax.random.normal(jax.random.key(1), (n * T * k, d), dtype)
+  group_sizes = jnp.full((n * E,), T * k // E, jnp.int32)
+
+  def shard(rows, group_sizes):
+    sent = jax.lax.all_gather(group_sizes.reshape(n, E // n), AXIS)
+    exchange = expert_parallel._RaggedExchange(sent, jax.lax.axis_index(AXIS), AXIS,
+                                                max_rows=n * T * min(k, E // n))
+    received, _ = exchange.forward(rows)
+    return exchange.backward(received, rows.shape[0]) if round_trip else received
+
+  with jax.set_mesh(mesh):
+    rows, group_sizes = jax.sharding.reshard((rows, group_sizes), (jax.P(AXIS), jax.P(AXIS)))
+    step = jax.jit(jax.shard_map(shard, in_specs=(jax.P(AXIS), jax.P(AXIS)), out_specs=jax.P(AXIS)))
+    result = measure(lambda i: step(rows, group_sizes), jax.block_until_ready, **timing)
+  sent_bytes = T * k * (n - 1) // n * d * jnp.dtype(dtype).itemsize  # one GPU to the others, one trip
+  result["GB/s"] = sent_bytes / (result["s"] / (2 if round_trip else 1)) / 1e9
+  return result
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shape", choices=list(SHAPES), default=None, help="default: qwen3 on GPUs, tiny on a CPU")
+  p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--budget-s", type=float, default=5.0)
+  p.add_argument("--out", type=Path, default=Path("."))
+  a = p.parse_args()
+
+  gpu = jax.default_backend() == "gpu"
+  devices = jax.devices()
+  if len(devices) < 2:
+    sys.exit(f"needs 2 or more devices; this machine has {len(devices)} {jax.default_backend()} device(s)")
+  name = a.shape or ("qwen3" if gpu else "tiny")
+  shape, dtype = SHAPES[name], (jnp.bfloat16 if gpu else jnp.float32)
+  timing = dict(repeats=a.repeats, max_call_s=5.0, budget_s=a.budget_s)
+  counts = sorted({1, 2, len(devices)} | ({4} if len(devices) >= 4 else set()))
+  rows = {}
+  for n in counts:
+    runs = {"layer": lambda: layer_seconds(shape, devices[:n], dtype, timing)}
+    if n > 1 and gpu:  # XLA:CPU has no ragged-all-to-all, and the layer's exchange there is the padded one
+      runs["padded exchange layer"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "all_to_all")
+      runs["exchange out"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, round_trip=False)
+      runs["exchange round trip"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, round_trip=True)
+    for what, run in runs.items():
+      try:
+        rows[f"{what}, {n} devices"] = run()
+      except Exception as e:  # an XLA fault of one variant (see jaxmlp.expert_parallel) must not end the run
+        rows[f"{what}, {n} devices"] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:600]}
+      print(f"{what}, {n} devices: {rows[f'{what}, {n} devices']}", file=sys.stderr)
+
+  T, d, E, k, f = shape
+  lines = [f"## MoE layer expert-parallel ({devices[0].device_kind} x{len(devices)}, jax {jax.__version__})", "",
+           f"Per device T={T} tokens, d={d}, E={E} experts in all, top-{k}, f={f}, {jnp.dtype(dtype).name}; "
+           "fwd+bwd for the layers", "", "| what | ms | GB/s per GPU, one way |", "|---|---|---|"]
+  for what, r in rows.items():
+    ms = f"{r['s'] * 1e3:.3f}" if "s" in r else f"{r['status']}: {r.get('error', '')[:200]}"
+    lines.append(f"| {what} | {ms} | {r['GB/s']:.0f} |" if "GB/s" in r else f"| {what} | {ms} | |")
+  a.out.mkdir(parents=True, exist_ok=True)
+  (a.out / "moe_expert_parallel.json").write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
+  (a.out / "moe_expert_parallel.md").write_text("\n".join(lines))
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
