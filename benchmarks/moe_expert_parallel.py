@@ -1,25 +1,24 @@
-"""The MoE layer expert-parallel over the GPUs of one host against one GPU, fwd+bwd, and the exchange alone.
+"""The MoE layer expert-parallel over the GPUs of one host against one GPU, fwd+bwd, and its exchanges alone.
 
-  layer, 1 device   jaxmlp.nnx.MoE on one GPU with all E experts and T tokens;
-  layer, P devices  the same layer with expert_axis over P GPUs (jaxmlp.expert_parallel): T tokens and
-                    E/P experts per GPU, the experts' weights split over the axis, so each GPU does the
-                    one-GPU layer's work plus the exchanges: the difference is what expert parallelism costs;
-  padded exchange   the same with jax.lax.all_to_all over per-peer blocks sized for the worst case (the
-                    CPU's exchange), for comparison;
-  exchange out, round trip
-                    the rows of one layer (T * k per GPU, balanced over the experts) sent to their experts'
-                    GPUs, and there and back, through jax.lax.ragged_all_to_all alone; the bandwidth is the
-                    bytes one GPU sends to the others per trip over the time of one trip.
+  layer, 1 device    jaxmlp.nnx.MoE on one GPU with all E experts and T tokens;
+  layer, P devices   the same layer with expert_axis over P GPUs (jaxmlp.expert_parallel), each exchange:
+                     T tokens and E/P experts per GPU, the experts' weights split over the axis, so each
+                     GPU does the one-GPU layer's work plus the exchanges: the difference is what expert
+                     parallelism costs;
+  exchange alone     the data of one layer's forward between the GPUs, there and back: all_gather (T
+                     tokens per GPU gathered, then as many partial sums reduce-scattered) and
+                     ragged_all_to_all (T * k rows per GPU, balanced over the experts, to their experts'
+                     GPUs and back); GB/s: the bytes one GPU sends to the others per trip over the time of
+                     one trip.
 
-bf16, random routing; on a CPU (host devices, float32, the tiny shape, the layers alone) it checks that the
-script runs.
+bf16, random routing; on a CPU (host devices, float32, the tiny shape, the all_gather layer alone) it
+checks that the script runs.
 
   python benchmarks/moe_expert_parallel.py --out /tmp/ep
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ SHAPES = {"qwen3": (8192, 2048, 128, 8, 768), "tiny": (64, 32, 8, 2, 48)}
 AXIS = "expert"
 
 
-def layer_seconds(shape, devices, dtype, timing, exchange=None) -> dict:
+def layer_seconds(shape, devices, dtype, timing, exchange="all_gather") -> dict:
   """fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device."""
   T, d, E, k, f = shape
   n = len(devices)
@@ -51,48 +50,43 @@ def layer_seconds(shape, devices, dtype, timing, exchange=None) -> dict:
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + aux["aux_loss"]
 
   step = jax.jit(nnx.grad(loss, argnums=(0, 1)))
-  make = lambda axis: jaxmlp.nnx.MoE(E, d, f, k, rngs=nnx.Rngs(0), expert_axis=axis, dtype=dtype)
+  make = lambda axis: jaxmlp.nnx.MoE(E, d, f, k, rngs=nnx.Rngs(0), expert_axis=axis, dtype=dtype,
+                                     expert_exchange=exchange)
   if n == 1:
     with jax.default_device(devices[0]):
       module = make(None)
       return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
-  rules = (("expert", AXIS), ("embed", None), ("mlp", None))
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+  with jax.set_mesh(mesh), nnx.logical_axis_rules((("expert", AXIS), ("embed", None), ("mlp", None))):
     module = make(AXIS)
     x = jax.sharding.reshard(x, jax.P(AXIS))
-    if exchange is None:
-      return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
-    # The layer with another exchange than the backend's own: the benchmark's only way to pick it.
-    original = jaxmlp.nnx.moe_expert_parallel
-    jaxmlp.nnx.moe_expert_parallel = functools.partial(original, exchange=exchange)
-    try:
-      return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
-    finally:
-      jaxmlp.nnx.moe_expert_parallel = original
+    return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
 
 
-def exchange_seconds(shape, devices, dtype, timing, round_trip: bool) -> dict:
-  """jax.lax.ragged_all_to_all of each GPU's T * k rows, the experts' groups balanced, out (and back)."""
+def exchange_seconds(shape, devices, dtype, timing, exchange: str) -> dict:
+  """One layer's forward exchanges alone, there and back (module docstring)."""
   T, d, E, k, _ = shape
   n = len(devices)
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
-  rows = jax.random.normal(jax.random.key(1), (n * T * k, d), dtype)
+  per_device = T if exchange == "all_gather" else T * k
+  rows = jax.random.normal(jax.random.key(1), (n * per_device, d), dtype)
   group_sizes = jnp.full((n * E,), T * k // E, jnp.int32)
 
   def shard(rows, group_sizes):
+    if exchange == "all_gather":
+      return jax.lax.psum_scatter(jax.lax.all_gather(rows, AXIS, tiled=True), AXIS, tiled=True)
     sent = jax.lax.all_gather(group_sizes.reshape(n, E // n), AXIS)
-    exchange = expert_parallel._RaggedExchange(sent, jax.lax.axis_index(AXIS), AXIS,
-                                                max_rows=n * T * min(k, E // n))
-    received, _ = exchange.forward(rows)
-    return exchange.backward(received, rows.shape[0]) if round_trip else received
+    ragged = expert_parallel._RaggedExchange(sent, jax.lax.axis_index(AXIS), AXIS, max_rows=T * min(k, E // n) * n)
+    return ragged.backward(ragged.forward(rows)[0], rows.shape[0])
 
   with jax.set_mesh(mesh):
     rows, group_sizes = jax.sharding.reshard((rows, group_sizes), (jax.P(AXIS), jax.P(AXIS)))
     step = jax.jit(jax.shard_map(shard, in_specs=(jax.P(AXIS), jax.P(AXIS)), out_specs=jax.P(AXIS)))
     result = measure(lambda i: step(rows, group_sizes), jax.block_until_ready, **timing)
-  sent_bytes = T * k * (n - 1) // n * d * jnp.dtype(dtype).itemsize  # one GPU to the others, one trip
-  result["GB/s"] = sent_bytes / (result["s"] / (2 if round_trip else 1)) / 1e9
+  sent_bytes = per_device * (n - 1) // n * d * jnp.dtype(dtype).itemsize  # one GPU to the others, one trip
+  if exchange == "all_gather":  # the gather sends its T tokens to every other GPU
+    sent_bytes *= n
+  result["GB/s"] = sent_bytes / (result["s"] / 2) / 1e9
   return result
 
 
@@ -114,11 +108,14 @@ def main():
   counts = sorted({1, 2, len(devices)} | ({4} if len(devices) >= 4 else set()))
   rows = {}
   for n in counts:
-    runs = {"layer": lambda: layer_seconds(shape, devices[:n], dtype, timing)}
-    if n > 1 and gpu:  # XLA:CPU has no ragged-all-to-all, and the layer's exchange there is the padded one
-      runs["padded exchange layer"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "all_to_all")
-      runs["exchange out"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, round_trip=False)
-      runs["exchange round trip"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, round_trip=True)
+    runs = {"layer, all_gather": lambda: layer_seconds(shape, devices[:n], dtype, timing)}
+    # On a CPU the layer only: XLA:CPU has no ragged-all-to-all, and many exchanges in flight at once (the
+    # timing's back-to-back calls) left its all-gather waiting for a device thread that never came.
+    if n > 1 and gpu:
+      runs["all_gather there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, "all_gather")
+      runs["layer, ragged_all_to_all"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "ragged_all_to_all")
+      runs["ragged_all_to_all there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing,
+                                                                          "ragged_all_to_all")
     for what, run in runs.items():
       try:
         rows[f"{what}, {n} devices"] = run()

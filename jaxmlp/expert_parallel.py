@@ -1,32 +1,31 @@
 """The MoE layer of jaxmlp.moe run expert-parallel: the E experts split over a mesh axis of size P, each
-device holding E/P of them and a 1/P share of the tokens, inside jax.shard_map.
+device holding E/P of them and a 1/P share of the tokens, inside jax.shard_map. Each device routes its
+own tokens; then one of two exchanges:
 
-Each device routes its own tokens, sorts its (token, choice) rows by global expert (the rows for peer p,
-which owns experts [p*E/P, (p+1)*E/P), are then contiguous), sends them to their experts' devices, runs
-the grouped MLP on the rows its local experts received (sorted a second time, by local expert), sends the
-results back and combines them. The gradient takes the reverse path: both exchanges are linear, and JAX
-transposes each into the exchange the other way.
+  - "all_gather" (the default, every backend): every device gathers all T tokens with their routing
+    choices (jax.lax.all_gather), runs its E/P experts on the choices that picked them, sums each token's
+    local choices weighted (jaxmlp.combine) and the devices' partial sums are added and split back to the
+    tokens' devices (jax.lax.psum_scatter). Each token crosses a link once per device whatever k is, and
+    both collectives are NCCL's plain ring ones on GPUs. Capacity drops follow from seeing all the
+    routing choices in the global order: jaxmlp.dispatch's own capacity, on the local experts.
+  - "ragged_all_to_all": each device sorts its (token, choice) rows by expert and sends each peer only
+    the rows routed to it (jax.lax.ragged_all_to_all, NCCL through XLA; XLA:CPU lacks it), which sorts
+    them a second time by local expert; the results travel back and are combined where the tokens are.
+    It moves (P-1)/P * T/P * k rows a device each way where the gather moves (P-1) * T/P tokens, less
+    for k < P, but measured far slower on GPUs with jax 0.11.2 (docs/performance.md: 2.6 GB/s over
+    NVLink; 82 with XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true, which
+    also works around a fault in its gradient, marin-community/marin#8077; openxla/xla#33386).
 
-Two exchanges, picked by backend:
-  - GPUs: jax.lax.ragged_all_to_all (NCCL through XLA), which moves only the rows routed.
-  - otherwise: jax.lax.all_to_all over per-peer blocks padded to the worst case (XLA:CPU has no
-    ragged-all-to-all). Known XLA issues of the GPU one: low NVLink use on 8 GPUs (openxla/xla#33386),
-    and a fault in its gradient worked around with
-    XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true (marin-community/marin#8077).
-Static bounds (T tokens in all, T/P per device, k = top_k, E/P local experts, C the capacity):
-  a device sends at most B = (T/P) * min(k, E/P) rows to one peer (a token's k experts are distinct), and
-  receives at most R = P * B rows; with a capacity (global per expert, see below) both are at most
-  E/P * C.
-  The padded exchange moves P * B rows each way per device (P * min(k, E/P) / k times the T/P * k rows
-  routed on average); the ragged one receives into an R-row buffer. Both run the grouped MLP on R rows.
-  Dropless routing thus sizes buffers for the case where every token picks this device's experts; a
-  capacity_factor cf bounds R by cf * (T/P) * k.
-
-The results equal the single-device layer's (jaxmlp.moe.moe) on all T tokens, up to float rounding:
+Both give the single-device layer's results (jaxmlp.moe.moe) on all T tokens, up to float rounding:
   - capacity: C = ceil(cf * T * k / E) per expert over the global batch, served in the single-device
     order (all first choices before any second one, then in global token order: device by device);
   - the router losses are those of all T tokens (global counts, probabilities averaged over devices);
-  - the router weights multiply the expert outputs at the combine, not inside the grouped MLP.
+  - the router weights multiply the expert outputs at the combine, not inside the grouped MLP; with
+    "all_gather" each device's partial sums are rounded to the computation dtype before they are added.
+Static bounds (T tokens in all, T/P per device, k = top_k, E/P local experts): the grouped MLP runs on
+R = T * min(k, E/P) rows (a token's k experts are distinct), bounded by E/P * C with a capacity; the
+gathered tokens take T rows. Dropless routing thus sizes the buffers for every token picking this
+device's experts: P * min(k, E/P) / k times the rows a device gets on average.
 """
 from __future__ import annotations
 
@@ -35,13 +34,13 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
-from jax.lax import all_gather, all_to_all, ragged_all_to_all
+from jax.lax import all_gather, psum_scatter, ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
 from .dispatch import combine, dispatch
 from .moe import route, router_losses, sort_by_expert
 
-EXCHANGES = ("all_to_all", "ragged_all_to_all")
+EXCHANGES = ("all_gather", "ragged_all_to_all")
 
 
 def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int:
@@ -68,11 +67,16 @@ def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int
   return size
 
 
+def check_exchange(exchange: str, name: str = "exchange") -> None:
+  if exchange not in EXCHANGES:
+    raise ValueError(f"{name}: unknown {exchange!r}; expected one of {', '.join(EXCHANGES)}")
+
+
 def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.Any,
                         expert_mlp: tp.Callable[..., jax.Array], *, expert_axis: str, top_k: int,
                         score_func: str = "softmax", renormalize: bool = True,
                         capacity_factor: float | None = None, aux_loss_coef: float = 0.0,
-                        z_loss_coef: float = 0.0, exchange: str | None = None):
+                        z_loss_coef: float = 0.0, exchange: str = "all_gather"):
   """jaxmlp.moe.moe expert-parallel over `expert_axis` of the current mesh (see the module docstring).
 
   Args:
@@ -81,14 +85,10 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
       and of scalars, which every device takes whole (the scale of weights quantized by the tensorwise
       recipe, jaxmlp.Fp8Weights).
     expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
-    exchange: "all_to_all" (padded blocks), "ragged_all_to_all", or None: the ragged one on a mesh of GPUs.
+    exchange: "all_gather" or "ragged_all_to_all" (module docstring).
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
-  if exchange is None:  # by the mesh's devices, not the default backend: a CPU mesh on a GPU machine
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    exchange = "ragged_all_to_all" if device is not None and device.platform in ("gpu", "cuda") else "all_to_all"
-  if exchange not in EXCHANGES:
-    raise ValueError(f"exchange: unknown {exchange!r}; expected one of {', '.join(EXCHANGES)}")
+  check_exchange(exchange)
   num_tokens, num_experts = logits.shape
   capacity = None
   if capacity_factor is not None:  # as in moe.moe: per expert, over the global batch
@@ -97,8 +97,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   def shard(tokens, logits, params):
     return _moe_shard(tokens, logits, params, expert_mlp, axis=expert_axis, top_k=top_k,
                       score_func=score_func, renormalize=renormalize, capacity=capacity,
-                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-                      ragged=exchange == "ragged_all_to_all")
+                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange)
 
   split = P(expert_axis)
   specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
@@ -117,19 +116,40 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
 
 
 def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, renormalize, capacity,
-               aux_loss_coef, z_loss_coef, ragged):
+               aux_loss_coef, z_loss_coef, exchange):
   """One device's part: its T/P tokens, its E/P experts (`params`)."""
-  num_peers = jax.lax.axis_size(axis)
-  num_tokens, num_experts = logits.shape
-  local_experts = num_experts // num_peers
+  num_experts = logits.shape[1]
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
-
-  # Routing choices per (choice j, expert) on every device: the global counts and capacity ranks.
+  # Routing choices per (choice j, expert) on every device: the global counts (and capacity ranks).
   choice_counts = jnp.bincount((jnp.arange(top_k)[None, :] * num_experts + experts).reshape(-1),
                                length=top_k * num_experts).reshape(top_k, num_experts)
   all_counts = all_gather(choice_counts, axis)  # [P, k, E]
   losses = _global_router_losses(logits, probs, all_counts.sum((0, 1)), top_k, aux_loss_coef,
                                  z_loss_coef, axis)
+  if exchange == "all_gather":
+    return _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity), losses
+  return _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity), losses
+
+
+def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity):
+  """y [T/P, d] of the "all_gather" exchange: all devices' tokens through this device's experts, the
+  partial sums added over the devices and split back."""
+  local_experts, me = num_experts // jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  all_tokens, all_weights, all_experts = (all_gather(v, axis, tiled=True) for v in (tokens, weights, experts))
+  # Other devices' experts fall outside [0, E/P): dispatch drops them. A token's experts are distinct, so
+  # an expert gets at most one row per token: capacity T bounds the rows to T * min(k, E/P), dropping none.
+  bound = all_tokens.shape[0] if capacity is None else min(capacity, all_tokens.shape[0])
+  rows, group_sizes, plan = dispatch(all_tokens, all_experts - me * local_experts, local_experts, capacity=bound)
+  partial = combine(expert_mlp(params, rows, group_sizes), plan, all_weights)
+  return psum_scatter(partial, axis, tiled=True)
+
+
+def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity):
+  """y [T/P, d] of the "ragged_all_to_all" exchange: the rows to their experts' devices and back."""
+  num_peers = jax.lax.axis_size(axis)
+  num_tokens, top_k = experts.shape
+  num_experts = all_counts.shape[-1]
+  local_experts = num_experts // num_peers
   keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
   rows, group_sizes, plan = _local_dispatch(tokens, experts, num_experts, keep)
 
@@ -137,21 +157,17 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
   sent = all_gather(group_sizes.reshape(num_peers, local_experts), axis)  # [P, P, E/P]
   me = jax.lax.axis_index(axis)
   recv_counts = sent[:, me]  # [P, E/P]: rows each peer sends to my local experts
-  # Static bounds (module docstring): B rows from one device to one peer, R rows received in all.
-  per_peer = num_tokens * min(top_k, local_experts)
-  max_rows = num_peers * per_peer
+  # The static bound of the module docstring: R rows received in all.
+  max_rows = num_peers * num_tokens * min(top_k, local_experts)
   if capacity is not None:
-    per_peer, max_rows = min(per_peer, local_experts * capacity), min(max_rows, local_experts * capacity)
-  send = _RaggedExchange(sent, me, axis, max_rows) if ragged else _PaddedExchange(sent, me, axis, per_peer)
+    max_rows = min(max_rows, local_experts * capacity)
+  send = _RaggedExchange(sent, me, axis, max_rows)
 
   received, starts = send.forward(rows)
   slot_expert = _slot_experts(received.shape[0], starts, recv_counts)
   local_rows, local_sizes, local_plan = _local_dispatch(received, slot_expert[:, None], local_experts)
-  out = expert_mlp(params, local_rows[:max_rows], local_sizes)
-  out = jnp.pad(out, ((0, received.shape[0] - max_rows), (0, 0)))
-  out = _local_combine(out, local_plan)
-  y = _local_combine(send.backward(out, rows.shape[0]), plan, weights)
-  return y, losses
+  out = _local_combine(expert_mlp(params, local_rows, local_sizes), local_plan)
+  return _local_combine(send.backward(out, rows.shape[0]), plan, weights)
 
 
 def _local_dispatch(tokens, experts, num_experts, keep=None):
@@ -205,31 +221,6 @@ def _slot_experts(num_slots, starts, recv_counts):
   slots = jnp.arange(num_slots)
   group = jnp.clip(jnp.searchsorted(group_starts, slots, side="right") - 1, 0, group_starts.shape[0] - 1)
   return jnp.where(slots < group_ends[group], group % local_experts, local_experts).astype(jnp.int32)
-
-
-class _PaddedExchange:
-  """jax.lax.all_to_all of [P, B, d] blocks: block p holds the rows for peer p, then zeros."""
-
-  def __init__(self, sent, me, axis, per_peer):
-    self.sizes = sent[me].sum(1)  # [P] rows I send to each peer
-    self.offsets = jnp.cumsum(self.sizes) - self.sizes
-    self.axis, self.per_peer = axis, per_peer
-
-  def forward(self, rows):
-    num_peers = self.sizes.shape[0]
-    b = jnp.arange(self.per_peer)
-    index = jnp.where(b < self.sizes[:, None], self.offsets[:, None] + b, rows.shape[0])  # [P, B]
-    blocks = jnp.take(rows, index.reshape(-1), axis=0, mode="fill", fill_value=0)
-    received = all_to_all(blocks.reshape(num_peers, self.per_peer, -1), self.axis, 0, 0)
-    return received.reshape(num_peers * self.per_peer, -1), jnp.arange(num_peers) * self.per_peer
-
-  def backward(self, out, num_rows):
-    num_peers = self.sizes.shape[0]
-    back = all_to_all(out.reshape(num_peers, self.per_peer, -1), self.axis, 0, 0).reshape(out.shape)
-    r = jnp.arange(num_rows)
-    peer = jnp.clip(jnp.searchsorted(jnp.cumsum(self.sizes), r, side="right"), 0, num_peers - 1)
-    index = jnp.where(r < self.sizes.sum(), peer * self.per_peer + r - self.offsets[peer], out.shape[0])
-    return jnp.take(back, index, axis=0, mode="fill", fill_value=0)
 
 
 class _RaggedExchange:

@@ -25,7 +25,7 @@ from flax.typing import Dtype, Initializer
 from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
-from .expert_parallel import axis_size, moe_expert_parallel
+from .expert_parallel import axis_size, check_exchange, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, tokens_of)
 
@@ -118,6 +118,7 @@ class MoE(nn.Module):
   bias_init: Initializer = default_bias_init
   impl: str = "jaxmlp"
   expert_axis: str | None = None
+  expert_exchange: str = "all_gather"
   fp8: str | Fp8Recipe | None = None
 
   @nn.compact
@@ -126,6 +127,7 @@ class MoE(nn.Module):
     """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE. fp8_weights: None
     or `apply(params, method="fp8_weights")` (see GroupedMLP)."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
+    check_exchange(self.expert_exchange, "expert_exchange")
     tokens = tokens_of(x, self.d_model)
     # The router computes in float32, as in jaxmlp.nnx.MoE: top-k choices are sensitive to rounding.
     logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
@@ -147,7 +149,7 @@ class MoE(nn.Module):
       y, aux = moe_expert_parallel(
           tokens, logits, (nn.meta.unbox(experts.variables["params"]), fp8_weights),
           lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1]),
-          expert_axis=self.expert_axis, **options)
+          expert_axis=self.expert_axis, exchange=self.expert_exchange, **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights), **options, impl=self.impl)
     return y.reshape(x.shape), aux

@@ -29,7 +29,7 @@ from flax.typing import Dtype, Initializer
 from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
-from .expert_parallel import axis_size, moe_expert_parallel
+from .expert_parallel import axis_size, check_exchange, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, tokens_of)
 
@@ -184,6 +184,9 @@ class MoE(nnx.Module):
       devices, the layer runs expert-parallel over it (jaxmlp.expert_parallel: E and the tokens must
       split evenly over the P devices; map the logical axis "expert" to it so that the expert weights
       are already split). Outside a mesh, or with P = 1, it runs on the local device.
+    expert_exchange: how the tokens reach the experts' devices under expert_axis: "all_gather" (every
+      device gathers all tokens and the partial sums are reduce-scattered back) or "ragged_all_to_all"
+      (only the rows routed to a device travel there and back); see jaxmlp.expert_parallel.
     rngs: rng key.
   """
 
@@ -207,10 +210,12 @@ class MoE(nnx.Module):
     bias_init: Initializer = default_bias_init,
     impl: str = "jaxmlp",
     expert_axis: str | None = None,
+    expert_exchange: str = "all_gather",
     fp8: str | Fp8Recipe | None = None,
     rngs: nnx.Rngs,
   ):
     check_moe_args(num_experts, top_k, score_func, capacity_factor)
+    check_exchange(expert_exchange, "expert_exchange")
     self.router = nnx.Linear(
       d_model, num_experts, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
       kernel_init=_partitioned(default_router_init, ROUTER_AXES), rngs=rngs)
@@ -231,6 +236,7 @@ class MoE(nnx.Module):
     self.param_dtype = param_dtype
     self.impl = impl
     self.expert_axis = expert_axis
+    self.expert_exchange = expert_exchange
 
   def __call__(self, x: jax.Array, *,
                fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -252,7 +258,7 @@ class MoE(nnx.Module):
       y, aux = moe_expert_parallel(
           tokens, self.router(tokens), (state, fp8_weights),
           lambda local, rows, sizes: nnx.merge(graphdef, local[0])(rows, sizes, fp8_weights=local[1]),
-          expert_axis=self.expert_axis, **options)
+          expert_axis=self.expert_axis, exchange=self.expert_exchange, **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights)
       y, aux = moe(tokens, self.router(tokens), experts, **options, impl=self.impl)

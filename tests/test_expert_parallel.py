@@ -1,7 +1,8 @@
 """The MoE layer expert-parallel (jaxmlp.expert_parallel) on 8 CPU devices (conftest): output, router
 losses and every gradient equal to the same layer on one device, which test_flax checks against the
-dense float64 reference. The GPU exchange (jax.lax.ragged_all_to_all, which XLA:CPU cannot run) is
-checked here through a pure-JAX emulation of its documented semantics, and traced to HLO as it is."""
+dense float64 reference. The ragged exchange (jax.lax.ragged_all_to_all, which XLA:CPU cannot run) is
+checked here through a pure-JAX emulation of its documented semantics, and traced to HLO as it is; on a
+machine with several GPUs both exchanges run over them."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -68,13 +69,16 @@ OPTIONS = [
     dict(capacity_factor=0.3, score_func="sigmoid", activation="gelu"),  # most rows dropped
     dict(top_k=1, renormalize=False),
 ]
-CASES = [(8, options) for options in OPTIONS] + [(2, OPTIONS[0]), (4, OPTIONS[1])]  # (devices, options)
+RAGGED = dict(expert_exchange="ragged_all_to_all")
+CASES = ([(8, options) for options in OPTIONS] + [(2, OPTIONS[0]), (4, OPTIONS[1])]  # (devices, options)
+         + [(8, {**OPTIONS[1], **RAGGED}), (4, {**OPTIONS[3], **RAGGED})])
 
 
 @pytest.mark.parametrize("devices, options", CASES,
                          ids=lambda c: f"{c}dev" if isinstance(c, int) else
                          ",".join(f"{k}={v}" for k, v in c.items()) or "dropless")
-def test_nnx_moe_expert_parallel_equals_one_device(rng, options, devices):
+def test_nnx_moe_expert_parallel_equals_one_device(rng, monkeypatch, options, devices):
+  monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
   options = {"top_k": TOP_K, "aux_loss_coef": 0.1, "z_loss_coef": 0.01, **options}
   seed = int(rng.integers(1 << 30))
   module = lambda axis: jaxmlp.nnx.MoE(E, D, F, rngs=nnx.Rngs(seed), expert_axis=axis,
@@ -97,14 +101,16 @@ def test_nnx_moe_expert_parallel_with_explicit_axes_and_sharded_params(rng):
   check_same(nnx_run(module, x_split, dy, mesh), want)
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_linen_moe_expert_parallel_equals_one_device(rng, capacity_factor):
+@pytest.mark.parametrize("capacity_factor, exchange", [(None, "all_gather"), (0.5, "all_gather"),
+                                                       (0.5, "ragged_all_to_all")])
+def test_linen_moe_expert_parallel_equals_one_device(rng, monkeypatch, capacity_factor, exchange):
+  monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
   options = dict(capacity_factor=capacity_factor, use_bias=True, bias_init=jax.nn.initializers.normal(0.3))
   x, dy = inputs(rng, (2, 16))
   variables = jaxmlp.linen.MoE(E, D, F, TOP_K, **options).init(jax.random.key(int(rng.integers(1 << 30))), x)
 
   def run(axis, mesh):
-    layer = jaxmlp.linen.MoE(E, D, F, TOP_K, expert_axis=axis, **options)
+    layer = jaxmlp.linen.MoE(E, D, F, TOP_K, expert_axis=axis, expert_exchange=exchange, **options)
 
     def loss(variables, x):
       y, aux = layer.apply(variables, x)
@@ -212,23 +218,25 @@ def gpus():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(len(gpus()) < 2, reason="needs 2 or more GPUs")
+@pytest.mark.parametrize("exchange", expert_parallel.EXCHANGES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("options", OPTIONS[:3], ids=["dropless", "capacity 1.0, bias", "capacity 0.3"])
-def test_ragged_exchange_over_gpus_equals_one_gpu(rng, monkeypatch, options, dtype):
-  """The layer expert-parallel over all GPUs through XLA's ragged-all-to-all (NCCL), against one GPU."""
+def test_expert_parallel_over_gpus_equals_one_gpu(rng, monkeypatch, options, dtype, exchange):
+  """The layer expert-parallel over all GPUs (NCCL through XLA), against one GPU."""
   calls = []
   monkeypatch.setattr(expert_parallel, "ragged_all_to_all",
                       lambda *a, **k: calls.append(1) or jax.lax.ragged_all_to_all(*a, **k))
   options = {"top_k": TOP_K, "aux_loss_coef": 0.1, "z_loss_coef": 0.01, **options}
   seed, n = int(rng.integers(1 << 30)), len(gpus())
   module = lambda axis: jaxmlp.nnx.MoE(E, D, F, rngs=nnx.Rngs(seed), expert_axis=axis, dtype=dtype,
-                                       bias_init=jax.nn.initializers.normal(0.3), **options)
+                                       expert_exchange=exchange, bias_init=jax.nn.initializers.normal(0.3),
+                                       **options)
   x, dy = (jnp.asarray(v, dtype) for v in inputs(rng, (n, 40)))
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=gpus())
   with jax.default_device(gpus()[0]):
     want = nnx_run(module(None), x, dy)
   got = nnx_run(module(AXIS), x, dy, mesh)
-  assert calls, "the ragged exchange was not used"
+  assert bool(calls) == (exchange == "ragged_all_to_all")
   if dtype == "float32":
     check_same(got, want)
   else:  # bf16 rows rounded where the two programs differ (the router weights applied at the combine)
@@ -265,6 +273,13 @@ def test_bad_input_names_the_argument(num_experts, shape, axis, message):
       module(x)
     with pytest.raises(ValueError, match=message):
       linen_module.init(jax.random.key(0), x)
+
+
+def test_unknown_exchange_names_the_argument():
+  with pytest.raises(ValueError, match="expert_exchange: unknown 'nccl'"):
+    jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(0), expert_exchange="nccl")
+  with pytest.raises(ValueError, match="expert_exchange: unknown 'nccl'"):
+    jaxmlp.linen.MoE(E, D, F, TOP_K, expert_exchange="nccl").init(jax.random.key(0), jnp.zeros((8, D)))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -1,5 +1,5 @@
-"""benchmarks/moe_layer.py runs end to end (CPU mode here, the tiny shape): every part of both JAX paths
-timed, the two layers agree, and the report is written."""
+"""benchmarks/moe_layer.py and moe_expert_parallel.py run end to end (CPU mode here, the tiny shape): every
+part of both JAX paths timed, the two layers agree, and the reports are written."""
 import json
 import os
 import subprocess
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_layer.py"
+EXPERT_PARALLEL_BENCH = BENCH.parent / "moe_expert_parallel.py"
 
 
 def test_moe_layer_benchmark_runs_on_the_cpu(tmp_path):
@@ -30,3 +31,14 @@ def test_moe_layer_benchmark_rejects_unknown_shapes(tmp_path):
                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode != 0 and "--shapes: 'nope'" in proc.stderr
+
+
+def test_expert_parallel_benchmark_runs_on_host_devices(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  cmd = [sys.executable, str(EXPERT_PARALLEL_BENCH), "--repeats", "1", "--budget-s", "0.1", "--out", str(tmp_path)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads((tmp_path / "moe_expert_parallel.json").read_text())["rows"]
+  assert set(rows) == {"layer, all_gather, 1 devices", "layer, all_gather, 2 devices"}
+  assert all(row["s"] > 0 for row in rows.values())
+  assert "| layer, all_gather, 2 devices |" in (tmp_path / "moe_expert_parallel.md").read_text()
