@@ -270,6 +270,14 @@ FP8_FINAL_LOSS_TOLERANCE = 0.02
 EXPERT_AXIS = "expert"
 HOST_DEVICES = 8
 EXPERT_PARALLEL_TOLERANCE = 1e-5
+# The first batch's gradients, expert-parallel against one device's. The all-gather exchange adds each
+# token's expert outputs in another order (each device's share, then the devices'), so a block's output
+# moves in its last float32 bits, and a later block's router may then pick another expert where two were
+# within rounding of a tie: the whole model's gradients move by far more than one layer's. In the small
+# config (2 devices, on an H200 pair and on CPUs) the loss moved by 3e-7 and 2e-6, the gradients by 4.5e-3
+# and 8.7e-3, all in the later blocks; one MoE layer of its shape alone, by 5e-7. The tiny config meets
+# no such tie (5e-7).
+EXPERT_PARALLEL_GRADIENT_TOLERANCE = {"tiny": 1e-5, "small": 2e-2}
 
 
 def expert_mesh() -> jax.sharding.Mesh:
@@ -291,9 +299,10 @@ def on(mesh: jax.sharding.Mesh | None):
     yield
 
 
-def expert_parallel_checks(cfg: Config, batch: np.ndarray, *, impl: str, seed: int,
+def expert_parallel_checks(config_name: str, batch: np.ndarray, *, impl: str, seed: int,
                            mesh: jax.sharding.Mesh) -> dict[str, tuple[float, float]]:
   """The first batch's loss and gradients expert-parallel over `mesh` against one device's, in float32."""
+  cfg = CONFIGS[config_name]
   def loss_and_grads(expert_axis):
     graphdef, params = nnx.split(MoETransformer(cfg, dtype=jnp.float32, impl=impl, rngs=nnx.Rngs(seed),
                                                 expert_axis=expert_axis))
@@ -307,7 +316,8 @@ def expert_parallel_checks(cfg: Config, batch: np.ndarray, *, impl: str, seed: i
         f"{float(loss):.6f} (one device: {float(one_loss):.6f})")
   return {"expert-parallel loss diff": (abs(float(loss) - float(one_loss)) / abs(float(one_loss)),
                                         EXPERT_PARALLEL_TOLERANCE),
-          "expert-parallel grad error": (gradient_error(grads, one_grads), EXPERT_PARALLEL_TOLERANCE)}
+          "expert-parallel grad error": (gradient_error(grads, one_grads),
+                                         EXPERT_PARALLEL_GRADIENT_TOLERANCE[config_name])}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -379,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not gpu:
       print("(On the CPU jaxmlp runs its C++ handlers: OpenBLAS GEMMs over XLA's CPU thread pool.)")
   if mesh is not None:
-    ep_checks = expert_parallel_checks(cfg, batches[0], impl=impls[0], seed=args.seed, mesh=mesh)
+    ep_checks = expert_parallel_checks(config_name, batches[0], impl=impls[0], seed=args.seed, mesh=mesh)
     for name, (value, tol) in ep_checks.items():
       print(f"{name:<28}{value:>10.2e}  (tolerance {tol:.0e})")
     ep_match = all(v <= tol for v, tol in ep_checks.values())
