@@ -239,7 +239,7 @@ def test_expert_parallel_over_gpus_equals_one_gpu(rng, monkeypatch, options, dty
   assert bool(calls) == (exchange == "ragged_all_to_all")
   if dtype == "float32":
     check_same(got, want)
-  else:  # bf16 rows rounded where the two programs differ (the router weights applied at the combine)
+  else:  # bf16 roundings where the programs differ: the router weights at the combine, the devices' partial sums
     (y, aux, grads), (want_y, want_aux, want_grads) = got, want
     check_close(y, want_y, TOLERANCE["bfloat16"], "y")
     for name in want_aux:
