@@ -157,8 +157,7 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t 
       x[u] = Conv<T>::To(tile[i * kPitch + 4 * lane + u]);
       amax = fmaxf(amax, fabsf(x[u]));
     }
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, o));
-    const int exp = Exponent(amax);
+    const int exp = Exponent(WarpMax(amax));
     const int64_t r = start + i;
     if (lane == 0) e[r * ScaleBlocks(C) + blockIdx.y] = exp;
     uint32_t packed = 0;
