@@ -141,7 +141,8 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
 ABSENT = ()
 
 
-def _optional(a, dtype):
+def optional(a, dtype):
+  """An optional operand as the handlers take it: `a`, or an ABSENT scalar of `dtype` where it is None."""
   return jnp.zeros(ABSENT, dtype) if a is None else a
 
 
@@ -194,7 +195,7 @@ def _mlp_path_and_workspace(dtype, s: MlpShape, forward: bool, biases: bool) -> 
 def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpShape):
   """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
   dt = x.dtype
-  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt))
+  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt), optional(scales, dt))
   sds = _result_types(*args)
   outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt)]
   attrs = _act_attrs(act)
@@ -213,7 +214,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: MlpS
 def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: MlpShape):
   """One custom call for the whole backward: (dx, dw1, dw2, db1, db2, dscales), None where absent."""
   dt = x.dtype
-  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(b1, dt), _optional(b2, dt), _optional(scales, dt),
+  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt), optional(scales, dt),
           h, dy.astype(dt))
   sds = _result_types(*args)
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
@@ -295,8 +296,8 @@ def mlp_fp8_forward(x, w1q, w2q, group_sizes, scales, act: Activation, recipe, s
   dt, e4m3 = x.dtype, jnp.float8_e4m3fn
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
   weight_amax = jnp.stack([aw1, aw2])
-  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
-          _optional(scales, dt), w1t, w2t, weight_amax)
+  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), optional(None, dt), optional(None, dt),
+          optional(scales, dt), w1t, w2t, weight_amax)
   sds = _result_types(x, w1, w2, group_sizes, w1t, w2t, weight_amax, *([] if scales is None else [scales]))
   ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32), sds((s.M, s.d), e4m3),
@@ -309,8 +310,8 @@ def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activa
   """The FP8 backward's custom call (CUDA only), from the forward's residuals: (dx, dw1, dw2, dscales or None)."""
   _fp8_path_or_raise()
   dt = h.dtype
-  args = (xq, w1q, w2q, _handler_sizes(group_sizes, s.M), _optional(None, dt), _optional(None, dt),
-          _optional(scales, dt), h, dy, amax)
+  args = (xq, w1q, w2q, _handler_sizes(group_sizes, s.M), optional(None, dt), optional(None, dt),
+          optional(scales, dt), h, dy, amax)
   sds = _result_types(xq, w1q, w2q, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
   ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),

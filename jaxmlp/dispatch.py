@@ -139,19 +139,18 @@ def _dispatch_call(x, experts, num_experts, capacity, pad_to):
 
 def _combine_call(rows, row_of_slot, weights):
   T = row_of_slot.shape[0]
-  w = jnp.zeros(_ffi.ABSENT, jnp.float32) if weights is None else weights
-  return _call("jaxmlp_combine", [((T, rows.shape[1]), rows.dtype)], rows, row_of_slot, w)[0]
+  return _call("jaxmlp_combine", [((T, rows.shape[1]), rows.dtype)], rows, row_of_slot,
+               _ffi.optional(weights, jnp.float32))[0]
 
 
 def _combine_backward_call(dy, rows, plan: Plan, weights):
   """(drows, dweights): drows[r] = weights[slot] * dy[token of r] (0 on padding rows); dweights[t, j] =
   <dy[t], rows[row_of_slot[t, j]]> in float32 (0 if dropped). Unweighted: rows and dweights are unused."""
   weighted = weights is not None
-  absent = jnp.zeros(_ffi.ABSENT, jnp.float32)
   outs = [((plan.slot_of_row.shape[0], dy.shape[1]), dy.dtype),
           (plan.row_of_slot.shape if weighted else _ffi.ABSENT, jnp.float32)]
-  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, rows if weighted else absent.astype(dy.dtype),
-                          plan.row_of_slot, plan.slot_of_row, weights if weighted else absent)
+  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, _ffi.optional(rows if weighted else None, dy.dtype),
+                          plan.row_of_slot, plan.slot_of_row, _ffi.optional(weights, jnp.float32))
   return drows, (dweights if weighted else None)
 
 
