@@ -51,16 +51,17 @@ def summarize(path):
   per_kind = defaultdict(float)
   with open(path) as f:
     lines = [l for l in f if l.startswith('"')]
-  kernels = []  # (name, ns) in launch order
+  kernels = []  # (ours' short name, or the kernel's name, ns) in launch order
   for row in csv.DictReader(lines):
     if row.get("Metric Name") != "gpu__time_duration.sum":
       continue
     ns = float(row["Metric Value"].replace(",", "")) * {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}[row["Metric Unit"]]
     name = row["Kernel Name"]
-    kernels.append((name, ns))
     # One line per kernel of ours (the name up to its template arguments); the rest summed.
     short = re.search(r"(\w+)\s*[<(]", name)
-    kind = short.group(1) if short and short.group(1) in (*OURS, TILED_GEMM) else "cuBLAS GEMMs and XLA fusions"
+    short = short.group(1) if short else None
+    kernels.append((short if short in OURS else name[:80], ns))
+    kind = short if short in (*OURS, TILED_GEMM) else "cuBLAS GEMMs and XLA fusions"
     per_kind[kind] += ns / 2  # two steps were profiled
   total = sum(per_kind.values())
   ours = sum(v for k, v in per_kind.items() if k in OURS)
@@ -68,9 +69,8 @@ def summarize(path):
     print(f"{k:32s} {v / 1e3:10.1f} us  {100 * v / total:5.1f}%")
   print(f"jaxmlp's own kernels: {ours / 1e3:.1f} us of {total / 1e3:.1f} us per fwd+bwd step = {100 * ours / total:.1f}%")
   print("the second step's kernels in launch order:")
-  for name, ns in kernels[len(kernels) // 2:]:
-    short = re.search(r"(\w+)\s*[<(]", name)
-    print(f"{ns / 1e3:10.1f} us  {short.group(1) if short and short.group(1) in OURS else name[:80]}")
+  for label, ns in kernels[len(kernels) // 2:]:
+    print(f"{ns / 1e3:10.1f} us  {label}")
 
 
 if __name__ == "__main__":
