@@ -1,7 +1,7 @@
 """Times the blockwise FP8 recipe's quantizers alone at one MLP shape: its JAX code (what XLA makes of
 jaxmlp/fp8_blockwise.py) and, on a GPU, jaxmlp's CUDA kernels (ffi/cuda/fp8_block_quantize.cu), with the
 bandwidth each reaches (bytes read and written over the time); the CUDA results are checked bit for bit
-against the JAX ones first.
+against the JAX ones first (the activations' up to act's last bit: the share of equal bits).
 
   python benchmarks/fp8_quantizers.py                 # dsv3 (E=32, d=7168, f=2048, M=32768), balanced
   python benchmarks/fp8_quantizers.py --shape 8x512x256x2048
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cases
+import jaxmlp
 from jaxmlp import fp8_blockwise, fp8_mlp
 
 
@@ -48,22 +49,33 @@ def main() -> None:
   L = fp8_blockwise.padded_length(M, E)
   gpu = jax.default_backend() == "gpu"
   cuda = fp8_mlp._CUDA_BLOCKWISE
-  # (name, JAX quantizer, CUDA quantizer, operand, bytes written per element of the operand)
+  h = jax.random.normal(key, (M, 2 * f), jnp.bfloat16)  # FC1's output and da: bfloat16, as cuBLAS writes them
+  da = jax.random.normal(key, (M, f), jnp.bfloat16)
+  valid, swiglu = jnp.ones(M, bool), jaxmlp.Activation("swiglu")
+  # (name, JAX quantizer, CUDA quantizer, operands, GB read and written). The activations' JAX form is the
+  # XLA fusion that computes them in float32 and the quantizer of that; the CUDA form computes them inside
+  # the quantizer.
   both = (lambda v: fp8_blockwise.quantize_rows_and_columns(v, sizes),
-          lambda v: cuda.quantize_rows_and_columns(v, sizes), 1 + L / M)
-  runs = [("rows + columns of x", *both[:2], x, both[2]), ("rows + columns of dh", *both[:2], dh, both[2]),
-          ("weights w1 (bf16)", fp8_blockwise.quantize_weights, cuda.quantize_weights, w1, 2)]
+          lambda v: cuda.quantize_rows_and_columns(v, sizes))
+  act = (lambda h: fp8_blockwise.activation_rows_and_columns(h, None, sizes, valid, swiglu),
+         lambda h: cuda.activation_rows_and_columns(h, None, sizes, valid, swiglu))
+  act_grad = (lambda h, da: fp8_blockwise.activation_grad_rows_and_columns(h, da, None, sizes, valid, swiglu),
+              lambda h, da: cuda.activation_grad_rows_and_columns(h, da, None, sizes, valid, swiglu))
+  quantized = lambda v: v.size * (1 + L / M)  # bytes of e4m3 rows and columns
+  runs = [("rows + columns of x", *both, (x,), x.nbytes + quantized(x)),
+          ("rows + columns of dh", *both, (dh,), dh.nbytes + quantized(dh)),
+          ("a = swiglu(h)", *act, (h,), h.nbytes + quantized(da)),
+          ("dh of swiglu(h), da", *act_grad, (h, da), h.nbytes + da.nbytes + quantized(h)),
+          ("weights w1 (bf16)", fp8_blockwise.quantize_weights, cuda.quantize_weights, (w1,), w1.nbytes + 2 * w1.size)]
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  bit-exact" if gpu else ""))
-  for name, jax_fn, cuda_fn, v, written in runs:
-    gigabytes = v.size * (v.dtype.itemsize + written) / 1e9
-    line = f"{name:<22}{(t := median_ms(jax_fn, v)):>9.3f}{gigabytes / t * 1e3:>8.0f}"
+  print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
+  for name, jax_fn, cuda_fn, operands, nbytes in runs:
+    line = f"{name:<22}{(t := median_ms(jax_fn, *operands)):>9.3f}{nbytes / t / 1e6:>8.0f}"
     if gpu:
-      same = all(np.array_equal(bits(g), bits(w)) for g, w in zip(jax.tree.leaves(jax.jit(cuda_fn)(v)),
-                                                                   jax.tree.leaves(jax.jit(jax_fn)(v))))
-      line += f"{(t := median_ms(cuda_fn, v)):>10.3f}{gigabytes / t * 1e3:>8.0f}  {same}"
+      pairs = list(zip(jax.tree.leaves(jax.jit(cuda_fn)(*operands)), jax.tree.leaves(jax.jit(jax_fn)(*operands))))
+      same = sum(np.sum(bits(g) == bits(w)) for g, w in pairs) / sum(g.size for g, _ in pairs)
+      line += f"{(t := median_ms(cuda_fn, *operands)):>10.3f}{nbytes / t / 1e6:>8.0f}  {same:.4%}"
     print(line, flush=True)
-
 
 if __name__ == "__main__":
   main()

@@ -351,6 +351,21 @@ def fp8_block_rows_and_columns(v, first, rows, total):
   return (q, e), (qt, ec)
 
 
+def fp8_block_activation(h, da, scales, first, rows, total, act: Activation):
+  """fp8_blockwise.activation_rows_and_columns (da None) or activation_grad_rows_and_columns on the GPU:
+  fp8_block_rows_and_columns of a = act(h) * scales [R, f] or of dh [R, F1], computed from h (and da) on the
+  way into the quantizer; scales may be None."""
+  (R, F1), B = h.shape, first.shape[0]
+  C = F1 if da is not None else (F1 // 2 if act.gated else F1)
+  sds = _result_types(h, first, rows, total, *[a for a in (da, scales) if a is not None])
+  e4m3 = jnp.float8_e4m3fn
+  call = jax.ffi.ffi_call("jaxmlp_fp8_block_activation",
+                          [sds((R, C), e4m3), sds((R, -(-C // 128)), jnp.int32), sds((C, 128 * B), e4m3),
+                           sds((B, C), jnp.int32)], vmap_method="sequential")
+  q, e, qt, ec = call(h, optional(da, h.dtype), optional(scales, h.dtype), first, rows, total, **_act_attrs(act))
+  return (q, e), (qt, ec)
+
+
 def fp8_block_weights(w):
   """fp8_blockwise.quantize_weights on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K / 128),
   ceil(N / 128)] int32, q transposed [E, N, K])."""

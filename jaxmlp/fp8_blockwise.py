@@ -30,10 +30,11 @@ backward keeps h, qc(x) and qc(a) with their scales and the quantized weights wi
 e4m3: small blocks leave no range to protect with e5m2.
 
 On a GPU (`Backend`) the quantizers are CUDA kernels that compute this module's quantizers bit for bit
-(ffi/cuda/fp8_block_quantize.cu) and each product is an FP8 tensor-core product with cuBLASLt's block
+(ffi/cuda/fp8_block_quantize.cu; those of a and dh compute the activation on the way from h, up to the
+last bit of act and its derivative) and each product is an FP8 tensor-core product with cuBLASLt's block
 scaling (jaxmlp_gemm_fp8_blocks, ffi/cuda/fp8_block_gemm_cuda.cu); elsewhere the quantizers are this
 module's JAX code and the products their emulation (`emulation`): float32 sums of exactly dequantized
-operands on any grouped GEMM. The two agree up to the order of the float32 sums.
+operands on any grouped GEMM. The two agree up to the order of the float32 sums (and act's last bits).
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def column_blocks(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   spans = padded_sizes(sizes, m)
   span_ends = jnp.cumsum(spans)
   start = jnp.arange(padded_length(m, sizes.shape[0]) // BLOCK, dtype=jnp.int32) * BLOCK
-  group = jnp.minimum(jnp.searchsorted(span_ends, start, side="right"), sizes.shape[0] - 1)
+  # compare_all: one fused comparison, where the default binary search is a chain of small kernels.
+  group = jnp.minimum(jnp.searchsorted(span_ends, start, side="right", method="compare_all"), sizes.shape[0] - 1)
   within = start - (span_ends - spans)[group]
   first = jnp.cumsum(sizes)[group] - sizes[group] + within
   return first.astype(jnp.int32), jnp.clip(sizes[group] - within, 0, BLOCK).astype(jnp.int32)
@@ -146,6 +148,23 @@ def quantize_rows_and_columns(v: jax.Array, sizes: jax.Array):
   return quantize_rows(v), quantize_columns(v, sizes)
 
 
+def activation_rows_and_columns(h, scales, sizes, valid, act: Activation):
+  """quantize_rows_and_columns of the forward's a = act(h) * scales in float32, zero in the rows past the
+  groups (`valid` false)."""
+  a = act(h.astype(jnp.float32))
+  if scales is not None:
+    a = a * scales.astype(jnp.float32)[:, None]
+  return quantize_rows_and_columns(jnp.where(valid[:, None], a, 0), sizes)
+
+
+def activation_grad_rows_and_columns(h, da, scales, sizes, valid, act: Activation):
+  """quantize_rows_and_columns of the backward's dh = (da * scales) * act'(h) (the vjp of act) in float32,
+  zero in the rows past the groups."""
+  s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
+  dh = jax.vjp(act, h.astype(jnp.float32))[1](da.astype(jnp.float32) * s)[0]
+  return quantize_rows_and_columns(jnp.where(valid[:, None], dh, 0), sizes)
+
+
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
   """[L, C] float32 of quantize_columns's (q, exponents): the padded rows, no longer transposed."""
   return _dequantize(q.T, jnp.repeat(e, BLOCK, axis=0))
@@ -153,15 +172,19 @@ def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
 
 class Backend(tp.NamedTuple):
   """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
-  module of the same names, bit for bit (the emulation: those functions; a kernel reads the tensor of
-  quantize_rows_and_columns once). The products take quantized operands, accumulate in float32 and round
-  once to `dtype`:
+  module of the same names (the emulation: those functions; a kernel reads the tensor of
+  quantize_rows_and_columns once), bit for bit, except the activations' up to the last bit of act and its
+  derivative (a kernel computes them on the way from h, whose float32 result goes through no memory).
+  The products take quantized operands, accumulate in float32 and round once to `dtype`:
     rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
       [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
-      reads only q and exponents): [M, n];
+      reads only q and exponents): [M, n], zeros in the rows past the groups (as jax.lax.ragged_dot; no
+      pass of masking after each product);
     columns(lhs, rhs, sizes, m, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
       [m, N]): [E, K, N]."""
   quantize_rows_and_columns: tp.Callable
+  activation_rows_and_columns: tp.Callable
+  activation_grad_rows_and_columns: tp.Callable
   quantize_weights: tp.Callable
   rows: tp.Callable
   columns: tp.Callable
@@ -176,7 +199,8 @@ def emulation(gemm: Gemm) -> Backend:
   def columns(lhs, rhs, sizes, m, dtype):
     return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
 
-  return Backend(quantize_rows_and_columns, quantize_weights, rows, columns)
+  return Backend(quantize_rows_and_columns, activation_rows_and_columns, activation_grad_rows_and_columns,
+                 quantize_weights, rows, columns)
 
 
 def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
@@ -184,33 +208,27 @@ def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
   rows in groups. The residuals: h, x and a in 128 x 1 blocks (the weight gradients' operands: a's from
   here, where it is quantized anyway, rather than from h again) and the quantized weights, each with its
   exponents."""
-  dtype, rows = x.dtype, valid[:, None]  # rows past the groups: read by no product, zero in the results
+  dtype = x.dtype  # rows past the groups: read by no product, zero in the results
   x_rows, x_columns = b.quantize_rows_and_columns(x, sizes)
-  h = jnp.where(rows, b.rows(x_rows, w1q, sizes, False, dtype), 0)
-  a = act(h.astype(jnp.float32))
-  if scales is not None:
-    a = a * scales.astype(jnp.float32)[:, None]
-  a_rows, a_columns = b.quantize_rows_and_columns(jnp.where(rows, a, 0), sizes)
+  h = b.rows(x_rows, w1q, sizes, False, dtype)
+  a_rows, a_columns = b.activation_rows_and_columns(h, scales, sizes, valid, act)
   y = b.rows(a_rows, w2q, sizes, False, dtype)
-  return jnp.where(rows, y, 0), (h, x_columns, a_columns, w1q[:2], w2q[:2])
+  return y, (h, x_columns, a_columns, w1q[:2], w2q[:2])
 
 
 def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   """(dx, dw1, dw2, dscales or None) of the blockwise backward, from the forward's residuals."""
   h, x_columns, a_columns, w1q, w2q = residuals
-  dtype, rows = h.dtype, valid[:, None]
+  dtype = h.dtype
   dy_rows, dy_columns = b.quantize_rows_and_columns(dy, sizes)
-  da = jnp.where(rows, b.rows(dy_rows, w2q, sizes, True, dtype).astype(jnp.float32), 0)
-  value, vjp = jax.vjp(act, h.astype(jnp.float32))
-  s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
-  dh = jnp.where(rows, vjp(da * s)[0], 0)
-  dh_rows, dh_columns = b.quantize_rows_and_columns(dh, sizes)
+  da = b.rows(dy_rows, w2q, sizes, True, dtype)
+  dh_rows, dh_columns = b.activation_grad_rows_and_columns(h, da, scales, sizes, valid, act)
   dx = b.rows(dh_rows, w1q, sizes, True, dtype)
   m = h.shape[0]
   dw2 = b.columns(a_columns, dy_columns, sizes, m, dtype)
   dw1 = b.columns(x_columns, dh_columns, sizes, m, dtype)
-  dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
-  return jnp.where(rows, dx, 0), dw1, dw2, dscales
+  dscales = None if scales is None else jnp.sum(da.astype(jnp.float32) * act(h.astype(jnp.float32)), axis=1).astype(dtype)
+  return dx, dw1, dw2, dscales
 
 
 def emulated_forward(gemm: Gemm, x, w1q, w2q, sizes, scales, valid, act: Activation):

@@ -4,7 +4,7 @@ On a GPU, the tensorwise recipe (jaxmlp.fp8) quantizes each weight tensor in one
 (jaxmlp_fp8_tensor_weights) and runs each direction as one custom call (jaxmlp_mlp_fp8_fwd / _bwd,
 ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) runs each quantization and
 each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu), the
-activation between them in XLA. Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32
+activation and its derivative inside the quantizers of a and dh. Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32
 grouped products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for
 dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same
 residuals on every platform: for tensorwise the FC1 output h, the forward's four amaxes and its e4m3 copies
@@ -147,13 +147,27 @@ def _cuda_columns(lhs, rhs, sizes, m, dtype):
   return _ffi.gemm_fp8_blocks("tn", lq, _scales(le), rq, _scales(re), sizes, m, dtype)
 
 
+def _cuda_column_blocks(sizes, m):
+  """(first, rows, total) of the CUDA quantizers: the column blocks and the rows in groups, [1] int32 (the
+  kernels' own bound on the rows past the groups; `valid` marks the same rows)."""
+  total = jnp.sum(_checks.clamp_group_sizes(sizes, m), keepdims=True).astype(jnp.int32)
+  return (*fp8_blockwise.column_blocks(sizes, m), total)
+
+
 def _cuda_quantize_rows_and_columns(v, sizes):
-  total = jnp.sum(_checks.clamp_group_sizes(sizes, v.shape[0]), keepdims=True).astype(jnp.int32)
-  return _ffi.fp8_block_rows_and_columns(v, *fp8_blockwise.column_blocks(sizes, v.shape[0]), total)
+  return _ffi.fp8_block_rows_and_columns(v, *_cuda_column_blocks(sizes, v.shape[0]))
 
 
-_CUDA_BLOCKWISE = fp8_blockwise.Backend(_cuda_quantize_rows_and_columns, _ffi.fp8_block_weights, _cuda_rows,
-                                        _cuda_columns)
+def _cuda_activation(h, scales, sizes, valid, act):
+  return _ffi.fp8_block_activation(h, None, scales, *_cuda_column_blocks(sizes, h.shape[0]), act)
+
+
+def _cuda_activation_grad(h, da, scales, sizes, valid, act):
+  return _ffi.fp8_block_activation(h, da, scales, *_cuda_column_blocks(sizes, h.shape[0]), act)
+
+
+_CUDA_BLOCKWISE = fp8_blockwise.Backend(_cuda_quantize_rows_and_columns, _cuda_activation, _cuda_activation_grad,
+                                        _ffi.fp8_block_weights, _cuda_rows, _cuda_columns)
 
 
 def _blockwise_backend() -> fp8_blockwise.Backend:
@@ -169,6 +183,10 @@ def _blockwise_backend() -> fp8_blockwise.Backend:
 
   return fp8_blockwise.Backend(
       quantize_rows_and_columns=per_platform("quantize_rows_and_columns"),
+      activation_rows_and_columns=lambda h, scales, sizes, valid, act: per_platform(
+          "activation_rows_and_columns", act)(h, scales, sizes, valid),
+      activation_grad_rows_and_columns=lambda h, da, scales, sizes, valid, act: per_platform(
+          "activation_grad_rows_and_columns", act)(h, da, scales, sizes, valid),
       quantize_weights=per_platform("quantize_weights"),
       rows=lambda lhs, w, sizes, transposed, dtype: per_platform("rows", transposed, dtype)(lhs, w, sizes),
       columns=lambda lhs, rhs, sizes, m, dtype: per_platform("columns", m, dtype)(lhs, rhs, sizes))

@@ -293,6 +293,48 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
       np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{name}: output {i}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["reglu", "relu", "swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("with_scales", [True, False])
+def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales):
+  """The blockwise quantizers of the forward's a = act(h) * scales and the backward's dh = (da * scales) *
+  act'(h), which on a GPU compute the activation on the way from h, against the JAX ones: for relu and reglu
+  (the same float32 operations) the same values and exponents; for the others, whose float32 act may differ
+  in its last bit, the same exponents and values at most one e4m3 step apart in a few elements. Widths cut
+  short (f = 144: F1 = 288 gated), groups of several blocks, an empty group and rows past the groups."""
+  reason = fp8_reason()
+  if reason:
+    pytest.skip(reason)
+  M, f, sizes = 448, 144, [300, 0, 37, 63, 1]
+  F1 = 2 * f if act in ref.GATED else f
+  h = jnp.asarray(rng.standard_normal((M, F1)) * 2.0 ** rng.integers(-6, 7, (M, 1)), jnp.bfloat16)
+  da = jnp.asarray(rng.standard_normal((M, f)), jnp.bfloat16)
+  scales = jnp.asarray(rng.uniform(0.1, 1.0, M), jnp.bfloat16) if with_scales else None
+  gs = jnp.asarray(sizes, jnp.int32)
+  activation = jaxmlp.Activation(act)
+  backend = fp8_mlp._blockwise_backend()
+  quantizers = {
+      "a": lambda h, da, s, gs, valid: backend.activation_rows_and_columns(h, s, gs, valid, activation),
+      "dh": lambda h, da, s, gs, valid: backend.activation_grad_rows_and_columns(h, da, s, gs, valid, activation)}
+  valid = jnp.arange(M) < sum(sizes)
+  for name, quantize in quantizers.items():
+    results = {}
+    for platform in ("cpu", "cuda"):
+      device = jax.devices(platform)[0]
+      with jax.default_device(device):
+        results[platform] = jax.tree.leaves(jax.jit(quantize)(*jax.device_put((h, da, scales, gs, valid), device)))
+    (q, e, qt, ec), (q0, e0, qt0, ec0) = results["cuda"], results["cpu"]
+    for got, want, what in ((e, e0, "row exponents"), (ec, ec0, "column exponents")):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name}: {what}")
+    for got, want, what in ((q, q0, "rows"), (qt, qt0, "columns")):
+      got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)  # -0 and 0 alike
+      if act in ("reglu", "relu"):
+        np.testing.assert_array_equal(got, want, err_msg=f"{name}: {what}")
+      else:  # a flip to the neighbouring e4m3 value (3 mantissa bits) where act's last bit moved
+        np.testing.assert_allclose(got, want, rtol=2.0 ** -3, atol=2.0 ** -9, err_msg=f"{name}: {what}")
+        assert np.mean(got != want) < 1e-3, f"{name}: {what}: {np.mean(got != want)} of the values differ"
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(fp8="blockwise8"), ValueError, "fp8: unknown recipe 'blockwise8'"),
     (dict(fp8=3), TypeError, "fp8: expected None, a recipe name"),

@@ -7,6 +7,10 @@
 //                     first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
 //            from one read (total: the rows in groups, those the blocks hold; the rows after them are
 //            quantized as rows only)
+//   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count, total -> as
+//            rows_and_columns of v = a = act(h) * scales [M, f] (da absent: the forward) or of
+//            v = dh = da * scales * act'(h) [M, F1] (the backward), zero past the groups, computed in float32
+//            on the way into the quantizer: no float32 tensor goes through memory
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
 // One difference: a block holding a NaN takes its exponent from its other values here (fmaxf passes NaN
 // over), from 0 in the JAX code (its maximum is NaN); the NaN itself stays NaN in both.
@@ -16,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "../activations.h"
 #include "../common.h"
 #include "block_reduce.cuh"
 #include "elements.cuh"
@@ -42,9 +47,25 @@ __device__ __forceinline__ int Exponent(float amax) {
   return mantissa == 0.5f ? e - 1 : e;
 }
 
-// e4m3(v / 2^e), round to nearest even, saturating; NaN stays NaN (fp8.to_e4m3).
-__device__ __forceinline__ uint8_t Quantize(float v, int e) {
-  return __nv_cvt_float_to_fp8(ldexpf(v, -e), __NV_SATFINITE, __NV_E4M3);
+// Division by a block's scale 2^e as multiplications by powers of two, exact where the quotient is a normal
+// float and else rounded once, as ldexpf(v, -e) (the JAX code's ldexp) rounds it; a tenth of ldexpf's
+// instructions, which had made the quantizers compute-bound. Exponents are >= -149 and <= 120 (amax / 448 is
+// a finite float): 2^-e is one normal float down to e = -126, the product of two past it.
+struct Unscale {
+  float first, second;
+  __device__ explicit Unscale(int e)
+      : first(Pow2(e >= -126 ? -e : 126)), second(Pow2(e >= -126 ? 0 : -e - 126)) {}
+  __device__ float operator()(float v) const { return v * first * second; }
+  static __device__ float Pow2(int n) { return __int_as_float((n + 127) << 23); }  // n in [-126, 127]
+};
+
+// e4m3 of v / 2^e for two and four values, round to nearest even, saturating, NaN kept (fp8.to_e4m3):
+// the packed conversions of two floats, little-endian as the bytes lie in memory.
+__device__ __forceinline__ uint16_t Quantize2(float a, float b, const Unscale& u) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(u(a), u(b)), __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ uint32_t Quantize4(const float (&v)[4], const Unscale& u) {
+  return uint32_t(Quantize2(v[0], v[1], u)) | uint32_t(Quantize2(v[2], v[3], u)) << 16;
 }
 
 // A block per 128 x 128 tile of one expert, reading the tile twice (the second time from L2): its maximum,
@@ -72,16 +93,15 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
   __syncthreads();
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
   const int exp = Exponent(amax);
+  const Unscale unscale(exp);
   if (threadIdx.x == 0) e[(g * gridDim.y + kb) * gridDim.x + nb] = exp;
   for (int i = first_row; i < kScaleBlock; i += 16) {
     if (k0 + i >= K || !in_columns) continue;
     const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
     uint64_t packed = 0;
-    for (int u = 0; u < 8; ++u) {
-      const uint8_t b = Quantize(Conv<T>::To(x.v[u]), exp);
-      tile[i][j + u] = b;
-      packed |= uint64_t(b) << (8 * u);
-    }
+    for (int u = 0; u < 8; u += 2)
+      packed |= uint64_t(Quantize2(Conv<T>::To(x.v[u]), Conv<T>::To(x.v[u + 1]), unscale)) << (8 * u);
+    for (int u = 0; u < 8; ++u) tile[i][j + u] = uint8_t(packed >> (8 * u));
     *reinterpret_cast<uint64_t*>(q + g * K * N + (k0 + i) * N + n0 + j) = packed;
   }
   __syncthreads();
@@ -93,6 +113,48 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
     *reinterpret_cast<uint64_t*>(qt + g * K * N + (n0 + n) * K + k0 + i) = packed;
   }
 }
+
+// What RowsAndColumnsKernel quantizes, read eight consecutive elements of a row at a time into its tile of
+// Value: a tensor as it lies (its rows past the groups quantized too, as the JAX quantizer does), or an
+// activation of h computed on the way (zero past the groups, as jnp.where makes it in the JAX recipe).
+template <typename T>
+struct TensorSource {
+  using Value = T;
+  static constexpr bool kZeroPastGroups = false;
+  const T* v;
+  int64_t C;
+  __device__ Vec<T, 8> operator()(int64_t r, int64_t c) const { return Load<T, 8>(v + r * C + c); }
+};
+
+// Without da: a = act(h) * s [M, f], as fp8_blockwise.activation_rows_and_columns computes it (s: the
+// row's scale, 1 without scales). With da: dh = (da * s) * act'(h) [M, F1], the gate's derivatives in
+// columns [0, f) and (gated) the up half's in [f, 2f), as the vjp in activation_grad_rows_and_columns.
+template <typename T, Act kAct>
+struct ActivationSource {
+  using Value = float;
+  static constexpr bool kZeroPastGroups = true;
+  ActParams p;
+  const T *h, *da, *scales;
+  int64_t f;
+  __device__ Vec<float, 8> operator()(int64_t r, int64_t c) const {
+    constexpr bool kGated = IsGated(kAct);
+    const bool up_half = kGated && c >= f;  // f % 16 == 0: eight columns lie in one half
+    const int64_t j = up_half ? c - f : c;
+    const T* hr = h + r * (kGated ? 2 * f : f);
+    const Vec<T, 8> gate = Load<T, 8>(hr + j);
+    Vec<T, 8> up{}, g{};
+    if (kGated) up = Load<T, 8>(hr + f + j);
+    if (da) g = Load<T, 8>(da + r * f + j);
+    const float s = scales ? Conv<T>::To(scales[r]) : 1.0f;
+    Vec<float, 8> out;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const ActGrad a = ActivationGradOf<kAct>(p, Conv<T>::To(gate.v[k]), kGated ? Conv<T>::To(up.v[k]) : 0.0f);
+      out.v[k] = da ? Conv<T>::To(g.v[k]) * s * (up_half ? a.dup : a.dgate) : a.val * s;
+    }
+    return out;
+  }
+};
 
 // A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
 // columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
@@ -110,10 +172,11 @@ constexpr int kTilePitch = kScaleBlock + int(4 / sizeof(T));  // a tile row, in 
 constexpr int kQtPitch = kScaleBlock / 4 + 1;  // a transposed row, in words: 32 columns' same word in 32 banks
 template <typename T>
 constexpr int kTileBytes = kScaleBlock * kTilePitch<T> * int(sizeof(T)) + kScaleBlock * kQtPitch * 4;
-template <typename T>
-__global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t M, int64_t C, const int32_t* first,
+template <typename Source>
+__global__ void __launch_bounds__(256) RowsAndColumnsKernel(Source v, int64_t M, int64_t C, const int32_t* first,
                                                             const int32_t* count, const int32_t* total, int64_t B,
                                                             uint8_t* q, int32_t* e, uint8_t* qt, int32_t* ec) {
+  using T = typename Source::Value;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kPitch = kTilePitch<T>, kRows = kScaleBlock;
   T* tile = reinterpret_cast<T*>(smem);                                              // [128][kPitch]
@@ -141,7 +204,7 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t 
       for (int p = 0; p < kBatch; ++p) {
         const int i = i0 + 16 * (p0 + p);
         x[p] = Vec<T, 8>{};
-        if (i < rows && c0 + j < C) x[p] = Load<T, 8>(v + (start + i) * C + c0 + j);
+        if (i < rows && c0 + j < C && (columns || !Source::kZeroPastGroups)) x[p] = v(start + i, c0 + j);
       }
 #pragma unroll
       for (int p = 0; p < kBatch; ++p)
@@ -160,9 +223,7 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t 
     const int exp = Exponent(WarpMax(amax));
     const int64_t r = start + i;
     if (lane == 0) e[r * ScaleBlocks(C) + blockIdx.y] = exp;
-    uint32_t packed = 0;
-    for (int u = 0; u < 4; ++u) packed |= uint32_t(Quantize(x[u], exp)) << (8 * u);
-    if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = packed;
+    if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = Quantize4(x, Unscale(exp));
   }
   if (!columns) return;
   {  // columns: 128 x 1 blocks, zeros past the block's rows
@@ -173,11 +234,12 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(const T* v, int64_t 
     half_max[h][c] = amax;
     __syncthreads();
     const int exp = Exponent(fmaxf(half_max[0][c], half_max[1][c]));
+    const Unscale unscale(exp);
     if (h == 0 && c0 + c < C) ec[b * C + c0 + c] = exp;
     for (int u0 = 0; u0 < 64; u0 += 4) {
-      uint32_t packed = 0;
-      for (int u = 0; u < 4; ++u) packed |= uint32_t(Quantize(Conv<T>::To(column[(u0 + u) * kPitch]), exp)) << (8 * u);
-      qtile[c * kQtPitch + (h * 64 + u0) / 4] = packed;
+      float x[4];
+      for (int u = 0; u < 4; ++u) x[u] = Conv<T>::To(column[(u0 + u) * kPitch]);
+      qtile[c * kQtPitch + (h * 64 + u0) / 4] = Quantize4(x, unscale);
     }
   }
   __syncthreads();
@@ -210,45 +272,95 @@ Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t*
   return Error::Success();
 }
 
+// The outputs of a rows-and-columns quantization of [M, C] in B column blocks, checked and poisoned.
+struct RowsAndColumns {
+  int64_t M, C, B;
+  const AnyBuffer *first, *count, *total;
+  AnyBuffer *q, *e, *qt, *ec;
+};
+
+Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumns& o) {
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("total", *o.total, {1}, DataType::S32, "dtype int32"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *o.q, {o.M, o.C}));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *o.e, {o.M, ScaleBlocks(o.C)}, DataType::S32, "dtype int32"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *o.qt, {o.C, o.B * kScaleBlock}));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *o.ec, {o.B, o.C}, DataType::S32, "dtype int32"));
+  if (ScaleBlocks(o.C) > 65535) return Error::InvalidArgument("jaxmlp: too many column blocks for one grid");
+  return Poison(stream, {o.q, o.e, o.qt, o.ec});
+}
+
+// Launches RowsAndColumnsKernel<Source> over the rows' 128-row blocks: the B column blocks, then those of
+// the rows past the groups.
+template <typename Source>
+Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Source& v, const RowsAndColumns& o) {
+  if (o.C == 0 || o.B + o.M == 0) return Error::Success();
+  using T = typename Source::Value;
+  // The tiles' 50 KB (16-bit types) and 83 KB (float) of shared memory are over the 48 KB a launch gets
+  // without asking: asked once per device and kernel, not in every call (launch.cuh).
+  const auto kernel = RowsAndColumnsKernel<Source>;
+  cudaError_t status = cudaSuccess;
+  const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
+                                              [&](int) -> std::optional<bool> {
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>);
+    if (status == cudaSuccess) return true;
+    cudaGetLastError();   // reported below; leave no error for the launch check
+    return std::nullopt;  // the next call asks again
+  });
+  if (!allowed) return CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory");
+  const dim3 grid(unsigned(o.B + ScaleBlocks(o.M)), unsigned(ScaleBlocks(o.C)));
+  kernel<<<grid, 256, kTileBytes<T>, stream>>>(
+      v, o.M, o.C, static_cast<const int32_t*>(o.first->untyped_data()),
+      static_cast<const int32_t*>(o.count->untyped_data()), static_cast<const int32_t*>(o.total->untyped_data()),
+      o.B, static_cast<uint8_t*>(o.q->untyped_data()), static_cast<int32_t*>(o.e->untyped_data()),
+      static_cast<uint8_t*>(o.qt->untyped_data()), static_cast<int32_t*>(o.ec->untyped_data()));
+  return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
+}
+
 Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, AnyBuffer first, AnyBuffer count,
                              AnyBuffer total, Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt,
                              Result<AnyBuffer> ec) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
-  const int64_t M = v.dimensions()[0], C = v.dimensions()[1];
-  int64_t B = 0;
-  JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &B));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("total", total, {1}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {M, C}));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *e, {M, ScaleBlocks(C)}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {C, B * kScaleBlock}));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *ec, {B, C}, DataType::S32, "dtype int32"));
-  if (ScaleBlocks(C) > 65535) return Error::InvalidArgument("jaxmlp: too many column blocks for one grid");
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*e, &*qt, &*ec}));
-  if (C == 0 || B + M == 0) return Error::Success();
-  const dim3 grid(unsigned(B + ScaleBlocks(M)), unsigned(ScaleBlocks(C)));
-  cudaError_t status = cudaSuccess;
+  RowsAndColumns o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
+  JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
+  JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
+  Error status = Error::Success();
   ByType(v.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    // The tiles' 50 KB (16-bit types) and 83 KB (float) of shared memory are over the 48 KB a launch gets
-    // without asking: asked once per device and kernel, not in every call (launch.cuh).
-    const auto kernel = RowsAndColumnsKernel<T>;
-    const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
-                                                [&](int) -> std::optional<bool> {
-      status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>);
-      if (status == cudaSuccess) return true;
-      cudaGetLastError();   // reported below; leave no error for the launch check
-      return std::nullopt;  // the next call asks again
-    });
-    if (!allowed) return;
-    kernel<<<grid, 256, kTileBytes<T>, stream>>>(
-        static_cast<const T*>(v.untyped_data()), M, C, static_cast<const int32_t*>(first.untyped_data()),
-        static_cast<const int32_t*>(count.untyped_data()), static_cast<const int32_t*>(total.untyped_data()), B,
-        static_cast<uint8_t*>(q->untyped_data()), static_cast<int32_t*>(e->untyped_data()),
-        static_cast<uint8_t*>(qt->untyped_data()), static_cast<int32_t*>(ec->untyped_data()));
+    status = LaunchRowsAndColumns(stream, device, TensorSource<T>{static_cast<const T*>(v.untyped_data()), o.C}, o);
   });
-  JAXMLP_RETURN_IF_ERROR(CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory"));
-  return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
+  return status;
+}
+
+// h [M, F1] and the optional da [M, f] and scales [M] (absent: a scalar) in one 16-bit dtype; the result
+// is a [M, f] without da, dh [M, F1] with it.
+Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBuffer da, AnyBuffer scales,
+                         AnyBuffer first, AnyBuffer count, AnyBuffer total, int32_t act, float alpha, float limit,
+                         Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
+  ++handler_host_calls;
+  JAXMLP_RETURN_IF_ERROR(CheckInput("h", h, 2));
+  const DataType t = h.element_type();
+  if (t == DataType::F32) return Error::InvalidArgument("jaxmlp: h must be bfloat16 or float16");
+  if (act < 0 || act >= int32_t(Act::kCount)) return Error::InvalidArgument("jaxmlp: unknown activation");
+  const ActParams p{Act(act), alpha, limit};
+  const int64_t M = h.dimensions()[0], F1 = h.dimensions()[1], f = IsGated(p.act) ? F1 / 2 : F1;
+  if (f % 16 || (IsGated(p.act) && F1 != 2 * f))
+    return Error::InvalidArgument("jaxmlp: h must be [M, F1] with F1 = 2 f (gated) or f, f a multiple of 16");
+  if (Present(da)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("da", da, {M, f}, t, "h's dtype"));
+  if (Present(scales)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("scales", scales, {M}, t, "h's dtype"));
+  RowsAndColumns o{M, Present(da) ? F1 : f, 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
+  JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
+  JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    return ByAct(p.act, [&](auto a) {
+      const ActivationSource<T, decltype(a)::value> v{p, static_cast<const T*>(h.untyped_data()),
+                                                      static_cast<const T*>(DataIfPresent(da)),
+                                                      static_cast<const T*>(DataIfPresent(scales)), f};
+      return LaunchRowsAndColumns(stream, device, v, o);
+    });
+  };
+  return t == DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
 }
 
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
@@ -283,6 +395,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndCol
                                   .Arg<xla::ffi::AnyBuffer>()   // first
                                   .Arg<xla::ffi::AnyBuffer>()   // count
                                   .Arg<xla::ffi::AnyBuffer>()   // total
+                                  .Ret<xla::ffi::AnyBuffer>()   // q
+                                  .Ret<xla::ffi::AnyBuffer>()   // e
+                                  .Ret<xla::ffi::AnyBuffer>()   // qt
+                                  .Ret<xla::ffi::AnyBuffer>(),  // ec
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockActivation, jaxmlp::Fp8BlockActivation,
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindStreamAndDevice()
+                                                              .Arg<xla::ffi::AnyBuffer>()   // h
+                                                              .Arg<xla::ffi::AnyBuffer>()   // da (optional)
+                                                              .Arg<xla::ffi::AnyBuffer>()   // scales (optional)
+                                                              .Arg<xla::ffi::AnyBuffer>()   // first
+                                                              .Arg<xla::ffi::AnyBuffer>()   // count
+                                                              .Arg<xla::ffi::AnyBuffer>())  // total
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // e
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
