@@ -117,7 +117,9 @@ PY
 elif [ "$what" = kernels ]; then
   # (A script's own folder leads sys.path, not the current one: the installed jaxmlp is imported.)
   csv="$OUT/ncu-$(echo "$@" | tr ' ' '-').csv"
-  ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+  # No preallocation: under ncu, XLA's 75% of the GPU's memory failed to allocate now and then and the
+  # process died (segmentation fault) before the first step.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
     python3 benchmarks/kernel_share.py "$@" > "$csv" 2> "$OUT/ncu.log" \
     && { echo "kernels of a step: $*"; python3 benchmarks/kernel_share.py --summarize "$csv"; } | tee -a "$OUT/summary.txt"
 elif [ "$what" = moe_layer ]; then

@@ -160,28 +160,35 @@ struct ActivationSource {
 // columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
 // the rows past the groups, [total, M), rows only: every row of v is quantized once (the groups' rows each
 // lie in one block b).
-// The region is loaded into shared memory 16 bytes a thread (all eight of bf16's loads in flight at once).
-// Rows: a warp per row, four values a lane, its maximum by shuffles, and one 4-byte store a lane: a warp
-// writes the row's 128 bytes at once. Columns: a thread per half column (64 rows), the halves' maxima met
-// in shared memory, the quantized bytes packed four rows to a word into a transposed tile, which the block
-// then writes out a row of qt (128 bytes) per warp store. (The first version gave each of two threads 64
-// values of a row and of a column, and each wrote 8 bytes into another row of q or qt: 0.72 TB/s for
-// dsv3's x on an H100.)
+// The region is loaded into shared memory (rows 16-byte aligned: one 16-byte store per 16-byte load; all
+// eight of bf16's loads in flight at once). Rows: a warp per row, four values a lane from one 8-byte read,
+// its maximum by shuffles, and one 4-byte store a lane: a warp writes the row's 128 bytes at once. Columns:
+// a thread per pair of columns and quarter of the rows (32), its 64 values read into registers as 32 pairs,
+// the quarters' maxima met in shared memory, the quantized bytes packed four rows to a word into a
+// transposed tile (over the region's, read by then), which the block writes out a row of qt (128 bytes)
+// per warp store. Shared-memory instructions per element: under one, against four when each value was
+// stored, read for its row and twice for its column alone, which left the SMs issuing at 64% and DRAM at
+// 54% (Nsight Compute, dsv3's x on an H100). That change made the float tiles (the activations, float32
+// dh) 13-29% faster at dsv3 and left bf16 x's as it was (~0.75 ms on an H100). (The first version gave
+// each of two threads 64 values of a row and of a column, and each wrote 8 bytes into another row of q or
+// qt: 0.72 TB/s.) Three blocks an SM: the float tiles' 66 KB allow no more, and capped at 64 registers for
+// four, the 16-bit ones spilled and ran ~10% slower.
 template <typename T>
-constexpr int kTilePitch = kScaleBlock + int(4 / sizeof(T));  // a tile row, in T: a column's values in 32 banks
+constexpr int kTilePitch = kScaleBlock + int(16 / sizeof(T));  // a tile row, in T: 16-byte aligned
 constexpr int kQtPitch = kScaleBlock / 4 + 1;  // a transposed row, in words: 32 columns' same word in 32 banks
 template <typename T>
-constexpr int kTileBytes = kScaleBlock * kTilePitch<T> * int(sizeof(T)) + kScaleBlock * kQtPitch * 4;
+constexpr int kTileBytes = kScaleBlock * kTilePitch<T> * int(sizeof(T));  // >= the transposed tile's
+static_assert(kTileBytes<uint16_t> >= kScaleBlock * kQtPitch * 4);
 template <typename Source>
-__global__ void __launch_bounds__(256) RowsAndColumnsKernel(Source v, int64_t M, int64_t C, const int32_t* first,
+__global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t M, int64_t C, const int32_t* first,
                                                             const int32_t* count, const int32_t* total, int64_t B,
                                                             uint8_t* q, int32_t* e, uint8_t* qt, int32_t* ec) {
   using T = typename Source::Value;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kPitch = kTilePitch<T>, kRows = kScaleBlock;
-  T* tile = reinterpret_cast<T*>(smem);                                              // [128][kPitch]
-  uint32_t* qtile = reinterpret_cast<uint32_t*>(smem + kRows * kPitch * sizeof(T));  // [128 columns][kQtPitch]
-  __shared__ float half_max[2][kScaleBlock];
+  T* tile = reinterpret_cast<T*>(smem);                    // [128][kPitch]
+  uint32_t* qtile = reinterpret_cast<uint32_t*>(smem);     // [128 columns][kQtPitch], once tile is read
+  __shared__ float quarter_max[4][kScaleBlock];
   const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kScaleBlock;
   const bool columns = b < B;
   // Device data: the rows are clamped into [0, M) whatever first, count and total hold.
@@ -207,17 +214,17 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(Source v, int64_t M,
         if (i < rows && c0 + j < C && (columns || !Source::kZeroPastGroups)) x[p] = v(start + i, c0 + j);
       }
 #pragma unroll
-      for (int p = 0; p < kBatch; ++p)
-        for (int u = 0; u < 8; ++u) tile[(i0 + 16 * (p0 + p)) * kPitch + j + u] = x[p].v[u];
+      for (int p = 0; p < kBatch; ++p) Store<T, 8>(tile + (i0 + 16 * (p0 + p)) * kPitch + j, x[p]);
     }
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool lane_in = c0 + 4 * lane < C;  // C is a multiple of 16: a lane's four columns all in or all past it
   for (int i = warp; i < rows; i += 8) {  // rows: 1 x 128 blocks
+    const Vec<T, 4> xv = Load<T, 4>(tile + i * kPitch + 4 * lane);
     float x[4], amax = 0.0f;
     for (int u = 0; u < 4; ++u) {
-      x[u] = Conv<T>::To(tile[i * kPitch + 4 * lane + u]);
+      x[u] = Conv<T>::To(xv.v[u]);
       amax = fmaxf(amax, fabsf(x[u]));
     }
     const int exp = Exponent(WarpMax(amax));
@@ -226,20 +233,31 @@ __global__ void __launch_bounds__(256) RowsAndColumnsKernel(Source v, int64_t M,
     if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = Quantize4(x, Unscale(exp));
   }
   if (!columns) return;
-  {  // columns: 128 x 1 blocks, zeros past the block's rows
-    const int c = threadIdx.x % kScaleBlock, h = threadIdx.x / kScaleBlock;
-    const T* column = tile + h * 64 * kPitch + c;
-    float amax = 0.0f;
-    for (int u = 0; u < 64; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(column[u * kPitch])));
-    half_max[h][c] = amax;
-    __syncthreads();
-    const int exp = Exponent(fmaxf(half_max[0][c], half_max[1][c]));
-    const Unscale unscale(exp);
-    if (h == 0 && c0 + c < C) ec[b * C + c0 + c] = exp;
-    for (int u0 = 0; u0 < 64; u0 += 4) {
-      float x[4];
-      for (int u = 0; u < 4; ++u) x[u] = Conv<T>::To(column[(u0 + u) * kPitch]);
-      qtile[c * kQtPitch + (h * 64 + u0) / 4] = Quantize4(x, unscale);
+  {  // columns: 128 x 1 blocks, zeros past the block's rows (the tile's rows past `rows` hold zeros)
+    constexpr int kQuarter = kScaleBlock / 4;
+    const int c = threadIdx.x % (kScaleBlock / 2) * 2, quarter = threadIdx.x / (kScaleBlock / 2);
+    Vec<T, 2> pair[kQuarter];
+    float amax0 = 0.0f, amax1 = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kQuarter; ++u) {
+      pair[u] = Load<T, 2>(tile + (quarter * kQuarter + u) * kPitch + c);
+      amax0 = fmaxf(amax0, fabsf(Conv<T>::To(pair[u].v[0])));
+      amax1 = fmaxf(amax1, fabsf(Conv<T>::To(pair[u].v[1])));
+    }
+    quarter_max[quarter][c] = amax0;
+    quarter_max[quarter][c + 1] = amax1;
+    __syncthreads();  // also: every read of the tile is done, qtile may take its place
+    float max0 = 0.0f, max1 = 0.0f;
+    for (int k = 0; k < 4; ++k) max0 = fmaxf(max0, quarter_max[k][c]), max1 = fmaxf(max1, quarter_max[k][c + 1]);
+    const int exp0 = Exponent(max0), exp1 = Exponent(max1);
+    if (quarter == 0 && c0 + c < C) ec[b * C + c0 + c] = exp0, ec[b * C + c0 + c + 1] = exp1;  // C, c even
+    const Unscale unscale0(exp0), unscale1(exp1);
+#pragma unroll
+    for (int w = 0; w < kQuarter / 4; ++w) {  // four rows a word
+      float x0[4], x1[4];
+      for (int k = 0; k < 4; ++k) x0[k] = Conv<T>::To(pair[4 * w + k].v[0]), x1[k] = Conv<T>::To(pair[4 * w + k].v[1]);
+      qtile[c * kQtPitch + quarter * (kQuarter / 4) + w] = Quantize4(x0, unscale0);
+      qtile[(c + 1) * kQtPitch + quarter * (kQuarter / 4) + w] = Quantize4(x1, unscale1);
     }
   }
   __syncthreads();
@@ -295,8 +313,8 @@ template <typename Source>
 Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Source& v, const RowsAndColumns& o) {
   if (o.C == 0 || o.B + o.M == 0) return Error::Success();
   using T = typename Source::Value;
-  // The tiles' 50 KB (16-bit types) and 83 KB (float) of shared memory are over the 48 KB a launch gets
-  // without asking: asked once per device and kernel, not in every call (launch.cuh).
+  // The tiles' 34 KB (16-bit types) and 66 KB (float) of shared memory: the latter over the 48 KB a launch
+  // gets without asking, asked once per device and kernel, not in every call (launch.cuh).
   const auto kernel = RowsAndColumnsKernel<Source>;
   cudaError_t status = cudaSuccess;
   const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
