@@ -20,8 +20,9 @@ CASES = {
     "all_empty": (32, 16, 32, [0, 0]),
 }
 # For the blockwise recipe also: rows of several 128-column blocks, the last one short (d = 272, F1 = 288),
-# and groups of several 128-row blocks, the last one short.
-BLOCK_CASES = {**CASES, "blocks": (448, 272, 144, [300, 0, 37, 63, 1])}
+# and groups of several 128-row blocks, the last one short; then f a multiple of 128 (the CUDA quantizer of
+# the gated dh pairs each gate tile with its up tile then).
+BLOCK_CASES = {**CASES, "blocks": (448, 272, 144, [300, 0, 37, 63, 1]), "whole_blocks": (384, 128, 256, [200, 0, 150])}
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -296,17 +297,19 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["reglu", "relu", "swiglu", "clamped_swiglu"])
 @pytest.mark.parametrize("with_scales", [True, False])
-def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales):
+@pytest.mark.parametrize("f", [144, 256])
+def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales, f):
   """The blockwise quantizers of the forward's a = act(h) * scales and the backward's dh = (da * scales) *
   act'(h), which on a GPU compute the activation on the way from h, against the JAX ones: for relu and reglu
   (the same float32 operations) the same values and exponents; for the others, whose float32 act may differ
   in its last bit (and far in its tails, where XLA's sigmoid underflows to 0 before CUDA's), the same
   dequantized values but for a few elements one e4m3 step apart and values below 2^-100. Widths cut short
-  (f = 144: F1 = 288 gated), groups of several blocks, an empty group and rows past the groups."""
+  (f = 144: F1 = 288 gated) and whole blocks (f = 256: the gated dh's gate and up tiles paired in the
+  kernel's order), groups of several blocks, an empty group and rows past the groups."""
   reason = fp8_reason()
   if reason:
     pytest.skip(reason)
-  M, f, sizes = 448, 144, [300, 0, 37, 63, 1]
+  M, sizes = 448, [300, 0, 37, 63, 1]
   F1 = 2 * f if act in ref.GATED else f
   h = jnp.asarray(rng.standard_normal((M, F1)) * 2.0 ** rng.integers(-6, 7, (M, 1)), jnp.bfloat16)
   da = jnp.asarray(rng.standard_normal((M, f)), jnp.bfloat16)

@@ -124,6 +124,7 @@ struct TensorSource {
   const T* v;
   int64_t C;
   __device__ Vec<T, 8> operator()(int64_t r, int64_t c) const { return Load<T, 8>(v + r * C + c); }
+  __device__ int64_t ColumnTile(int64_t t, int64_t) const { return t; }  // the t-th block's 128 columns
 };
 
 // Without da: a = act(h) * s [M, f], as fp8_blockwise.activation_rows_and_columns computes it (s: the
@@ -153,6 +154,12 @@ struct ActivationSource {
       out.v[k] = da ? Conv<T>::To(g.v[k]) * s * (up_half ? a.dup : a.dgate) : a.val * s;
     }
     return out;
+  }
+  // Gated with da, a gate tile of dh and the up tile of its columns read the same h and da: consecutive
+  // blocks take them (where f % 128 == 0, so that the tiles pair up), the second one's reads hit L2.
+  __device__ int64_t ColumnTile(int64_t t, int64_t tiles) const {
+    if (!IsGated(kAct) || !da || f % kScaleBlock) return t;
+    return t / 2 + (t % 2) * (tiles / 2);
   }
 };
 
@@ -189,7 +196,10 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
   T* tile = reinterpret_cast<T*>(smem);                    // [128][kPitch]
   uint32_t* qtile = reinterpret_cast<uint32_t*>(smem);     // [128 columns][kQtPitch], once tile is read
   __shared__ float quarter_max[4][kScaleBlock];
-  const int64_t b = blockIdx.x, c0 = int64_t(blockIdx.y) * kScaleBlock;
+  // Blocks in row-block-major order: those of one row block run together (their rows' DRAM pages, and
+  // the activations' shared reads, above).
+  const int64_t tiles = ScaleBlocks(C), b = blockIdx.x / tiles;
+  const int64_t column_tile = v.ColumnTile(blockIdx.x % tiles, tiles), c0 = column_tile * kScaleBlock;
   const bool columns = b < B;
   // Device data: the rows are clamped into [0, M) whatever first, count and total hold.
   int64_t start, rows;
@@ -229,7 +239,7 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
     }
     const int exp = Exponent(WarpMax(amax));
     const int64_t r = start + i;
-    if (lane == 0) e[r * ScaleBlocks(C) + blockIdx.y] = exp;
+    if (lane == 0) e[r * tiles + column_tile] = exp;
     if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = Quantize4(x, Unscale(exp));
   }
   if (!columns) return;
@@ -303,7 +313,8 @@ Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumns& o) {
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *o.e, {o.M, ScaleBlocks(o.C)}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *o.qt, {o.C, o.B * kScaleBlock}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *o.ec, {o.B, o.C}, DataType::S32, "dtype int32"));
-  if (ScaleBlocks(o.C) > 65535) return Error::InvalidArgument("jaxmlp: too many column blocks for one grid");
+  if ((o.B + ScaleBlocks(o.M)) * ScaleBlocks(o.C) > INT32_MAX)
+    return Error::InvalidArgument("jaxmlp: too many 128 x 128 blocks for one grid");
   return Poison(stream, {o.q, o.e, o.qt, o.ec});
 }
 
@@ -325,7 +336,7 @@ Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Source& v,
     return std::nullopt;  // the next call asks again
   });
   if (!allowed) return CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory");
-  const dim3 grid(unsigned(o.B + ScaleBlocks(o.M)), unsigned(ScaleBlocks(o.C)));
+  const unsigned grid = unsigned((o.B + ScaleBlocks(o.M)) * ScaleBlocks(o.C));
   kernel<<<grid, 256, kTileBytes<T>, stream>>>(
       v, o.M, o.C, static_cast<const int32_t*>(o.first->untyped_data()),
       static_cast<const int32_t*>(o.count->untyped_data()), static_cast<const int32_t*>(o.total->untyped_data()),
