@@ -65,14 +65,15 @@ def run(fn, args, sizes, dy, act, **kw):
 EXACT = {name: jaxmlp.Fp8Recipe(name, fast_accumulation=False) for name in ("tensorwise", "blockwise")}
 NUMPY_MODEL = {"tensorwise": fp8_ref.grouped_mlp, "blockwise": fp8_ref.blockwise_grouped_mlp}
 # How far the CUDA path may lie from the emulation. Hopper's FP8 tensor cores sum with fewer bits than
-# float32 between cuBLAS's promotions (even without fast accumulation), which moves the 16-bit rounding of
-# h and da for some elements, and through them the e4m3 rounding of a and dh: measured on an H200
-# (cuBLAS 13.10), up to 1.2e-2 relative error; single elements, where an e4m3 rounding moved, up to 6e-2
-# of the largest. On an H100 (2026-11-25) "one_group" at 48 x 16 x 16 reached 2.7e-2 (y: its first row ~1%
-# low throughout, as where one of the row's few a values rounds to its other e4m3 neighbour) and, with
-# clamped_swiglu, 3.8e-2 (dx): one flip weighs more in fewer elements, so that case is now 144 x 32 x 32. On
-# the CPU, where the products are float32 sums: 1e-2, elements 2e-2.
-CUDA_TOLERANCE = 3e-2
+# float32 between cuBLAS's promotions (even without fast accumulation), and cuBLAS applies the scales to
+# the sum where the emulation sums scaled operands: some elements of h and da round to their other 16-bit
+# neighbour, and through them a's and dh's e4m3 roundings move (measured on an H200, cuBLAS 13.10: up to
+# 1.2e-2 relative error; single elements up to 6e-2 of the largest). Where the moved element is the
+# tensor's largest, its amax moves the whole tensor's e4m3 grid: on an H100, "one_group" with seed
+# 895917586 (JAXMLP_TEST_SEED) puts y 3.4e-2 off, with and without fast accumulation alike (the products'
+# K = 32 leaves their sums exact; the scales' order differs). On the CPU, where the products are float32
+# sums: 1e-2, elements 2e-2.
+CUDA_TOLERANCE = 5e-2
 
 
 def check_recipe(got, want, platform, name):
@@ -159,9 +160,9 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case):
                      "swiglu", fp8=recipe)
       results[platform] = {"y": y, **grads}
   # Fast accumulation keeps fewer bits still in the forward's sums; the difference reaches every gradient
-  # through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2).
+  # through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2), within the same bound.
   for k in results["cpu"]:
-    check_close(results["cuda"][k], results["cpu"][k], 3e-2 if fast != "none" else CUDA_TOLERANCE, k)
+    check_close(results["cuda"][k], results["cpu"][k], CUDA_TOLERANCE, k)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
