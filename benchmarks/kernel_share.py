@@ -4,7 +4,7 @@ Run under Nsight Compute, which times each kernel on the device:
   ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
       python benchmarks/kernel_share.py qwen3 [skewed] [IMPL] > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
 The first form runs fwd+bwd steps of the SwiGLU MLP, as bench.py times IMPL (jaxmlp: bf16, the default;
-jaxmlp_fp8 or `fp8`, or another of IMPLS below; moe_layer: the MoE layer around it), at a reference
+jaxmlp_fp8 or `fp8`, or another of IMPLS below), at a reference
 shape or ExdxfxM (balanced routing unless named) and profiles two of them, after warm-up steps
 (compilation, cuBLAS's first-call setup); the second sums kernel times per kernel, prints jaxmlp's own
 kernels as a share of all GPU time of a step, then one step's kernels in the order they ran.
@@ -22,13 +22,9 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
         # the FP8 path's (ffi/cuda/fp8_kernels.cu, fp8_block_quantize.cu, fp8_block_gemm_cuda.cu)
         "AbsMaxKernel", "QuantizeElementwiseKernel", "QuantizeTileKernel", "ActAbsMaxKernel", "ActQuantizeKernel",
         "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel",
-        "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel",
-        # the MoE layer's (ffi/cuda/dispatch_kernels.cu, top_k_cuda.cu)
-        "TopKKernel", "CountKernel", "ScanKernel", "RankKernel", "ScatterRowsKernel", "CombineKernel")
-# moe_layer: the whole MoE layer (jaxmlp.moe with jaxmlp's dispatch, benchmarks/moe_layer.py) at one of
-# moe_layer.SHAPES (qwen3, mixtral, tiny); the routing argument is ignored there.
+        "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel")
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
-         "jaxmlp_fp8_cached_fast_bwd", "moe_layer")
+         "jaxmlp_fp8_cached_fast_bwd")
 # jaxmlp's own GEMM on small problems: a GEMM, so reported on its own and not counted among OURS.
 TILED_GEMM = "TiledGemmKernel"
 
@@ -37,22 +33,17 @@ def run(shape_name, routing="balanced", impl="jaxmlp"):
   """shape_name: one of cases.ALL_SHAPES, or ExdxfxM; routing: one of cases.ROUTINGS; impl: one of IMPLS."""
   import jax
   import jax.numpy as jnp
-  if impl == "moe_layer":
-    import moe_layer
-    shape = moe_layer.SHAPES[shape_name]
-    step, args = moe_layer.steps("jaxmlp", shape, moe_layer.make_inputs(*shape[:3], shape[4], jnp.bfloat16))["layer"]
-  else:
-    import jax_impls
-    s = cases.shape_named(shape_name)
-    inputs = jax_impls.impl_inputs(impl, jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0))
-    step = jax.jit(jax_impls.forward_backward(jax_impls.forward(impl)))  # the step bench.py times
-    args = (*inputs, jnp.asarray(cases.group_sizes(routing, s.E, s.M)))
+  import jax_impls
+  s = cases.shape_named(shape_name)
+  inputs = jax_impls.impl_inputs(impl, jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0))
+  gs = jnp.asarray(cases.group_sizes(routing, s.E, s.M))
+  step = jax.jit(jax_impls.forward_backward(jax_impls.forward(impl)))  # the step bench.py times
   for _ in range(2):
-    jax.block_until_ready(step(*args))
+    jax.block_until_ready(step(*inputs, gs))
   cuda = ctypes.CDLL("libcuda.so.1")  # the profiled window: ncu --profile-from-start off
   cuda.cuProfilerStart()
   for _ in range(2):
-    jax.block_until_ready(step(*args))
+    jax.block_until_ready(step(*inputs, gs))
   cuda.cuProfilerStop()
 
 
