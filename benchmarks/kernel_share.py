@@ -3,16 +3,24 @@
 Run under Nsight Compute, which times each kernel on the device:
   ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
       python benchmarks/kernel_share.py qwen3 [skewed] [IMPL] > ncu.csv && python benchmarks/kernel_share.py --summarize ncu.csv
+or through JAX's profiler (CUPTI: the kernels as they overlap in the step, no Nsight needed):
+  python benchmarks/kernel_share.py --trace qwen3 [skewed] [IMPL]
 The first form runs fwd+bwd steps of the SwiGLU MLP, as bench.py times IMPL (jaxmlp: bf16, the default;
-jaxmlp_fp8 or `fp8`, or another of IMPLS below), at a reference
-shape or ExdxfxM (balanced routing unless named) and profiles two of them, after warm-up steps
-(compilation, cuBLAS's first-call setup); the second sums kernel times per kernel, prints jaxmlp's own
-kernels as a share of all GPU time of a step, then one step's kernels in the order they ran.
+jaxmlp_fp8 or `fp8`, or another of IMPLS below; moe_layer: the MoE layer of benchmarks/moe_layer.py at its
+shape of that name), at a reference shape or ExdxfxM (balanced routing unless named) and profiles two of
+them, after warm-up steps (compilation, cuBLAS's first-call setup); the second sums kernel times per
+kernel, prints jaxmlp's own kernels as a share of all GPU time of a step, then one step's kernels in the
+order they ran. (Under Nsight Compute the MoE layer's process died before its first kernel, three runs of
+three on an H100: --trace profiles it.)
 """
 import ctypes
 import csv
+import glob
+import gzip
+import json
 import re
 import sys
+import tempfile
 from collections import defaultdict
 
 import cases
@@ -22,42 +30,86 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
         # the FP8 path's (ffi/cuda/fp8_kernels.cu, fp8_block_quantize.cu, fp8_block_gemm_cuda.cu)
         "AbsMaxKernel", "QuantizeElementwiseKernel", "QuantizeTileKernel", "ActAbsMaxKernel", "ActQuantizeKernel",
         "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel",
-        "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel")
+        "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel",
+        # the MoE layer's (ffi/cuda/dispatch_kernels.cu, top_k_cuda.cu)
+        "TopKKernel", "CountKernel", "ScanKernel", "RankKernel", "ScatterRowsKernel", "CombineKernel")
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
-         "jaxmlp_fp8_cached_fast_bwd")
+         "jaxmlp_fp8_cached_fast_bwd", "moe_layer")
 # jaxmlp's own GEMM on small problems: a GEMM, so reported on its own and not counted among OURS.
 TILED_GEMM = "TiledGemmKernel"
 
 
-def run(shape_name, routing="balanced", impl="jaxmlp"):
-  """shape_name: one of cases.ALL_SHAPES, or ExdxfxM; routing: one of cases.ROUTINGS; impl: one of IMPLS."""
+def step_and_args(shape_name, routing="balanced", impl="jaxmlp"):
+  """(jitted fwd+bwd step, its arguments). shape_name: one of cases.ALL_SHAPES, or ExdxfxM (moe_layer: one
+  of moe_layer.SHAPES); routing: one of cases.ROUTINGS (unused by moe_layer); impl: one of IMPLS."""
   import jax
   import jax.numpy as jnp
+  if impl == "moe_layer":
+    import moe_layer
+    T, d, E, _, f = shape = moe_layer.SHAPES[shape_name]
+    return moe_layer.steps("jaxmlp", shape, moe_layer.make_inputs(T, d, E, f, jnp.bfloat16))["layer"]
   import jax_impls
   s = cases.shape_named(shape_name)
   inputs = jax_impls.impl_inputs(impl, jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0))
-  gs = jnp.asarray(cases.group_sizes(routing, s.E, s.M))
   step = jax.jit(jax_impls.forward_backward(jax_impls.forward(impl)))  # the step bench.py times
+  return step, (*inputs, jnp.asarray(cases.group_sizes(routing, s.E, s.M)))
+
+
+def run(*args, **kwargs):
+  """Two profiled steps after two unprofiled ones, for Nsight Compute (--profile-from-start off)."""
+  import jax
+  step, step_args = step_and_args(*args, **kwargs)
   for _ in range(2):
-    jax.block_until_ready(step(*inputs, gs))
+    jax.block_until_ready(step(*step_args))
   cuda = ctypes.CDLL("libcuda.so.1")  # the profiled window: ncu --profile-from-start off
   cuda.cuProfilerStart()
   for _ in range(2):
-    jax.block_until_ready(step(*inputs, gs))
+    jax.block_until_ready(step(*step_args))
   cuda.cuProfilerStop()
 
 
-def summarize(path):
-  per_kind = defaultdict(float)
+def trace(*args, **kwargs):
+  """[(kernel name, ns)] of two steps after two unprofiled ones, in launch order, from JAX's profiler: the
+  events on the GPU's stream lines of its trace."""
+  import jax
+  step, step_args = step_and_args(*args, **kwargs)
+  for _ in range(2):
+    jax.block_until_ready(step(*step_args))
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      for _ in range(2):
+        jax.block_until_ready(step(*step_args))
+    path, = glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz")
+    with gzip.open(path) as f:
+      events = json.load(f)["traceEvents"]
+  gpus = {e["pid"] for e in events if e.get("name") == "process_name" and "/device:GPU" in e["args"]["name"]}
+  streams = {(e["pid"], e["tid"]) for e in events
+             if e.get("name") == "thread_name" and e["pid"] in gpus and e["args"]["name"].startswith("Stream")}
+  if gpus and not streams:
+    names = {e["args"]["name"] for e in events if e.get("name") == "thread_name" and e["pid"] in gpus}
+    raise SystemExit(f"no stream lines among the GPU's: {sorted(names)}")
+  kernels = sorted((e["ts"], e["name"], e["dur"] * 1e3) for e in events
+                   if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams)
+  return [(name, ns) for _, name, ns in kernels]
+
+
+def ncu_kernels(path):
+  """[(kernel name, ns)] in launch order from an Nsight Compute CSV of gpu__time_duration.sum."""
   with open(path) as f:
     lines = [l for l in f if l.startswith('"')]
+  units = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}
+  return [(row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * units[row["Metric Unit"]])
+          for row in csv.DictReader(lines) if row.get("Metric Name") == "gpu__time_duration.sum"]
+
+
+def summarize(measured):
+  """Prints the kernel times of two steps, [(kernel name, ns)] in launch order: per kernel of ours (the name
+  up to its template arguments), the rest summed; then the second step's kernels in order."""
+  if not measured:
+    raise SystemExit("no GPU kernels were measured")
+  per_kind = defaultdict(float)
   kernels = []  # (ours' short name, or the kernel's name, ns) in launch order
-  for row in csv.DictReader(lines):
-    if row.get("Metric Name") != "gpu__time_duration.sum":
-      continue
-    ns = float(row["Metric Value"].replace(",", "")) * {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}[row["Metric Unit"]]
-    name = row["Kernel Name"]
-    # One line per kernel of ours (the name up to its template arguments); the rest summed.
+  for name, ns in measured:
     short = re.search(r"(\w+)\s*[<(]", name)
     short = short.group(1) if short else None
     kernels.append((short if short in OURS else name[:80], ns))
@@ -75,8 +127,13 @@ def summarize(path):
 
 if __name__ == "__main__":
   if sys.argv[1] == "--summarize":
-    summarize(sys.argv[2])
+    summarize(ncu_kernels(sys.argv[2]))
   else:
-    args = ["jaxmlp_fp8" if a == "fp8" else a for a in sys.argv[1:]]
+    profile = sys.argv[1] == "--trace"
+    args = ["jaxmlp_fp8" if a == "fp8" else a for a in sys.argv[1 + profile:]]
     impl = next((a for a in args if a in IMPLS), "jaxmlp")
-    run(*[a for a in args if a not in IMPLS], impl=impl)
+    shape_and_routing = [a for a in args if a not in IMPLS]
+    if profile:
+      summarize(trace(*shape_and_routing, impl=impl))
+    else:
+      run(*shape_and_routing, impl=impl)

@@ -280,7 +280,7 @@ def test_kernel_share_summarizes_an_nsight_compute_csv(tmp_path, capsys, monkeyp
           for i, (name, unit, value) in enumerate(step + step[::-1])]
   csv = tmp_path / "ncu.csv"
   csv.write_text("==PROF== Connected\n" + "\n".join([head, *rows]) + "\n")
-  kernel_share.summarize(str(csv))
+  kernel_share.summarize(kernel_share.ncu_kernels(str(csv)))
   out = capsys.readouterr().out.splitlines()
   assert out[0].split()[:4] == ["cuBLAS", "GEMMs", "and", "XLA"] and "1500.0 us" in out[0]
   assert out[1].startswith("AbsMaxKernel") and "150.0 us" in out[1]
