@@ -208,7 +208,7 @@ def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
   rows in groups. The residuals: h, x and a in 128 x 1 blocks (the weight gradients' operands: a's from
   here, where it is quantized anyway, rather than from h again) and the quantized weights, each with its
   exponents."""
-  dtype = x.dtype  # rows past the groups: read by no product, zero in the results
+  dtype = x.dtype  # the rows past the groups: zero in every product's result (Backend.rows)
   x_rows, x_columns = b.quantize_rows_and_columns(x, sizes)
   h = b.rows(x_rows, w1q, sizes, False, dtype)
   a_rows, a_columns = b.activation_rows_and_columns(h, scales, sizes, valid, act)
@@ -227,7 +227,9 @@ def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   m = h.shape[0]
   dw2 = b.columns(a_columns, dy_columns, sizes, m, dtype)
   dw1 = b.columns(x_columns, dh_columns, sizes, m, dtype)
-  dscales = None if scales is None else jnp.sum(da.astype(jnp.float32) * act(h.astype(jnp.float32)), axis=1).astype(dtype)
+  dscales = None
+  if scales is not None:  # sum_j da * act(h): a = act(h) * scales
+    dscales = jnp.sum(da.astype(jnp.float32) * act(h.astype(jnp.float32)), axis=1).astype(dtype)
   return dx, dw1, dw2, dscales
 
 

@@ -4,8 +4,9 @@ On a GPU, the tensorwise recipe (jaxmlp.fp8) quantizes each weight tensor in one
 (jaxmlp_fp8_tensor_weights) and runs each direction as one custom call (jaxmlp_mlp_fp8_fwd / _bwd,
 ffi/cuda/fp8_mlp_cuda.cu); the blockwise recipe (jaxmlp.fp8_blockwise) runs each quantization and
 each of its six products as a custom call (ffi/cuda/fp8_block_quantize.cu, fp8_block_gemm_cuda.cu), the
-activation and its derivative inside the quantizers of a and dh. Elsewhere a recipe is emulated: quantize-dequantize in JAX around float32
-grouped products, which grouped_mlp computes on jaxmlp's grouped GEMM of bfloat16 operands (exact for
+activation and its derivative inside the quantizers of a and dh. Elsewhere a recipe is emulated:
+quantize-dequantize in JAX around float32 grouped products, which grouped_mlp computes on jaxmlp's grouped
+GEMM of bfloat16 operands (exact for
 dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same
 residuals on every platform: for tensorwise the FC1 output h, the forward's four amaxes and its e4m3 copies
 of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes); for blockwise h, x's and
