@@ -66,7 +66,8 @@ def main() -> None:
           ("rows + columns of dh", *both, (dh,), dh.nbytes + quantized(dh)),
           ("a = swiglu(h)", *act, (h,), h.nbytes + quantized(da)),
           ("dh of swiglu(h), da", *act_grad, (h, da), h.nbytes + da.nbytes + quantized(h)),
-          ("weights w1 (bf16)", fp8_blockwise.quantize_weights, cuda.quantize_weights, (w1,), w1.nbytes + 2 * w1.size)]
+          ("weights w1 (bf16)", fp8_blockwise.quantize_weights, cuda.quantize_weights, (w1,),
+           w1.nbytes + 2 * w1.size)]
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:
@@ -76,6 +77,7 @@ def main() -> None:
       same = sum(np.sum(bits(g) == bits(w)) for g, w in pairs) / sum(g.size for g, _ in pairs)
       line += f"{(t := median_ms(cuda_fn, *operands)):>10.3f}{nbytes / t / 1e6:>8.0f}  {same:.4%}"
     print(line, flush=True)
+
 
 if __name__ == "__main__":
   main()
