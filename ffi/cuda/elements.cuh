@@ -50,4 +50,11 @@ void ByType(ffi::DataType t, Fn fn) {
   else fn(float{});
 }
 
+// The same for the 16-bit types alone (the FP8 path takes no float32): bfloat16, else float16.
+template <typename Fn>
+void By16BitType(ffi::DataType t, Fn fn) {
+  if (t == ffi::DataType::BF16) fn(__nv_bfloat16{});
+  else fn(__half{});
+}
+
 }  // namespace jaxmlp

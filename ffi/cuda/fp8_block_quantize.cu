@@ -381,16 +381,17 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
   RowsAndColumns o{M, Present(da) ? F1 : f, 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
   JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
-  auto launch = [&](auto tag) {
+  Error status = Error::Success();
+  By16BitType(t, [&](auto tag) {
     using T = decltype(tag);
-    return ByAct(p.act, [&](auto a) {
+    ByAct(p.act, [&](auto a) {
       const ActivationSource<T, decltype(a)::value> v{p, static_cast<const T*>(h.untyped_data()),
                                                       static_cast<const T*>(DataIfPresent(da)),
                                                       static_cast<const T*>(DataIfPresent(scales)), f};
-      return LaunchRowsAndColumns(stream, device, v, o);
+      status = LaunchRowsAndColumns(stream, device, v, o);
     });
-  };
-  return t == DataType::BF16 ? launch(__nv_bfloat16{}) : launch(__half{});
+  });
+  return status;
 }
 
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,

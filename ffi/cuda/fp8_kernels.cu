@@ -300,13 +300,6 @@ unsigned Blocks(int64_t work, int64_t per_block) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, kMaxBlocks)));
 }
 
-// Calls fn(T{}) with the 16-bit CUDA element type of t (the FP8 path takes no float32).
-template <typename Fn>
-void By16BitType(ffi::DataType t, Fn fn) {
-  if (t == ffi::DataType::BF16) fn(__nv_bfloat16{});
-  else fn(__half{});
-}
-
 }  // namespace
 
 ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
