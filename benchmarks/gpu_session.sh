@@ -53,7 +53,7 @@ if [ "$what" = test ]; then
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
 import os, jax, jax.numpy as jnp, numpy as np, jaxmlp
 rng = np.random.default_rng(1)
-if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward and backward, with scales
+if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward and backward, with scales and biases
   for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (32, 48, [50, 0, 20, 1]),
                       (64, 96, [*rng.integers(-5, 3, 300), 2**31 - 1, 7])):
     M, E = 256, len(sizes)
@@ -61,10 +61,13 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
     w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((E, f, d)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
+    b1, b2 = jnp.ones((E, 2 * f), jnp.bfloat16), jnp.ones((E, d), jnp.bfloat16)
     for recipe in ("tensorwise", "blockwise"):
       g = jax.grad(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8=recipe)
                    .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w1, w2, x[:, 0])
-      jax.block_until_ready(g)
+      biased = jax.grad(lambda x, w1, w2, s, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, b1=b1, b2=b2, fp8=recipe)
+                        .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4, 5))(x, w1, w2, x[:, 0], b1, b2)
+      jax.block_until_ready((g, biased))
   print("memcheck run done")
   raise SystemExit
 # The fourth case spans two passes of the block scans (256 groups each); the last is the host-overhead

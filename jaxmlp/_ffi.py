@@ -289,36 +289,40 @@ def fp8_tensor_weights(w):
   return q, amax[0], qt
 
 
-def mlp_fp8_forward(x, w1q, w2q, group_sizes, scales, act: Activation, recipe, s: MlpShape):
+def mlp_fp8_forward(x, w1q, w2q, group_sizes, b1, b2, scales, act: Activation, recipe, s: MlpShape):
   """The FP8 forward's custom call (CUDA only), for weights quantized by fp8_tensor_weights: (y [M, d],
   h [M, F1], amax [4] float32 of x, w1, w2, a, and the e4m3 xq [M, d] the backward takes)."""
   _fp8_path_or_raise()
   dt, e4m3 = x.dtype, jnp.float8_e4m3fn
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
   weight_amax = jnp.stack([aw1, aw2])
-  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), optional(None, dt), optional(None, dt),
+  args = (x, w1, w2, _handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
           optional(scales, dt), w1t, w2t, weight_amax)
-  sds = _result_types(x, w1, w2, group_sizes, w1t, w2t, weight_amax, *([] if scales is None else [scales]))
-  ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+  sds = _result_types(x, w1, w2, group_sizes, w1t, w2t, weight_amax, *(a for a in (b1, b2, scales) if a is not None))
+  ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt], False, False) if _cuda else 0
   outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32), sds((s.M, s.d), e4m3),
           _workspace(ws, sds)]
   call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", outs, vmap_method="sequential")
   return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:4])
 
 
-def mlp_fp8_backward(xq, w1q, w2q, group_sizes, scales, h, amax, dy, act: Activation, recipe, s: MlpShape):
-  """The FP8 backward's custom call (CUDA only), from the forward's residuals: (dx, dw1, dw2, dscales or None)."""
+def mlp_fp8_backward(xq, w1q, w2q, group_sizes, b1, b2, scales, h, amax, dy, act: Activation, recipe, s: MlpShape):
+  """The FP8 backward's custom call (CUDA only), from the forward's residuals: (dx, dw1, dw2, db1, db2,
+  dscales), None where absent."""
   _fp8_path_or_raise()
   dt = h.dtype
-  args = (xq, w1q, w2q, _handler_sizes(group_sizes, s.M), optional(None, dt), optional(None, dt),
+  args = (xq, w1q, w2q, _handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
           optional(scales, dt), h, dy, amax)
-  sds = _result_types(xq, w1q, w2q, group_sizes, h, dy, amax, *([] if scales is None else [scales]))
-  ws = _cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt]) if _cuda else 0
+  sds = _result_types(xq, w1q, w2q, group_sizes, h, dy, amax, *(a for a in (b1, b2, scales) if a is not None))
+  ws = (_cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt], b1 is not None,
+                                      b2 is not None) if _cuda else 0)
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),
+          sds((s.E, s.F1) if b1 is not None else ABSENT, dt), sds((s.E, s.d) if b2 is not None else ABSENT, dt),
           sds((s.M,) if scales is not None else ABSENT, dt), _workspace(ws, sds)]
-  dx, dw1, dw2, dscales = jax.ffi.ffi_call("jaxmlp_mlp_fp8_bwd", outs, vmap_method="sequential")(
-      *args, **_act_attrs(act), fast_accumulation=bool(recipe.backward_fast_accumulation))[:4]
-  return dx, dw1, dw2, dscales if scales is not None else None
+  dx, dw1, dw2, db1, db2, dscales = jax.ffi.ffi_call("jaxmlp_mlp_fp8_bwd", outs, vmap_method="sequential")(
+      *args, **_act_attrs(act), fast_accumulation=bool(recipe.backward_fast_accumulation))[:6]
+  return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
+          dscales if scales is not None else None)
 
 
 def gemm_fp8_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, group_sizes, rows: int, out_dtype):

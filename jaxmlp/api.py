@@ -32,10 +32,10 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       by a host callback, whose ValueError JAX reports as jax.errors.JaxRuntimeError with the same message
       (costs a device-to-host copy; for debugging).
     fp8: None (x's dtype throughout), "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe: FC1 and FC2,
-      forward and backward, as FP8 e4m3 products (the recipes: jaxmlp.fp8, jaxmlp.fp8_blockwise; on a GPU
-      "blockwise" is still slower than bfloat16); bfloat16 or float16 operands, d and f multiples of 16,
-      no biases. w1 and w2 may then be jaxmlp.Fp8Weights (jaxmlp.fp8_weights): weights quantized once
-      and reused over calls, with the same results; where fp8 is None, theirs is the recipe.
+      forward and backward, as FP8 e4m3 products (the recipes: jaxmlp.fp8, jaxmlp.fp8_blockwise; biases
+      and their gradients stay in x's dtype); bfloat16 or float16 operands, d and f multiples of 16. w1
+      and w2 may then be jaxmlp.Fp8Weights (jaxmlp.fp8_weights): weights quantized once and reused over
+      calls, with the same results; where fp8 is None, theirs is the recipe.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
@@ -50,7 +50,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   shape = _checks.check_mlp(x, fp8_recipes.checked_as(w1, dtype), fp8_recipes.checked_as(w2, dtype), group_sizes,
                             act, b1, b2, scales)
   if recipe is not None:
-    fp8_mlp.check(x, b1, b2, recipe, shape, w1, w2)
+    fp8_mlp.check(x, recipe, shape, w1, w2)
   if check_group_sizes:
     _check_group_sizes_at_run_time(group_sizes, shape.M)
   group_sizes = _checks.host_sizes_as_int32(group_sizes, shape.M)
@@ -60,7 +60,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     w1, w2 = (fp8_recipes.weights_of(w).astype(dtype) for w in (w1, w2))
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   if recipe is not None:
-    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, scales, act, recipe, shape)
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape)
   return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
 
 

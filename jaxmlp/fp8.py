@@ -17,12 +17,17 @@ tensor over the rows in groups (padding rows are ignored); the weights one scale
 Where each quantization happens, which is what makes a result bit-reproducible:
 
   forward   h  = round((q(x) @ q(w1)) * sx sw1)               h: the saved FC1 output, x.dtype
+                 (with b1: h = round(h + b1[g]), as the 16-bit path)
             a  = act(h) * scales                              float32, then q(a) for FC2
-            y  = round((q(a) @ q(w2)) * sa sw2)
+            y  = round((q(a) @ q(w2)) * sa sw2 + round(scales * b2[g]))     (without b2: no second term)
   backward  da = round((q(dy) @ q(w2)^T) * sdy sw2)           x.dtype
             dh = da * scales * act'(h)                         float32, then q(dh)
             dw2 = round((q(a)^T @ q(dy)) * sa sdy), dx = round((q(dh) @ q(w1)^T) * sdh sw1),
-            dw1 = round((q(x)^T @ q(dh)) * sx sdh), dscales = round(sum_j da * act(h))
+            dw1 = round((q(x)^T @ q(dh)) * sx sdh), dscales = round(sum_j da * act(h) + sum_j dy * b2[g])
+            db1[g] = round(sum over g's rows of round(dh)), db2[g] = round(sum over g's rows of scales * dy)
+
+The biases stay in x's dtype and their gradients are float32 sums of unquantized 16-bit operands (dh rounded
+to x's dtype, as the 16-bit path stores it), as in the 16-bit path: only the six products are FP8.
 
 The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes) and its quantized
 q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights). All FP8 data is
@@ -42,6 +47,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
+from . import _checks
 from .activations import Activation
 
 E4M3_MAX = 448.0
@@ -183,7 +189,24 @@ def _activation_and_grads(act: Activation, h: jax.Array):
   return value, vjp
 
 
-def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation):
+def bias_rows(b: jax.Array, sizes: jax.Array, valid: jax.Array) -> jax.Array:
+  """Bias b [E, n] of each row's group: [M, n] float32, 0 in the rows past the groups (`valid` false)."""
+  m = valid.shape[0]
+  groups = jnp.minimum(_checks.row_groups(_checks.clamp_group_sizes(sizes, m), m), b.shape[0] - 1)
+  return jnp.where(valid[:, None], b.astype(jnp.float32)[groups], 0)
+
+
+def group_sums(v: jax.Array, weights: jax.Array | None, sizes: jax.Array) -> jax.Array:
+  """float32 sums over each group's rows of weights * v (v [M, n], weights [M] or None): [E, n]."""
+  m = v.shape[0]
+  groups = _checks.row_groups(_checks.clamp_group_sizes(sizes, m), m)  # E past the groups: dropped
+  v = v.astype(jnp.float32)
+  if weights is not None:
+    v = v * weights.astype(jnp.float32)[:, None]
+  return jax.ops.segment_sum(v, groups, num_segments=sizes.shape[0], indices_are_sorted=True)
+
+
+def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation, b1=None, b2=None):
   """(y, residuals) of the FP8 forward for w1 and w2 quantized by quantize_weights ((q, amax, qt) each);
   `valid` marks the rows in groups. The residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x), q(w1),
   q(w2) in e4m3 (q(x) of the rows past the groups is unspecified)."""
@@ -193,17 +216,30 @@ def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activatio
   xq = quantize_e4m3(x, ax)
   h = gemm("nn", xq.astype(jnp.float32), w1q.astype(jnp.float32), sizes) * (scale_of(ax) * scale_of(aw1))
   h = jnp.where(valid[:, None], h, 0).astype(dtype)
+  if b1 is not None:
+    h = (h.astype(jnp.float32) + bias_rows(b1, sizes, valid)).astype(dtype)
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(valid[:, None], a, 0)
   aa = amax(a)
   y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
+  if b2 is not None:
+    y = y + scaled_bias(b2, scales, sizes, valid, dtype)
   return jnp.where(valid[:, None], y, 0).astype(dtype), (h, jnp.stack([ax, aw1, aw2, aa]), xq, w1q, w2q)
 
 
-def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):
-  """(dx, dw1, dw2, dscales or None) of the FP8 backward, from the forward's residuals."""
+def scaled_bias(b2, scales, sizes, valid, dtype) -> jax.Array:
+  """round(scales * b2[g]) per row, float32 [M, d]: the term FC2's product is summed with."""
+  b = bias_rows(b2, sizes, valid)
+  if scales is not None:
+    b = b * scales.astype(jnp.float32)[:, None]
+  return b.astype(dtype).astype(jnp.float32)
+
+
+def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy, b1=None, b2=None):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the FP8 backward, from the forward's
+  residuals."""
   h, amaxes, xq, w1q, w2q = residuals
   dtype = h.dtype
   ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
@@ -222,5 +258,20 @@ def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activati
   dw2 = gemm("tn", qa, qdy, sizes) * (scale_of(aa) * scale_of(ady))
   dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
   dw1 = gemm("tn", jnp.where(rows, xq.astype(jnp.float32), 0), qdh, sizes) * (scale_of(ax) * scale_of(adh))
-  dscales = None if scales is None else jnp.sum(da * value, axis=1).astype(dtype)
-  return dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype), dscales
+  return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
+          *bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act, b1, b2))
+
+
+def bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act: Activation, b1, b2, group_sums=group_sums):
+  """(db1, db2, dscales; None where absent) in h's dtype, from float32 da, dh and dy zero past the groups,
+  h the FC1 output (both recipes; group_sums: that of the platform)."""
+  dtype = h.dtype
+  db1 = None if b1 is None else group_sums(dh.astype(dtype), None, sizes).astype(dtype)
+  db2 = None if b2 is None else group_sums(dy, scales, sizes).astype(dtype)
+  dscales = None
+  if scales is not None:  # a = act(h) * scales and y = scales * (... + b2)
+    ds = jnp.sum(da * act(h.astype(jnp.float32)), axis=1)
+    if b2 is not None:
+      ds = ds + jnp.sum(dy * bias_rows(b2, sizes, valid), axis=1)
+    dscales = ds.astype(dtype)
+  return db1, db2, dscales

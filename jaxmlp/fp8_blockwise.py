@@ -25,6 +25,10 @@ Where each quantization happens (rounding to x's dtype as in the tensorwise reci
   backward  da = round(qr(dy) @ qb(w2)^T),  dh = da * scales * act'(h) (float32)
             dx = round(qr(dh) @ qb(w1)^T),  dw1 = round(qc(x)^T @ qc(dh)),  dw2 = round(qc(a)^T @ qc(dy))
 
+With biases, h = round(h + b1[g]) before the activation and y = round(y + round(scales * b2[g])) (after the
+product's own rounding, where the tensorwise recipe rounds once); their gradients and dscales are those of
+the tensorwise recipe (jaxmlp.fp8): float32 sums of the unquantized dh and dy.
+
 qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Between the directions the
 backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is
 e4m3: small blocks leave no range to protect with e5m2.
@@ -45,7 +49,7 @@ import jax.numpy as jnp
 
 from . import _checks
 from .activations import Activation
-from .fp8 import E4M3_MAX, Gemm, to_e4m3
+from .fp8 import E4M3_MAX, Gemm, bias_and_scale_grads, bias_rows, group_sums, scaled_bias, to_e4m3
 
 BLOCK = 128
 
@@ -181,13 +185,15 @@ class Backend(tp.NamedTuple):
       reads only q and exponents): [M, n], zeros in the rows past the groups (as jax.lax.ragged_dot; no
       pass of masking after each product);
     columns(lhs, rhs, sizes, m, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
-      [m, N]): [E, K, N]."""
+      [m, N]): [E, K, N].
+  And the biases' gradients: group_sums(v, weights, sizes), jaxmlp.fp8.group_sums of 16-bit v."""
   quantize_rows_and_columns: tp.Callable
   activation_rows_and_columns: tp.Callable
   activation_grad_rows_and_columns: tp.Callable
   quantize_weights: tp.Callable
   rows: tp.Callable
   columns: tp.Callable
+  group_sums: tp.Callable
 
 
 def emulation(gemm: Gemm) -> Backend:
@@ -200,10 +206,10 @@ def emulation(gemm: Gemm) -> Backend:
     return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
 
   return Backend(quantize_rows_and_columns, activation_rows_and_columns, activation_grad_rows_and_columns,
-                 quantize_weights, rows, columns)
+                 quantize_weights, rows, columns, group_sums)
 
 
-def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
+def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation, b1=None, b2=None):
   """(y, residuals) of the blockwise forward for weights quantized by b.quantize_weights; `valid` marks the
   rows in groups. The residuals: h, x and a in 128 x 1 blocks (the weight gradients' operands: a's from
   here, where it is quantized anyway, rather than from h again) and the quantized weights, each with its
@@ -211,13 +217,18 @@ def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation):
   dtype = x.dtype  # the rows past the groups: zero in every product's result (Backend.rows)
   x_rows, x_columns = b.quantize_rows_and_columns(x, sizes)
   h = b.rows(x_rows, w1q, sizes, False, dtype)
+  if b1 is not None:
+    h = (h.astype(jnp.float32) + bias_rows(b1, sizes, valid)).astype(dtype)
   a_rows, a_columns = b.activation_rows_and_columns(h, scales, sizes, valid, act)
   y = b.rows(a_rows, w2q, sizes, False, dtype)
+  if b2 is not None:
+    y = (y.astype(jnp.float32) + scaled_bias(b2, scales, sizes, valid, dtype)).astype(dtype)
   return y, (h, x_columns, a_columns, w1q[:2], w2q[:2])
 
 
-def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
-  """(dx, dw1, dw2, dscales or None) of the blockwise backward, from the forward's residuals."""
+def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy, b1=None, b2=None):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the blockwise backward, from the forward's
+  residuals."""
   h, x_columns, a_columns, w1q, w2q = residuals
   dtype = h.dtype
   dy_rows, dy_columns = b.quantize_rows_and_columns(dy, sizes)
@@ -227,15 +238,20 @@ def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy):
   m = h.shape[0]
   dw2 = b.columns(a_columns, dy_columns, sizes, m, dtype)
   dw1 = b.columns(x_columns, dh_columns, sizes, m, dtype)
-  dscales = None
-  if scales is not None:  # sum_j da * act(h): a = act(h) * scales
-    dscales = jnp.sum(da.astype(jnp.float32) * act(h.astype(jnp.float32)), axis=1).astype(dtype)
-  return dx, dw1, dw2, dscales
+  da = da.astype(jnp.float32)
+  dh = None
+  if b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
+    s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
+    dh = jax.vjp(act, h.astype(jnp.float32))[1](da * s)[0].astype(dtype)
+  sums = lambda v, weights, sizes: b.group_sums(v.astype(dtype), weights, sizes)
+  db1, db2, dscales = bias_and_scale_grads(da, dh, dy.astype(jnp.float32), h, scales, sizes, valid, act, b1, b2,
+                                           group_sums=sums)
+  return dx, dw1, dw2, db1, db2, dscales
 
 
-def emulated_forward(gemm: Gemm, x, w1q, w2q, sizes, scales, valid, act: Activation):
-  return forward(emulation(gemm), x, w1q, w2q, sizes, scales, valid, act)
+def emulated_forward(gemm: Gemm, x, w1q, w2q, sizes, scales, valid, act: Activation, b1=None, b2=None):
+  return forward(emulation(gemm), x, w1q, w2q, sizes, scales, valid, act, b1, b2)
 
 
-def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy):
-  return backward(emulation(gemm), residuals, sizes, scales, valid, act, dy)
+def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy, b1=None, b2=None):
+  return backward(emulation(gemm), residuals, sizes, scales, valid, act, dy, b1, b2)

@@ -25,17 +25,18 @@ from . import _checks, _ffi, fp8, fp8_blockwise
 from .activations import Activation
 
 
-def grouped_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape):
-  """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp); no biases. w1 and w2: arrays, or
-  Fp8Weights of this recipe."""
+def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: fp8.Fp8Recipe,
+                shape: _checks.MlpShape):
+  """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp). w1 and w2: arrays, or Fp8Weights
+  of this recipe."""
   (w1, w1q), (w2, w2q) = _split(w1, x.dtype), _split(w2, x.dtype)
-  return _mlp(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape)
+  return _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)
 
 
-def reference_mlp(x, w1, w2, group_sizes, scales, act: Activation, recipe: fp8.Fp8Recipe):
+def reference_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: fp8.Fp8Recipe):
   """The FP8 recipe's definition: the emulation around jax.lax.ragged_dot, with the same VJP."""
   (w1, w1q), (w2, w2q) = _split(w1, x.dtype), _split(w2, x.dtype)
-  return _reference(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe)
+  return _reference(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe)
 
 
 def fp8_weights(w, recipe: fp8.Fp8Recipe, dtype) -> fp8.Fp8Weights:
@@ -59,14 +60,12 @@ def _quantize_weights(w, recipe: fp8.Fp8Recipe):
   return jax.lax.platform_dependent(w, cpu=fp8.quantize_weights, cuda=_ffi.fp8_tensor_weights)
 
 
-def check(x, b1, b2, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) -> None:
+def check(x, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) -> None:
   """Trace-time checks of an FP8 call, with the reason in the error; w1 and w2 as given (arrays or
   Fp8Weights, whose `weights` passed check_mlp)."""
   for name, w in (("w1", w1), ("w2", w2)):
     if isinstance(w, fp8.Fp8Weights):
       _check_quantized(name, w, recipe)
-  if b1 is not None or b2 is not None:
-    raise NotImplementedError(f"fp8={recipe.name!r}: biases (b1, b2) are not supported with FP8 yet")
   if jnp.result_type(x) == jnp.float32:
     raise TypeError("fp8: x.dtype float32 is not supported; FP8 training takes bfloat16 or float16 operands")
   if shape.d % 16 or shape.f % 16:
@@ -167,8 +166,18 @@ def _cuda_activation_grad(h, da, scales, sizes, valid, act):
   return _ffi.fp8_block_activation(h, da, scales, *_cuda_column_blocks(sizes, h.shape[0]), act)
 
 
+def _cuda_group_sums(v, weights, sizes):
+  """fp8.group_sums as a grouped product over the rows, [16, M] @ v per group, of a 16-bit lhs whose first
+  column is the weights (or ones) and the others zero (16 columns: 16-byte rows for the tensor cores):
+  exact 16-bit products, float32 sums in a fixed order (no atomics, as XLA's scatter-add would take)."""
+  m = v.shape[0]
+  column = jnp.ones((m,), v.dtype) if weights is None else weights.astype(v.dtype)
+  lhs = jnp.pad(column[:, None], ((0, 0), (0, 15)))
+  return _ffi.grouped_gemm("tn", lhs, v, sizes, (sizes.shape[0], 16, v.shape[1]), jnp.float32)[:, 0]
+
+
 _CUDA_BLOCKWISE = fp8_blockwise.Backend(_cuda_quantize_rows_and_columns, _cuda_activation, _cuda_activation_grad,
-                                        _ffi.fp8_block_weights, _cuda_rows, _cuda_columns)
+                                        _ffi.fp8_block_weights, _cuda_rows, _cuda_columns, _cuda_group_sums)
 
 
 def _blockwise_backend() -> fp8_blockwise.Backend:
@@ -190,91 +199,95 @@ def _blockwise_backend() -> fp8_blockwise.Backend:
           "activation_grad_rows_and_columns", act)(h, da, scales, sizes, valid),
       quantize_weights=per_platform("quantize_weights"),
       rows=lambda lhs, w, sizes, transposed, dtype: per_platform("rows", transposed, dtype)(lhs, w, sizes),
-      columns=lambda lhs, rhs, sizes, m, dtype: per_platform("columns", m, dtype)(lhs, rhs, sizes))
+      columns=lambda lhs, rhs, sizes, m, dtype: per_platform("columns", m, dtype)(lhs, rhs, sizes),
+      group_sums=per_platform("group_sums"))
 
 
 def _emulated_forward(gemm, recipe):
-  def forward(x, w1q, w2q, sizes, scales, act):
+  def forward(x, w1q, w2q, sizes, b1, b2, scales, act):
     valid = _valid_rows(sizes, x.shape[0])
-    return _emulation(recipe).emulated_forward(gemm, x, w1q, w2q, sizes, scales, valid, act)
+    return _emulation(recipe).emulated_forward(gemm, x, w1q, w2q, sizes, scales, valid, act, b1, b2)
   return forward
 
 
 def _emulated_backward(gemm, recipe):
-  def backward(residuals, sizes, scales, act, dy):
+  def backward(residuals, sizes, b1, b2, scales, act, dy):
     valid = _valid_rows(sizes, dy.shape[0])
-    return _emulation(recipe).emulated_backward(gemm, residuals, sizes, scales, valid, act, dy)
+    return _emulation(recipe).emulated_backward(gemm, residuals, sizes, scales, valid, act, dy, b1, b2)
   return backward
 
 
 # ---- the custom_vjp of the op -------------------------------------------------------------------------------
 # On a GPU the tensorwise recipe runs its own custom calls and the blockwise recipe its products'; elsewhere
 # the emulation runs on jaxmlp's bfloat16 grouped GEMM. w1q and w2q: the weights quantized by the caller
-# (Fp8Weights), or None to quantize them here; they take no gradient (the weights w1 and w2 do).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _mlp(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape):
-  return _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape)[0]
+# (Fp8Weights), or None to quantize them here; they take no gradient (the weights w1 and w2 do). b1, b2 and
+# scales may be None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
+  return _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)[0]
 
 
-def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe, shape):
+def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
   w1q = _quantize_weights(w1, recipe) if w1q is None else w1q
   w2q = _quantize_weights(w2, recipe) if w2q is None else w2q
 
-  def emulation(x, w1q, w2q, sizes, scales):
-    return _emulated_forward(_bfloat16_gemm, recipe)(x, w1q, w2q, sizes, scales, act)
+  def emulation(x, w1q, w2q, sizes, b1, b2, scales):
+    return _emulated_forward(_bfloat16_gemm, recipe)(x, w1q, w2q, sizes, b1, b2, scales, act)
 
-  def cuda(x, w1q, w2q, sizes, scales):
-    y, h, amaxes, xq = _ffi.mlp_fp8_forward(x, w1q, w2q, sizes, scales, act, recipe, shape)
+  def cuda(x, w1q, w2q, sizes, b1, b2, scales):
+    y, h, amaxes, xq = _ffi.mlp_fp8_forward(x, w1q, w2q, sizes, b1, b2, scales, act, recipe, shape)
     return y, (h, amaxes, xq, w1q[0], w2q[0])
 
-  args = (x, w1q, w2q, group_sizes, scales)
+  args = (x, w1q, w2q, group_sizes, b1, b2, scales)
   if recipe.name == "blockwise":
-    y, residuals = fp8_blockwise.forward(_blockwise_backend(), *args, _valid_rows(group_sizes, x.shape[0]), act)
+    valid = _valid_rows(group_sizes, x.shape[0])
+    y, residuals = fp8_blockwise.forward(_blockwise_backend(), x, w1q, w2q, group_sizes, scales, valid, act, b1, b2)
   else:
     y, residuals = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
-  return y, (residuals, group_sizes, scales)
+  return y, (residuals, group_sizes, b1, b2, scales)
 
 
 def _mlp_bwd(act, recipe, shape, res, dy):
-  residuals, group_sizes, scales = res
+  residuals, group_sizes, b1, b2, scales = res
 
-  def emulation(residuals, sizes, scales, dy):
-    return _emulated_backward(_bfloat16_gemm, recipe)(residuals, sizes, scales, act, dy)
+  def emulation(residuals, sizes, b1, b2, scales, dy):
+    return _emulated_backward(_bfloat16_gemm, recipe)(residuals, sizes, b1, b2, scales, act, dy)
 
-  def cuda(residuals, sizes, scales, dy):
+  def cuda(residuals, sizes, b1, b2, scales, dy):
     h, amaxes, xq, w1q, w2q = residuals
-    return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, scales, h, amaxes, dy, act, recipe, shape)
+    return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, b1, b2, scales, h, amaxes, dy, act, recipe, shape)
 
-  args = (residuals, group_sizes, scales, dy.astype(residuals[0].dtype))
+  dy = dy.astype(residuals[0].dtype)
   if recipe.name == "blockwise":
     valid = _valid_rows(group_sizes, dy.shape[0])
-    dx, dw1, dw2, dscales = fp8_blockwise.backward(_blockwise_backend(), *args[:3], valid, act, args[3])
+    grads = fp8_blockwise.backward(_blockwise_backend(), residuals, group_sizes, scales, valid, act, dy, b1, b2)
   else:
-    dx, dw1, dw2, dscales = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
-  return dx, dw1, dw2, None, None, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
+    grads = jax.lax.platform_dependent(residuals, group_sizes, b1, b2, scales, dy, cpu=emulation, cuda=cuda)
+  dx, dw1, dw2, db1, db2, dscales = grads
+  return dx, dw1, dw2, None, None, np.zeros(np.shape(group_sizes), jax.dtypes.float0), db1, db2, dscales
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _reference(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe):
-  return _reference_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _reference(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
+  return _reference_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe)[0]
 
 
-def _reference_fwd(x, w1, w2, w1q, w2q, group_sizes, scales, act, recipe):
+def _reference_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
   quantize = _emulation(recipe).quantize_weights
   w1q = quantize(w1) if w1q is None else w1q
   w2q = quantize(w2) if w2q is None else w2q
-  y, residuals = _emulated_forward(_ragged_dot_gemm, recipe)(x, w1q, w2q, group_sizes, scales, act)
-  return y, (residuals, group_sizes, scales)
+  y, residuals = _emulated_forward(_ragged_dot_gemm, recipe)(x, w1q, w2q, group_sizes, b1, b2, scales, act)
+  return y, (residuals, group_sizes, b1, b2, scales)
 
 
 def _reference_bwd(act, recipe, res, dy):
-  residuals, group_sizes, scales = res
-  dx, dw1, dw2, dscales = _emulated_backward(_ragged_dot_gemm, recipe)(residuals, group_sizes, scales, act,
-                                                                       dy.astype(residuals[0].dtype))
-  return dx, dw1, dw2, None, None, np.zeros(np.shape(group_sizes), jax.dtypes.float0), dscales
+  residuals, group_sizes, b1, b2, scales = res
+  dx, dw1, dw2, db1, db2, dscales = _emulated_backward(_ragged_dot_gemm, recipe)(
+      residuals, group_sizes, b1, b2, scales, act, dy.astype(residuals[0].dtype))
+  return dx, dw1, dw2, None, None, np.zeros(np.shape(group_sizes), jax.dtypes.float0), db1, db2, dscales
 
 
 _reference.defvjp(_reference_fwd, _reference_bwd)

@@ -69,7 +69,7 @@ class GroupedMLP(nnx.Module):
     impl: "jaxmlp" (jaxmlp.grouped_mlp, the FFI kernels) or "reference" (jaxmlp.reference.grouped_mlp,
       the jax.lax.ragged_dot path).
     fp8: None, "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe: the expert MLP's products in FP8 (see
-      jaxmlp.grouped_mlp; needs a 16-bit computation dtype and no biases). Parameters stay as they are.
+      jaxmlp.grouped_mlp; needs a 16-bit computation dtype). Parameters stay as they are.
       With gradient accumulation, quantize the weights once per optimizer step (`fp8_weights()`) and
       pass them to each micro-batch's call (`fp8_weights=`).
     rngs: rng key.

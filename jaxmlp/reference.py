@@ -31,8 +31,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     dtype = jnp.result_type(x)
     s = _checks.check_mlp(x, fp8_recipes.checked_as(w1, dtype), fp8_recipes.checked_as(w2, dtype), group_sizes, act,
                           b1, b2, scales)
-    fp8_mlp.check(x, b1, b2, recipe, s, w1, w2)
-    return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), scales, act, recipe)
+    fp8_mlp.check(x, recipe, s, w1, w2)
+    return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), b1, b2, scales, act,
+                                 recipe)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=True)
   acc = jnp.promote_types(x.dtype, jnp.float32)  # the accumulation dtype: float32, or float64
   sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, s.M), s.M)

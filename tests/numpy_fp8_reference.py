@@ -25,8 +25,31 @@ def _scale(amax):
   return float(np.float32(amax) / np.float32(E4M3_MAX)) if amax > 0 else 1.0
 
 
-def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
-  """(y, {x, w1, w2, scales} gradients) of the FP8 recipe, as float64 arrays; dtype: the 16-bit ml_dtype."""
+def _bias_grads(grads, off, s, dh, dy, value, da, valid, b1, b2, rnd):
+  """The 16-bit path's bias gradients (sums of unquantized dh, rounded, and of s * dy) and the scales' (with
+  b2's term), into grads: the same in both recipes."""
+  E = len(off) - 1
+  if b1 is not None:
+    grads["b1"] = np.stack([rnd(rnd(dh[off[g]:off[g + 1]]).sum(axis=0)) for g in range(E)])
+  if b2 is not None:
+    grads["b2"] = np.stack([rnd((s * dy)[off[g]:off[g + 1]].sum(axis=0)) for g in range(E)])
+  ds = (da * value).sum(axis=1)
+  if b2 is not None:
+    ds = ds + (dy * _rows_of(b2, off, len(valid))).sum(axis=1)
+  return rnd(np.where(valid, ds, 0))
+
+
+def _rows_of(b, off, M):
+  """b [E, n] per row of its group: [M, n], 0 past the groups."""
+  out = np.zeros((M, b.shape[1]))
+  for g in range(len(off) - 1):
+    out[off[g]:off[g + 1]] = b[g]
+  return out
+
+
+def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
+  """(y, {x, w1, w2, scales, b1, b2} gradients) of the FP8 recipe, as float64 arrays; dtype: the 16-bit
+  ml_dtype."""
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
   x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
   M, E, d = x.shape[0], w1.shape[0], x.shape[1]
@@ -39,6 +62,8 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
   for g in range(E):
     r = slice(off[g], off[g + 1])
     h[r] = rnd(qx[r] @ qw1[g] * (_scale(ax) * _scale(aw1)))
+    if b1 is not None:
+      h[r] = rnd(h[r] + b1[g])
   value, (dgate, dup) = ref.activation(act, h)
   a = np.where(valid[:, None], value * s, 0)
   aa = np.abs(a).max(initial=0)
@@ -49,7 +74,8 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
   y, da = np.zeros((M, d)), np.zeros_like(a)
   for g in range(E):
     r = slice(off[g], off[g + 1])
-    y[r] = rnd(qa[r] @ qw2[g] * (_scale(aa) * _scale(aw2)))
+    y[r] = qa[r] @ qw2[g] * (_scale(aa) * _scale(aw2))
+    y[r] = rnd(y[r] + (rnd(s[r] * b2[g]) if b2 is not None else 0))  # one rounding of the product and bias
     da[r] = rnd(qdy[r] @ qw2[g].T * (_scale(ady) * _scale(aw2)))
   dh = da * s * dgate if dup is None else np.concatenate([da * s * dgate, da * s * dup], axis=1)
   dh = np.where(valid[:, None], dh, 0)
@@ -61,8 +87,9 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
     grads["w2"][g] = rnd(qa[r].T @ qdy[r] * (_scale(aa) * _scale(ady)))
     grads["x"][r] = rnd(qdh[r] @ qw1[g].T * (_scale(adh) * _scale(aw1)))
     grads["w1"][g] = rnd(qx[r].T @ qdh[r] * (_scale(ax) * _scale(adh)))
+  dscales = _bias_grads(grads, off, s, dh, dyv, value, da, valid, b1, b2, rnd)
   if scales is not None:
-    grads["scales"] = rnd(np.where(valid, (da * value).sum(axis=1), 0))
+    grads["scales"] = dscales
   return y, grads
 
 
@@ -110,8 +137,8 @@ def _group_columns_128x1(v, start, end):
   return out
 
 
-def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
-  """(y, {x, w1, w2, scales} gradients) of the blockwise FP8 recipe, as float64 arrays."""
+def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
+  """(y, {x, w1, w2, scales, b1, b2} gradients) of the blockwise FP8 recipe, as float64 arrays."""
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
   x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
   M, E, d = x.shape[0], w1.shape[0], x.shape[1]
@@ -125,6 +152,8 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
   for g in range(E):
     r = slice(off[g], off[g + 1])
     h[r] = rnd(qx[r] @ qw1[g])
+    if b1 is not None:
+      h[r] = rnd(h[r] + b1[g])
   value, (dgate, dup) = ref.activation(act, h)
   a = np.where(valid, value * s, 0)
   qa, qdy = _rows_1x128(a), _rows_1x128(dy)
@@ -132,6 +161,8 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
   for g in range(E):
     r = slice(off[g], off[g + 1])
     y[r] = rnd(qa[r] @ qw2[g])
+    if b2 is not None:  # the product rounded first, then with the bias
+      y[r] = rnd(y[r] + rnd(s[r] * b2[g]))
     da[r] = rnd(qdy[r] @ qw2[g].T)
   dh = da * s * dgate if dup is None else np.concatenate([da * s * dgate, da * s * dup], axis=1)
   dh = np.where(valid, dh, 0)
@@ -143,6 +174,7 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype):
     grads["w2"][g] = rnd(column(a).T @ column(dy))
     grads["x"][r] = rnd(qdh[r] @ qw1[g].T)
     grads["w1"][g] = rnd(column(x).T @ column(dh))
+  dscales = _bias_grads(grads, off, s, dh, dy, value, da, valid[:, 0], b1, b2, rnd)
   if scales is not None:
-    grads["scales"] = rnd(np.where(valid[:, 0], (da * value).sum(axis=1), 0))
+    grads["scales"] = dscales
   return y, grads

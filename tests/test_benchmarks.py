@@ -301,3 +301,15 @@ def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   assert [" ".join(r[:-2]) for r in rows] == ["rows + columns of x", "rows + columns of dh", "a = swiglu(h)",
                                               "dh of swiglu(h), da", "weights w1 (bf16)"]
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
+
+
+def test_fp8_biases_benchmark_runs_on_the_cpu(tmp_path):
+  """benchmarks/fp8_biases.py times bf16 and both recipes with and without biases at a shape of the user's
+  own."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, str(BENCH.parent / "fp8_biases.py"), "--shape", "2x64x64x128", "--repeats", "3"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+  assert [r[0] for r in rows] == ["bf16", "tensorwise", "blockwise"]
+  assert all(float(r[3]) > 0 and float(r[7]) > 0 for r in rows), rows  # ms without and with biases

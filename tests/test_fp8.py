@@ -42,11 +42,12 @@ def platform(request):
     yield request.param
 
 
-def inputs(rng, M, d, f, sizes, act, dtype, scales=True):
+def inputs(rng, M, d, f, sizes, act, dtype, scales=True, b1=False, b2=False):
   E, F1 = len(sizes), (2 * f if act in ref.GATED else f)
   cast = lambda a: jnp.asarray(a, dtype)
   args = dict(x=cast(rng.standard_normal((M, d))), w1=cast(rng.standard_normal((E, d, F1)) / np.sqrt(d)),
-              w2=cast(rng.standard_normal((E, f, d)) / np.sqrt(f)), scales=cast(rng.uniform(0.1, 1.0, M)) if scales else None)
+              w2=cast(rng.standard_normal((E, f, d)) / np.sqrt(f)), scales=cast(rng.uniform(0.1, 1.0, M)) if scales else None,
+              b1=cast(rng.standard_normal((E, F1))) if b1 else None, b2=cast(rng.standard_normal((E, d))) if b2 else None)
   return args, jnp.asarray(sizes, jnp.int32), cast(rng.standard_normal((M, d)))
 
 
@@ -105,6 +106,29 @@ def test_fp8_follows_the_recipe(platform, rng, recipe, case, act, dtype):
   check_padding_rows_zero(M, sizes, y, grads["x"])
 
 
+@pytest.mark.parametrize("recipe, case", [("tensorwise", "uneven"), ("tensorwise", "skewed"), ("blockwise", "blocks"),
+                                          ("blockwise", "uneven")])
+@pytest.mark.parametrize("biases, act, with_scales", [("both", "clamped_swiglu", True), ("both", "gelu", False),
+                                                      ("b1", "swiglu", True), ("b2", "swiglu", True)])
+def test_fp8_biases_follow_the_recipe(platform, rng, recipe, case, biases, act, with_scales):
+  """With biases (gpt-oss's experts have both), every output and gradient, db1 and db2 included, against the
+  NumPy model: b1 added to FC1's output before the activation, b2 (weighted by the row's scale) to FC2's, and
+  the scales' gradient taking b2's term."""
+  M, d, f, sizes = BLOCK_CASES[case]
+  args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.bfloat16, scales=with_scales, b1=biases != "b2",
+                        b2=biases != "b1")
+  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=EXACT[recipe])
+  n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
+  want_y, want = NUMPY_MODEL[recipe](n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"),
+                                     np.asarray(dy, np.float64), ml_dtypes.bfloat16, b1=n.get("b1"), b2=n.get("b2"))
+  check_recipe(y, want_y, platform, "y")
+  assert set(grads) == set(n)
+  for k in grads:
+    assert grads[k].dtype == args[k].dtype, k
+    check_recipe(grads[k], want[k], platform, k)
+  check_padding_rows_zero(M, sizes, y, grads["x"])
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_fp8_quantizes(rng, recipe):
   """FP8's error against the exact MLP lies in a band: above the bfloat16 path's (the products were
@@ -142,16 +166,18 @@ def test_blockwise_beats_tensorwise_on_outlier_blocks(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe, fast, case", [("tensorwise", fast, c) for fast in ("none", "forward", "both")
-                                                for c in CASES] + [("blockwise", "none", c) for c in BLOCK_CASES])
-def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case):
+@pytest.mark.parametrize("recipe, fast, case, biases", [("tensorwise", fast, c, False) for fast in ("none", "forward", "both")
+                                                        for c in CASES] + [("blockwise", "none", c, False) for c in BLOCK_CASES]
+                         + [("tensorwise", "forward", c, True) for c in CASES] + [("blockwise", "none", c, True)
+                                                                                  for c in ("blocks", "all_empty")])
+def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case, biases):
   """The CUDA path and the CPU emulation quantize the same values: their results differ by how the
   products are accumulated (CUDA_TOLERANCE) and the roundings that follow from it."""
   reason = fp8_reason()
   if reason:
     pytest.skip(reason)
   M, d, f, sizes = BLOCK_CASES[case]
-  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, b1=biases, b2=biases)
   recipe = jaxmlp.Fp8Recipe(recipe, fast_accumulation=fast != "none", backward_fast_accumulation=fast == "both")
   results = {}
   for platform in ("cpu", "cuda"):
@@ -349,7 +375,7 @@ def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales, f)
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(fp8="blockwise8"), ValueError, "fp8: unknown recipe 'blockwise8'"),
     (dict(fp8=3), TypeError, "fp8: expected None, a recipe name"),
-    (dict(fp8="tensorwise", b2=jnp.zeros((2, 16), jnp.bfloat16)), NotImplementedError, "biases"),
+    (dict(fp8="tensorwise", b2=jnp.zeros((2, 8), jnp.bfloat16)), ValueError, r"b2: .*\[E, d\] = \[2, 16\]"),
 ])
 def test_fp8_bad_arguments(kwargs, error, match):
   x, w1, w2 = jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros((2, 16, 32), jnp.bfloat16), jnp.zeros((2, 16, 16), jnp.bfloat16)
@@ -379,9 +405,9 @@ def test_fp8_rejects_more_padded_rows_than_int32_indexes(recipe, rows, pad):
 
 @pytest.mark.parametrize("recipe, case", [("tensorwise", "uneven"), ("blockwise", "blocks")])
 def test_fp8_reference_is_the_emulation(rng, recipe, case):
-  """jaxmlp.reference.grouped_mlp(fp8=...) and the CPU backend compute the same recipe."""
+  """jaxmlp.reference.grouped_mlp(fp8=...) and the CPU backend compute the same recipe (biases included)."""
   M, d, f, sizes = BLOCK_CASES[case]
-  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, b1=True, b2=True)
   with jax.default_device(jax.devices("cpu")[0]):
     got = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu", fp8=recipe)
     want = run(jaxmlp.reference.grouped_mlp, args, gs, dy, "swiglu", fp8=recipe)

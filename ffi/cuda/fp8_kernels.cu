@@ -185,10 +185,25 @@ __device__ __forceinline__ void ForEachActChunk(const ActParams& p, const T* h, 
   }
 }
 
+// h's row += b (FC1's bias of the row's group), rounded to T in place, each V-element chunk by the thread
+// that ForEachActChunk then has read it back (no barrier between them).
+template <typename T, int V, bool kGated>
+__device__ __forceinline__ void AddBias(T* hr, const T* b, int64_t f) {
+  for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V)
+#pragma unroll
+    for (int half = 0; half < (kGated ? 2 : 1); ++half) {
+      Vec<T, V> hv = Load<T, V>(hr + half * f + j);
+      const Vec<T, V> bv = Load<T, V>(b + half * f + j);
+#pragma unroll
+      for (int k = 0; k < V; ++k) hv.v[k] = T(ToFloat(hv.v[k]) + ToFloat(bv.v[k]));
+      Store<T, V>(hr + half * f + j, hv);
+    }
+}
+
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E, int64_t M,
-                                                            int64_t f, int64_t d, T* h, const T* scales, T* y,
-                                                            float* amax) {
+                                                            int64_t f, int64_t d, T* h, const T* b1,
+                                                            const T* scales, T* y, const T* b2, float* amax) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
   float m = 0.0f;
@@ -199,6 +214,10 @@ __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const i
       continue;
     }
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
+    const int64_t g = (b1 || b2) ? GroupOf(offsets, E, row) : 0;
+    if (b1) AddBias<T, V, kGated>(h + row * F1, b1 + g * F1, f);
+    if (b2)  // FC2 adds its product onto y = round(s * b2[g]) (beta 1)
+      for (int64_t j = threadIdx.x; j < d; j += blockDim.x) y[row * d + j] = T(s * ToFloat(b2[g * d + j]));
     ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t, auto act) {
 #pragma unroll
       for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(act(k).val * s));
@@ -230,7 +249,8 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                     int64_t M, int64_t f, int64_t d, const T* h,
                                                                     const T* da, const T* scales, const float* amax_a,
-                                                                    uint8_t* aq, T* dscales, T* dx, float* amax_dh) {
+                                                                    const T* dy, const T* b2, uint8_t* aq, T* dscales,
+                                                                    T* dx, float* amax_dh) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t valid = offsets[E];
   const float inv_a = InverseScale(amax_a);
@@ -257,6 +277,10 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
       }
       *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
     });
+    if (dscales && b2) {  // y = s * (a @ w2 + b2): the scale's gradient also takes <dy, b2[g]>
+      const int64_t g = GroupOf(offsets, E, row);
+      for (int64_t j = threadIdx.x; j < d; j += blockDim.x) ds += ToFloat(dy[row * d + j]) * ToFloat(b2[g * d + j]);
+    }
     if (dscales) {
       ds = BlockSum<kThreads / 32>(ds);
       if (threadIdx.x == 0) dscales[row] = T(ds);
@@ -269,7 +293,7 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                       int64_t f, const T* h, const T* da,
                                                                       const T* scales, const float* amax_dh,
-                                                                      float* scale_out, uint8_t* dhq) {
+                                                                      float* scale_out, uint8_t* dhq, T* dh) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = DequantScale(*amax_dh);
@@ -288,6 +312,18 @@ __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams 
       }
       *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + j) = qg;
       if (kGated) *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + f + j) = qu;
+      if (dh) {  // dh itself, in T, for db1
+        Vec<T, V> vg, vu;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const ActGrad r = act(k);
+          const float g = ToFloat(dav.v[k]) * s;
+          vg.v[k] = T(g * r.dgate);
+          vu.v[k] = T(g * r.dup);
+        }
+        Store<T, V>(dh + row * F1 + j, vg);
+        if (kGated) Store<T, V>(dh + row * F1 + f + j, vu);
+      }
     });
   }
 }
@@ -348,10 +384,11 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
   })
 
 ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
-                            int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* scales, void* y,
-                            float* amax_a) {
+                            int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1, const void* scales,
+                            void* y, const void* b2, float* amax_a) {
   JAXMLP_ACT_LAUNCH(ActAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<T*>(h),
-                    static_cast<const T*>(scales), static_cast<T*>(y), amax_a);
+                    static_cast<const T*>(b1), static_cast<const T*>(scales), static_cast<T*>(y),
+                    static_cast<const T*>(b2), amax_a);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation amax kernel");
 }
 
@@ -365,20 +402,22 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
-                                    const void* scales, const float* amax_a, void* aq, void* dscales, void* dx,
-                                    float* amax_dh) {
+                                    const void* scales, const float* amax_a, const void* dy, const void* b2,
+                                    void* aq, void* dscales, void* dx, float* amax_dh) {
   JAXMLP_ACT_LAUNCH(ActBackwardAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<const T*>(h),
-                    static_cast<const T*>(da), static_cast<const T*>(scales), amax_a, static_cast<uint8_t*>(aq),
-                    static_cast<T*>(dscales), static_cast<T*>(dx), amax_dh);
+                    static_cast<const T*>(da), static_cast<const T*>(scales), amax_a, static_cast<const T*>(dy),
+                    static_cast<const T*>(b2), static_cast<uint8_t*>(aq), static_cast<T*>(dscales),
+                    static_cast<T*>(dx), amax_dh);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation backward kernel");
 }
 
 ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
-                                      const void* scales, const float* amax_dh, float* scale_dh, void* dhq) {
+                                      const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
+                                      void* dh) {
   JAXMLP_ACT_LAUNCH(ActBackwardQuantizeKernel, Blocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_dh, scale_dh,
-                    static_cast<uint8_t*>(dhq));
+                    static_cast<uint8_t*>(dhq), static_cast<T*>(dh));
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation gradient kernel");
 }
 

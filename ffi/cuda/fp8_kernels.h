@@ -40,25 +40,28 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
                         float* scale_out, const Fp8Outputs& out);
 
 // The forward's activation in two passes over the valid rows of h [M, F1]: *amax_a = max |act(h) * s|
-// (zeroing the padding rows of h and y on the way), then aq [M, f] = e4m3(act(h) * s) with that scale.
+// (zeroing the padding rows of h and y on the way; with b1 [E, F1] adding the row's group's bias to h in
+// place first, with b2 [E, d] setting y's row to s * b2[g] for FC2 to add onto), then aq [M, f] =
+// e4m3(act(h) * s) with that scale. b1, b2, scales: may be null.
 ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
-                            int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* scales, void* y,
-                            float* amax_a);
+                            int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1, const void* scales,
+                            void* y, const void* b2, float* amax_a);
 ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, const void* h, const void* scales, const float* amax_a,
                               float* scale_a, void* aq);
 
 // The backward's activation, from h and da = dy w2^T (x.dtype), in two passes over the valid rows:
-//   1. aq = e4m3(act(h) * s) with the forward's *amax_a, dscales = sum_j da * act(h), *amax_dh = max |dh|
-//      where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
-//   2. dhq = e4m3(dh) with that scale.
+//   1. aq = e4m3(act(h) * s) with the forward's *amax_a, dscales = sum_j da * act(h) (+ sum_j dy * b2[g]
+//      with b2), *amax_dh = max |dh| where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
+//   2. dhq = e4m3(dh) with that scale, and dh itself in t where dh is not null (for db1).
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
-                                    const void* scales, const float* amax_a, void* aq, void* dscales, void* dx,
-                                    float* amax_dh);
+                                    const void* scales, const float* amax_a, const void* dy, const void* b2,
+                                    void* aq, void* dscales, void* dx, float* amax_dh);
 ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
-                                      const void* scales, const float* amax_dh, float* scale_dh, void* dhq);
+                                      const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
+                                      void* dh);
 
 // scale[i] = dequantization scale of amax[i], for i < n (the backward's scales of the forward's amaxes).
 ffi::Error ScalesOf(cudaStream_t stream, const float* amax, int n, float* scale);

@@ -7,12 +7,14 @@
 // (GemmOp::kTNPadded). Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "../common.h"
 #include "fp8_kernels.h"
 #include "grouped_gemm.h"
 #include "launch.cuh"
+#include "mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
@@ -39,11 +41,14 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
 }
 
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
-// operands in row layout (dyq, aq, dhq) and transposed (xt, dyt, at, dht: [width, L]), and da.
+// operands in row layout (dyq, aq, dhq) and transposed (xt, dyt, at, dht: [width, L]), and da; with biases
+// dh in x.dtype (b1) and GroupColumnSums' partial sums.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
   uint8_t *dyq, *aq, *dhq, *xt, *dyt, *at, *dht;
   void* da;  // [M, f] in x.dtype
+  void* dh = nullptr;  // [M, F1] in x.dtype
+  float* bias_partials = nullptr;
 };
 BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   const int64_t L = PaddedRows(m.M, m.E);
@@ -58,6 +63,8 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   s.at = c.Take<uint8_t>(m.f * L);
   s.dht = c.Take<uint8_t>(m.F1 * L);
   s.da = c.Take<char>(m.M * m.f * esize);
+  if (m.has_b1) s.dh = c.Take<char>(m.M * m.F1 * esize);
+  if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(GroupColumnSumsScratch(m.E, m.M, std::max(m.F1, m.d)));
   return s;
 }
 
@@ -69,7 +76,6 @@ Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xq, const AnyBuffer& w1q
 }
 
 Error CheckFp8(const MlpDims& m, DataType t) {
-  if (m.has_b1 || m.has_b2) return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP takes no biases");
   if (t != DataType::BF16 && t != DataType::F16)
     return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP takes bfloat16 or float16 operands");
   if (m.d % 16 || m.f % 16) return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP needs d and f multiples of 16");
@@ -82,8 +88,8 @@ Error Zero(cudaStream_t stream, void* p, size_t bytes) {
 
 // An FP8 product: lhs and rhs e4m3 with their scales, out in `t`.
 GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const float* lhs_scale, const void* rhs,
-                    const float* rhs_scale, void* out, DataType t, bool fast_accumulation) {
-  GemmSpec s{op, int32_t(K), int32_t(N), lhs, rhs, out, kFp8, t, 0.0f};
+                    const float* rhs_scale, void* out, DataType t, bool fast_accumulation, float beta = 0.0f) {
+  GemmSpec s{op, int32_t(K), int32_t(N), lhs, rhs, out, kFp8, t, beta};
   s.lhs_scale = lhs_scale, s.rhs_scale = rhs_scale, s.fast_accumulation = fast_accumulation;
   return s;
 }
@@ -165,7 +171,7 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
       Fp8Product(GemmOp::kNT, m.F1, m.d, xq->untyped_data(), s.scale + 0, w1t.untyped_data(), s.scale + 1,
                  h->untyped_data(), t, fast_accumulation),
       Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, w2t.untyped_data(), s.scale + 2, y->untyped_data(), t,
-                 fast_accumulation),
+                 fast_accumulation, m.has_b2 ? 1.0f : 0.0f),  // onto y = s * b2[g] where b2 is given
   }));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
@@ -173,7 +179,8 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
-                                          DataIfPresent(scales), y->untyped_data(), am + 3));
+                                          DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
+                                          DataIfPresent(b2), am + 3));
   JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
                                             DataIfPresent(scales), am + 3, s.scale + 3, s.aq));
   return gemms.Run(1);  // y = a w2
@@ -183,8 +190,8 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
                      AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation,
-                     Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> dscales,
-                     Result<AnyBuffer> workspace) {
+                     Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
+                     Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -194,7 +201,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   for (const AnyBuffer* b : {&b1, &b2, &scales})
     if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have h's dtype");
   // h stands in for x: the gradients take h's dtype, x's in the forward.
-  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, h, h, dy, *dx, *dw1, *dw2, b1, b2, *dscales));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, h, h, dy, *dx, *dw1, *dw2, *db1, *db2, *dscales));
   JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
   if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
   Carver ws(workspace->untyped_data());
@@ -202,7 +209,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
                      m.M, /*split_k=*/false, ws);
   const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*dscales, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
   // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
   JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
@@ -226,16 +233,24 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d,
-                                                  h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3, s.aq,
+                                                  h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
+                                                  dy.untyped_data(), DataIfPresent(b2), s.aq,
                                                   m.has_scales ? dscales->untyped_data() : nullptr,
                                                   dx->untyped_data(), s.amax + 1));
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
-                                                    s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq));
+                                                    s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(
       QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
-  return gemms.ZeroEmptyGroups({1, 3});
+  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
+  if (m.has_b1)
+    JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, s.dh, nullptr,
+                                           s.bias_partials, db1->untyped_data()));
+  if (m.has_b2)  // y = s * (a @ w2 + b2): rows weighted by their scale
+    JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(),
+                                           DataIfPresent(scales), s.bias_partials, db2->untyped_data()));
+  return Error::Success();
 }
 
 }  // namespace
@@ -283,6 +298,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                   .Ret<xla::ffi::AnyBuffer>()                               // dx
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw1
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw2
+                                  .Ret<xla::ffi::AnyBuffer>()                               // db1
+                                  .Ret<xla::ffi::AnyBuffer>()                               // db2
                                   .Ret<xla::ffi::AnyBuffer>()                               // dscales
                                   .Ret<xla::ffi::AnyBuffer>(),                              // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -102,11 +102,13 @@ NB_MODULE(_cuda, m) {
       "biases: b1 or b2 given).");
   m.def(
       "mlp_fp8_workspace_bytes",
-      [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code) {
-        jaxmlp::MlpDims dims{M, d, f, F1, E, false, false, false};
+      [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code, bool has_b1,
+         bool has_b2) {
+        jaxmlp::MlpDims dims{M, d, f, F1, E, has_b1, has_b2, false};
         return jaxmlp::MlpFp8WorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
       },
-      "Scratch bytes of one FP8 grouped-MLP call (dtype_code: 1 bfloat16, 2 float16).");
+      "Scratch bytes of one FP8 grouped-MLP call (dtype_code: 1 bfloat16, 2 float16; has_b1, has_b2: the biases "
+      "given).");
   m.def("gemm_fp8_blocks_workspace_bytes", &jaxmlp::GemmFp8BlocksWorkspaceBytes, nb::arg("op"), nb::arg("M"),
         nb::arg("E"), nb::arg("N"),
         "Scratch bytes of one block-scaled FP8 product (op 1: nt, 3: tn over padded columns) of M rows in E "
