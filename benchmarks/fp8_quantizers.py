@@ -1,5 +1,6 @@
-"""Times the blockwise FP8 recipe's quantizers alone at one MLP shape: its JAX code (what XLA makes of
-jaxmlp/fp8_blockwise.py) and, on a GPU, jaxmlp's CUDA kernels (ffi/cuda/fp8_block_quantize.cu), with the
+"""Times the blockwise FP8 recipe's quantizers, and the tensorwise recipe's weight quantizer, alone at one MLP
+shape: their JAX code (what XLA makes of jaxmlp/fp8_blockwise.py and jaxmlp/fp8.py) and, on a GPU, jaxmlp's
+CUDA kernels (ffi/cuda/fp8_block_quantize.cu, fp8_kernels.cu), with the
 bandwidth each reaches (bytes read and written over the time); the CUDA results are checked bit for bit
 against the JAX ones first (the activations' up to act's last bit: the share of equal bits).
 
@@ -17,7 +18,7 @@ import numpy as np
 
 import cases
 import jaxmlp
-from jaxmlp import fp8_blockwise, fp8_mlp
+from jaxmlp import _ffi, fp8, fp8_blockwise, fp8_mlp
 
 
 def median_ms(fn, *args, repeats: int = 7) -> float:
@@ -67,7 +68,9 @@ def main() -> None:
           ("a = swiglu(h)", *act, (h,), h.nbytes + quantized(da)),
           ("dh of swiglu(h), da", *act_grad, (h, da), h.nbytes + da.nbytes + quantized(h)),
           ("weights w1 (bf16)", fp8_blockwise.quantize_weights, cuda.quantize_weights, (w1,),
-           w1.nbytes + 2 * w1.size)]
+           w1.nbytes + 2 * w1.size),
+          # one scale for the tensor: a pass for its amax, then one for both e4m3 layouts
+          ("tensorwise w1 (bf16)", fp8.quantize_weights, _ffi.fp8_tensor_weights, (w1,), 2 * w1.nbytes + 2 * w1.size)]
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:

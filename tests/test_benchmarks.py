@@ -291,15 +291,15 @@ def test_kernel_share_summarizes_an_nsight_compute_csv(tmp_path, capsys, monkeyp
 
 
 def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
-  """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, at a shape of
-  the user's own (the JAX quantizers alone without a GPU)."""
+  """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, and the
+  tensorwise weights' at a shape of the user's own (the JAX quantizers alone without a GPU)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, str(BENCH.parent / "fp8_quantizers.py"), "--shape", "2x128x128x256"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [line.split() for line in proc.stdout.splitlines()[2:]]
   assert [" ".join(r[:-2]) for r in rows] == ["rows + columns of x", "rows + columns of dh", "a = swiglu(h)",
-                                              "dh of swiglu(h), da", "weights w1 (bf16)"]
+                                              "dh of swiglu(h), da", "weights w1 (bf16)", "tensorwise w1 (bf16)"]
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
 
 
