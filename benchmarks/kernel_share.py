@@ -69,8 +69,8 @@ def run(*args, **kwargs):
 
 
 def trace(*args, **kwargs):
-  """[(kernel name, ns)] of two steps after two unprofiled ones, in launch order, from JAX's profiler: the
-  events on the GPU's stream lines of its trace."""
+  """[(kernel name, ns, start in ns)] of two steps after two unprofiled ones, in launch order, from JAX's
+  profiler: the events on the GPU's stream lines of its trace."""
   import jax
   step, step_args = step_and_args(*args, **kwargs)
   for _ in range(2):
@@ -90,26 +90,28 @@ def trace(*args, **kwargs):
     raise SystemExit(f"no stream lines among the GPU's: {sorted(names)}")
   kernels = sorted((e["ts"], e["name"], e["dur"] * 1e3) for e in events
                    if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams)
-  return [(name, ns) for _, name, ns in kernels]
+  return [(name, ns, ts * 1e3) for ts, name, ns in kernels]
 
 
 def ncu_kernels(path):
-  """[(kernel name, ns)] in launch order from an Nsight Compute CSV of gpu__time_duration.sum."""
+  """[(kernel name, ns, None)] in launch order from an Nsight Compute CSV of gpu__time_duration.sum (which
+  times each kernel alone: no start times)."""
   with open(path) as f:
     lines = [l for l in f if l.startswith('"')]
   units = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}
-  return [(row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * units[row["Metric Unit"]])
+  return [(row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * units[row["Metric Unit"]], None)
           for row in csv.DictReader(lines) if row.get("Metric Name") == "gpu__time_duration.sum"]
 
 
 def summarize(measured):
-  """Prints the kernel times of two steps, [(kernel name, ns)] in launch order: per kernel of ours (the name
-  up to its template arguments), the rest summed; then the second step's kernels in order."""
+  """Prints the kernel times of two steps, [(kernel name, ns, start ns or None)] in launch order: per kernel
+  of ours (the name up to its template arguments), the rest summed; then the second step's kernels in order,
+  with the idle time before each where the starts are known (a traced step: launch gaps, host waits)."""
   if not measured:
     raise SystemExit("no GPU kernels were measured")
   per_kind = defaultdict(float)
   kernels = []  # (ours' short name, or the kernel's name, ns) in launch order
-  for name, ns in measured:
+  for name, ns, _ in measured:
     short = re.search(r"(\w+)\s*[<(]", name)
     short = short.group(1) if short else None
     kernels.append((short if short in OURS else name[:80], ns))
@@ -120,9 +122,20 @@ def summarize(measured):
   for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]):
     print(f"{k:32s} {v / 1e3:10.1f} us  {100 * v / total:5.1f}%")
   print(f"jaxmlp's own kernels: {ours / 1e3:.1f} us of {total / 1e3:.1f} us per fwd+bwd step = {100 * ours / total:.1f}%")
-  print("the second step's kernels in launch order:")
-  for label, ns in kernels[len(kernels) // 2:]:
-    print(f"{ns / 1e3:10.1f} us  {label}")
+  second = len(kernels) // 2
+  starts = [start for _, _, start in measured[second:]]
+  if starts[0] is None:
+    print("the second step's kernels in launch order:")
+    for label, ns in kernels[second:]:
+      print(f"{ns / 1e3:10.1f} us  {label}")
+    return
+  ends = [start + ns for (_, ns, start) in measured[second:]]
+  busy = sum(ns for _, ns in kernels[second:])
+  print(f"the second step: {(max(ends) - starts[0]) / 1e3:.1f} us from its first kernel's start to its last's end, "
+        f"{busy / 1e3:.1f} us of kernels; its kernels in launch order, with the GPU's idle time before each:")
+  for i, (label, ns) in enumerate(kernels[second:]):
+    idle = max(0.0, starts[i] - max(ends[:i])) if i else 0.0
+    print(f"{ns / 1e3:10.1f} us  idle {idle / 1e3:6.1f}  {label}")
 
 
 if __name__ == "__main__":
