@@ -314,9 +314,9 @@ def markdown(results: dict, image: str | None) -> str:
   return "\n\n".join(parts) + "\n"
 
 
-def plot(results: dict, path) -> tuple[bool, str]:
-  """Grouped bars of fwd+bwd throughput per shape and implementation, one panel per routing.
-  Returns (written, a line for the log)."""
+def plot(results: dict, path, fp8: bool = False) -> tuple[bool, str]:
+  """Grouped bars of fwd+bwd throughput per shape and implementation, one panel per routing: the 16-bit
+  implementations, or (fp8) the FP8 ones beside jaxmlp's bf16. Returns (written, a line for the log)."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -325,6 +325,8 @@ def plot(results: dict, path) -> tuple[bool, str]:
     return False, "matplotlib is not installed: no plot (pip install matplotlib)"
   unit, scale = flop_unit(results["meta"]["mode"])
   impls = _impls_present(results)
+  if fp8:
+    impls = [i for i in impls if i == "jaxmlp"] + _impls_present(results, fp8=True)
   if not impls:
     return False, "no implementation produced a time: no plot"
   routings = list(dict.fromkeys(c["routing"] for c in results["cases"]))
@@ -361,6 +363,8 @@ def plot(results: dict, path) -> tuple[bool, str]:
   fig.legend(handles, labels, loc="lower center", ncol=min(len(impls), 3), fontsize=9, frameon=False)
   m = results["meta"]
   title = f"SwiGLU MoE expert MLP, forward + backward, {m['dtype']}, on {m['device']} ({m['date'][:10]})"
+  if fp8:
+    title += "\nFP8 recipes; TFLOP/s counted as the bf16 MLP's FLOPs"
   if m["mode"] == "cpu":
     title += "\nCPU numbers: tiny shapes, only a check that the benchmark runs"
   if any_too_slow:
@@ -374,8 +378,8 @@ def plot(results: dict, path) -> tuple[bool, str]:
 
 
 def write_outputs(results: dict, out: Path, write_results: bool) -> None:
-  """bench.json, bench.md and bench.png in `out`, the Markdown on stdout; with `write_results` also
-  benchmarks/RESULTS.md and RESULTS.png."""
+  """bench.json, bench.md and bench.png (and bench-fp8.png where FP8 implementations ran) in `out`, the
+  Markdown on stdout; with `write_results` also benchmarks/RESULTS.md and RESULTS.png."""
   out.mkdir(parents=True, exist_ok=True)
   (out / "bench.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
   png = out / "bench.png"
@@ -386,6 +390,8 @@ def write_outputs(results: dict, out: Path, write_results: bool) -> None:
   (out / "bench.md").write_text(md)
   print(md)
   print(f"{plot_msg}\nwrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
+  if _impls_present(results, fp8=True):  # the FP8 implementations in their own plot, beside bf16
+    print(plot(results, out / "bench-fp8.png", fp8=True)[1], file=sys.stderr)
   if write_results:
     image = None
     if plotted:

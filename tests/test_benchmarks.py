@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 
@@ -138,6 +140,29 @@ def test_report_gives_each_fp8_implementation_its_speedups(monkeypatch):
   assert f"- {label['jaxmlp_fp8_cached']} is **1.60×** as fast as {label['jaxmlp']}" in section
   assert f"- {label['jaxmlp_fp8']} is **1.56×** as fast as {label['torch_fp8_compile']}" in section
   assert "| dsv3 | balanced | 1.25× / 1.56× | 1.60× / 2.00× |" in section, section
+
+
+def test_report_plots_the_fp8_implementations_beside_bf16(monkeypatch, tmp_path):
+  """bench-fp8.png: the FP8 implementations with jaxmlp bf16; bench.png keeps the 16-bit ones."""
+  matplotlib = pytest.importorskip("matplotlib")
+  matplotlib.use("Agg")
+  from matplotlib.figure import Figure
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import report
+
+  times = {"jaxmlp": 2.0, "jaxmlp_fp8": 1.6, "torch_fp8_compile": 2.5}
+  case = {"shape": "dsv3", "routing": "balanced", "E": 32, "d": 7168, "f": 2048, "M": 32768,
+          "flops": {"fwd": 1e12, "fwd_bwd": 3e12},
+          "impls": {i: {"fwd": {"s": t / 3}, "fwd_bwd": {"s": t}, "check": {"ok": True}} for i, t in times.items()}}
+  results = {"meta": {"mode": "gpu", "dtype": "bfloat16", "device": "H100", "date": "2026-11-26"}, "cases": [case]}
+  legends = []
+  savefig = Figure.savefig
+  monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (
+      legends.append([t.get_text() for t in fig.legends[0].get_texts()]), savefig(fig, *a, **k)))
+  for fp8 in (False, True):
+    assert report.plot(results, tmp_path / f"plot-{fp8}.png", fp8=fp8)[0]
+  label = report.IMPL_LABELS
+  assert legends == [[label["jaxmlp"]], [label["jaxmlp"], label["jaxmlp_fp8"], label["torch_fp8_compile"]]], legends
 
 
 def test_torch_check_catches_a_wrong_gradient(monkeypatch):
