@@ -33,6 +33,7 @@ if "OPENBLAS_NUM_THREADS" not in os.environ:
   # compete with it for the cores (6 to 35x slower on 2 busy cores).
   _openblas.scipy_openblas_set_num_threads(1)
 from . import _cpu  # noqa: E402
+from . import fp8  # noqa: E402
 from ._checks import MlpShape, sizes_as_int32
 from .activations import Activation
 
@@ -289,9 +290,11 @@ def fp8_tensor_weights(w):
   return q, amax[0], qt
 
 
-def mlp_fp8_forward(x, w1q, w2q, group_sizes, b1, b2, scales, act: Activation, recipe, s: MlpShape):
+def mlp_fp8_forward(x, w1q, w2q, group_sizes, b1, b2, scales, act: Activation, recipe, s: MlpShape,
+                    residuals: bool):
   """The FP8 forward's custom call (CUDA only), for weights quantized by fp8_tensor_weights: (y [M, d],
-  h [M, F1], amax [4] float32 of x, w1, w2, a, and the e4m3 xq [M, d] the backward takes)."""
+  h [M, F1], amax [4] float32 of x, w1, w2, a, and with `residuals` x's e4m3 copy that the backward takes,
+  xt [d, L] (fp8.transposed_padded's layout), else None)."""
   _fp8_path_or_raise()
   dt, e4m3 = x.dtype, jnp.float8_e4m3fn
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
@@ -300,20 +303,21 @@ def mlp_fp8_forward(x, w1q, w2q, group_sizes, b1, b2, scales, act: Activation, r
           optional(scales, dt), w1t, w2t, weight_amax)
   sds = _result_types(x, w1, w2, group_sizes, w1t, w2t, weight_amax, *(a for a in (b1, b2, scales) if a is not None))
   ws = _cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt], False, False) if _cuda else 0
-  outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32), sds((s.M, s.d), e4m3),
-          _workspace(ws, sds)]
+  xt = (s.d, fp8.padded_length(s.M, s.E)) if residuals else ABSENT
+  outs = [sds((s.M, s.d), dt), sds((s.M, s.F1), dt), sds((4,), jnp.float32), sds(xt, e4m3), _workspace(ws, sds)]
   call = jax.ffi.ffi_call("jaxmlp_mlp_fp8_fwd", outs, vmap_method="sequential")
-  return tuple(call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:4])
+  y, h, amax, xt = call(*args, **_act_attrs(act), fast_accumulation=bool(recipe.fast_accumulation))[:4]
+  return y, h, amax, xt if residuals else None
 
 
-def mlp_fp8_backward(xq, w1q, w2q, group_sizes, b1, b2, scales, h, amax, dy, act: Activation, recipe, s: MlpShape):
+def mlp_fp8_backward(xt, w1q, w2q, group_sizes, b1, b2, scales, h, amax, dy, act: Activation, recipe, s: MlpShape):
   """The FP8 backward's custom call (CUDA only), from the forward's residuals: (dx, dw1, dw2, db1, db2,
   dscales), None where absent."""
   _fp8_path_or_raise()
   dt = h.dtype
-  args = (xq, w1q, w2q, _handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
+  args = (xt, w1q, w2q, _handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
           optional(scales, dt), h, dy, amax)
-  sds = _result_types(xq, w1q, w2q, group_sizes, h, dy, amax, *(a for a in (b1, b2, scales) if a is not None))
+  sds = _result_types(xt, w1q, w2q, group_sizes, h, dy, amax, *(a for a in (b1, b2, scales) if a is not None))
   ws = (_cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _DTYPE_CODE[dt], b1 is not None,
                                       b2 is not None) if _cuda else 0)
   outs = [sds((s.M, s.d), dt), sds((s.E, s.d, s.F1), dt), sds((s.E, s.f, s.d), dt),

@@ -30,7 +30,8 @@ The biases stay in x's dtype and their gradients are float32 sums of unquantized
 to x's dtype, as the 16-bit path stores it), as in the 16-bit path: only the six products are FP8.
 
 The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes) and its quantized
-q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights). All FP8 data is
+q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights; q(x) in
+the layout the weight gradient reads, transposed_padded). All FP8 data is
 e4m3, gradients included: with per-tensor current scaling its 3 mantissa bits beat e5m2's range, which
 current scaling does not need (the scale adapts every call).
 
@@ -176,6 +177,39 @@ class Gemm(tp.Protocol):
   def __call__(self, op: str, lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array: ...
 
 
+# The weight gradients' operands on FP8 tensor cores: transposed (contiguous along the tokens), each group's
+# rows from a multiple of PAD (ffi/cuda/grouped_gemm.h PaddedRows).
+PAD = 16
+
+
+def padded_length(m: int, groups: int) -> int:
+  """Columns of transposed_padded for m rows in `groups` groups (at most m + 15 groups, rounded to 16)."""
+  return (m + (PAD - 1) * groups + PAD - 1) // PAD * PAD
+
+
+def _padded_positions(sizes: jax.Array, m: int) -> jax.Array:
+  """Each of the m rows' column in transposed_padded's layout, or padded_length for the rows past the groups."""
+  sizes = _checks.clamp_group_sizes(sizes, m)
+  spans = (sizes + PAD - 1) // PAD * PAD
+  groups = _checks.row_groups(sizes, m)
+  g = jnp.minimum(groups, sizes.shape[0] - 1)
+  position = (jnp.cumsum(spans) - spans)[g] + jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[g]
+  return jnp.where(groups < sizes.shape[0], position, padded_length(m, sizes.shape[0]))
+
+
+def transposed_padded(q: jax.Array, sizes: jax.Array) -> jax.Array:
+  """q [M, C] transposed into the weight gradients' layout [C, L] (L = padded_length): each group's rows from
+  a multiple of 16, zeros between (the CUDA path leaves the columns past the last group unwritten)."""
+  m, c = q.shape
+  out = jnp.zeros((padded_length(m, sizes.shape[0]), c), q.dtype)
+  return out.at[_padded_positions(sizes, m)].set(q, mode="drop").T
+
+
+def rows_of_transposed_padded(qt: jax.Array, sizes: jax.Array, m: int) -> jax.Array:
+  """The [m, C] rows of transposed_padded's qt, zeros past the groups."""
+  return jnp.take(qt.T, _padded_positions(sizes, m), axis=0, mode="fill", fill_value=0)
+
+
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Weights [E, K, N] with one scale per tensor: (q [E, K, N] e4m3, amax float32 [], q transposed [E, N, K])."""
   a = amax(w)
@@ -208,8 +242,8 @@ def group_sums(v: jax.Array, weights: jax.Array | None, sizes: jax.Array) -> jax
 
 def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activation, b1=None, b2=None):
   """(y, residuals) of the FP8 forward for w1 and w2 quantized by quantize_weights ((q, amax, qt) each);
-  `valid` marks the rows in groups. The residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x), q(w1),
-  q(w2) in e4m3 (q(x) of the rows past the groups is unspecified)."""
+  `valid` marks the rows in groups. The residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x)
+  (transposed_padded), q(w1), q(w2) in e4m3."""
   dtype = x.dtype
   (w1q, aw1, _), (w2q, aw2, _) = w1, w2
   ax = amax(x, valid)
@@ -226,7 +260,8 @@ def emulated_forward(gemm: Gemm, x, w1, w2, sizes, scales, valid, act: Activatio
   y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
   if b2 is not None:
     y = y + scaled_bias(b2, scales, sizes, valid, dtype)
-  return jnp.where(valid[:, None], y, 0).astype(dtype), (h, jnp.stack([ax, aw1, aw2, aa]), xq, w1q, w2q)
+  residuals = (h, jnp.stack([ax, aw1, aw2, aa]), transposed_padded(xq, sizes), w1q, w2q)
+  return jnp.where(valid[:, None], y, 0).astype(dtype), residuals
 
 
 def scaled_bias(b2, scales, sizes, valid, dtype) -> jax.Array:
@@ -240,8 +275,9 @@ def scaled_bias(b2, scales, sizes, valid, dtype) -> jax.Array:
 def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy, b1=None, b2=None):
   """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the FP8 backward, from the forward's
   residuals."""
-  h, amaxes, xq, w1q, w2q = residuals
+  h, amaxes, xt, w1q, w2q = residuals
   dtype = h.dtype
+  xq = rows_of_transposed_padded(xt, sizes, h.shape[0])
   ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
   rows = valid[:, None]
   dy = jnp.where(rows, dy.astype(jnp.float32), 0)

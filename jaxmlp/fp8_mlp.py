@@ -9,7 +9,8 @@ quantize-dequantize in JAX around float32 grouped products, which grouped_mlp co
 GEMM of bfloat16 operands (exact for
 dequantized FP8 values) and jaxmlp.reference on jax.lax.ragged_dot. Both directions carry the same
 residuals on every platform: for tensorwise the FC1 output h, the forward's four amaxes and its e4m3 copies
-of x, w1 and w2 (not x itself: the backward needs only q(x), at half the bytes); for blockwise h, x's and
+of x (transposed for the weight gradient, written by the pass that quantizes x), w1 and w2 (not x itself:
+the backward needs only q(x), at half the bytes); for blockwise h, x's and
 a's 128 x 1 blocks and the quantized weights. The weights are quantized in the call, or once by the caller
 (jaxmlp.fp8_weights, Fp8Weights) and reused over several calls.
 """
@@ -224,27 +225,34 @@ def _emulated_backward(gemm, recipe):
 # scales may be None.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
 def _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
-  return _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)[0]
+  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals=False)[0]
 
 
 def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
+  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals=True)
+
+
+def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals: bool):
+  """(y, what the backward takes, or None without `residuals`: a call that is not differentiated skips the
+  tensorwise forward's transposed copy of x)."""
   w1q = _quantize_weights(w1, recipe) if w1q is None else w1q
   w2q = _quantize_weights(w2, recipe) if w2q is None else w2q
 
   def emulation(x, w1q, w2q, sizes, b1, b2, scales):
-    return _emulated_forward(_bfloat16_gemm, recipe)(x, w1q, w2q, sizes, b1, b2, scales, act)
+    y, res = _emulated_forward(_bfloat16_gemm, recipe)(x, w1q, w2q, sizes, b1, b2, scales, act)
+    return y, res if residuals else None
 
   def cuda(x, w1q, w2q, sizes, b1, b2, scales):
-    y, h, amaxes, xq = _ffi.mlp_fp8_forward(x, w1q, w2q, sizes, b1, b2, scales, act, recipe, shape)
-    return y, (h, amaxes, xq, w1q[0], w2q[0])
+    y, h, amaxes, xt = _ffi.mlp_fp8_forward(x, w1q, w2q, sizes, b1, b2, scales, act, recipe, shape, residuals)
+    return y, (h, amaxes, xt, w1q[0], w2q[0]) if residuals else None
 
   args = (x, w1q, w2q, group_sizes, b1, b2, scales)
   if recipe.name == "blockwise":
     valid = _valid_rows(group_sizes, x.shape[0])
-    y, residuals = fp8_blockwise.forward(_blockwise_backend(), x, w1q, w2q, group_sizes, scales, valid, act, b1, b2)
+    y, res = fp8_blockwise.forward(_blockwise_backend(), x, w1q, w2q, group_sizes, scales, valid, act, b1, b2)
   else:
-    y, residuals = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
-  return y, (residuals, group_sizes, b1, b2, scales)
+    y, res = jax.lax.platform_dependent(*args, cpu=emulation, cuda=cuda)
+  return y, (res, group_sizes, b1, b2, scales)
 
 
 def _mlp_bwd(act, recipe, shape, res, dy):

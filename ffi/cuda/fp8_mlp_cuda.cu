@@ -4,7 +4,7 @@
 // layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several calls):
 // transposed for the forward, as they lie for the backward's data gradients. The weight gradients read
 // transposed copies of the activations and gradients, each group's rows a 16-aligned column segment
-// (GemmOp::kTNPadded). Group sizes stay on the device: no host sync, command-buffer compatible.
+// (GemmOp::kTNPadded); x's is written by the forward's pass that quantizes x, beside its rows. Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,24 +28,28 @@ using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
 
-// Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them).
+// Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them); xq and aq:
+// FC1's and FC2's e4m3 operands.
 struct ForwardScratch {
   float* scale;  // [4]
+  uint8_t* xq;   // [M, d]
   uint8_t* aq;   // [M, f]
 };
 ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
   ForwardScratch s;
   s.scale = c.Take<float>(4);
+  s.xq = c.Take<uint8_t>(m.M * m.d);
   s.aq = c.Take<uint8_t>(m.M * m.f);
   return s;
 }
 
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
-// operands in row layout (dyq, aq, dhq) and transposed (xt, dyt, at, dht: [width, L]), and da; with biases
+// operands in row layout (dyq, aq, dhq) and transposed (dyt, at, dht: [width, L]; x's came from the
+// forward), and da; with biases
 // dh in x.dtype (b1) and GroupColumnSums' partial sums.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
-  uint8_t *dyq, *aq, *dhq, *xt, *dyt, *at, *dht;
+  uint8_t *dyq, *aq, *dhq, *dyt, *at, *dht;
   void* da;  // [M, f] in x.dtype
   void* dh = nullptr;  // [M, F1] in x.dtype
   float* bias_partials = nullptr;
@@ -58,7 +62,6 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   s.dyq = c.Take<uint8_t>(m.M * m.d);
   s.aq = c.Take<uint8_t>(m.M * m.f);
   s.dhq = c.Take<uint8_t>(m.M * m.F1);
-  s.xt = c.Take<uint8_t>(m.d * L);
   s.dyt = c.Take<uint8_t>(m.d * L);
   s.at = c.Take<uint8_t>(m.f * L);
   s.dht = c.Take<uint8_t>(m.F1 * L);
@@ -68,9 +71,10 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   return s;
 }
 
-// The forward's e4m3 copies of x, w1 and w2: results of the forward, operands of the backward.
-Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xq, const AnyBuffer& w1q, const AnyBuffer& w2q) {
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("xq", xq, {m.M, m.d}));
+// The e4m3 weights and x's e4m3 copy that the backward takes from the forward: w1q, w2q as they lie, and
+// xt, x transposed into the weight gradients' layout [d, L] (each group's rows from a multiple of 16).
+Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xt, const AnyBuffer& w1q, const AnyBuffer& w2q) {
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("xt", xt, {m.d, PaddedRows(m.M, m.E)}));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1q", w1q, {m.E, m.d, m.F1}));
   return CheckFp8Buffer("w2q", w2q, {m.E, m.f, m.d});
 }
@@ -136,11 +140,13 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
 }
 
 // w1 and w2 are the e4m3 weights of Fp8TensorWeights as they lie (for the shapes; the backward reads
-// them), w1t and w2t the same transposed, weight_amax [2] their absolute maxima.
+// them), w1t and w2t the same transposed, weight_amax [2] their absolute maxima. xt: x's e4m3 copy in the
+// weight gradients' layout, written by the pass that quantizes x for FC1 (its transposed tile besides its
+// rows), the backward's residual; absent (ABSENT, a scalar) where the call is not differentiated.
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
                     int32_t act, float alpha, float limit, bool fast_accumulation, Result<AnyBuffer> y,
-                    Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xq, Result<AnyBuffer> workspace) {
+                    Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xt, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -148,7 +154,8 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
   for (const AnyBuffer* b : {&b1, &b2, &scales})
     if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have x's dtype");
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xq, w1, w2));
+  const bool residual = Present(*xt);
+  if (residual) JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xt, w1, w2));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1t", w1t, {m.E, m.F1, m.d}));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w2t", w2t, {m.E, m.d, m.f}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("weight_amax", weight_amax, {2}, DataType::F32, "dtype float32"));
@@ -159,7 +166,7 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
                      m.M, /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xq, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xt, &*workspace}));
   float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
   JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
   JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemcpyAsync(am + 1, weight_amax.untyped_data(), 2 * sizeof(float),
@@ -168,14 +175,14 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, am + 1, 2, s.scale + 1));
 
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      Fp8Product(GemmOp::kNT, m.F1, m.d, xq->untyped_data(), s.scale + 0, w1t.untyped_data(), s.scale + 1,
+      Fp8Product(GemmOp::kNT, m.F1, m.d, s.xq, s.scale + 0, w1t.untyped_data(), s.scale + 1,
                  h->untyped_data(), t, fast_accumulation),
       Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, w2t.untyped_data(), s.scale + 2, y->untyped_data(), t,
                  fast_accumulation, m.has_b2 ? 1.0f : 0.0f),  // onto y = s * b2[g] where b2 is given
-  }));
+  }, /*padded_layout=*/residual));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
-                                      Activations(xq->untyped_data(), nullptr, gemms, m)));
+                                      Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
@@ -186,7 +193,7 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   return gemms.Run(1);  // y = a w2
 }
 
-// x, w1 and w2 are the forward's e4m3 copies (xq, w1q, w2q).
+// x, w1 and w2 are the forward's e4m3 copies (xt, w1q, w2q; see CheckFp8Copies): dy gives M and d.
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
                      AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation,
@@ -194,7 +201,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
                      Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
-  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(dy, w1, w2, group_sizes, b1, b2, scales, act, &m));
   const DataType t = h.element_type();
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, x, w1, w2));
@@ -222,11 +229,9 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
       Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, fast),                 // da
       Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, fast),          // dw2
       Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast),  // dx
-      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, s.xt, sx, s.dht, sdh, dw1->untyped_data(), t, fast),         // dw1
+      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, x.untyped_data(), sx, s.dht, sdh, dw1->untyped_data(), t,
+                 fast),  // dw1
   }));
-  // Transposed copies of the FP8 x, a and dh (exact copies: no scale).
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, x.untyped_data(), m.M, m.d, nullptr, nullptr,
-                                      Activations(nullptr, s.xt, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
                                       Activations(s.dyq, s.dyt, gemms, m)));
@@ -239,6 +244,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
                                                   dx->untyped_data(), s.amax + 1));
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
                                                     s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
+  // Transposed copies of the FP8 a and dh (exact copies: no scale).
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(
       QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
@@ -284,13 +290,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
-                                  .Ret<xla::ffi::AnyBuffer>()   // xq
+                                  .Ret<xla::ffi::AnyBuffer>()   // xt, or absent
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                               jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
-                                                              // (x, w1, w2: the forward's xq, w1q, w2q)
+                                                              // (x, w1, w2: the forward's xt, w1q, w2q)
                                                               .Arg<xla::ffi::AnyBuffer>()   // h
                                                               .Arg<xla::ffi::AnyBuffer>()   // dy
                                                               .Arg<xla::ffi::AnyBuffer>())  // amax of the forward

@@ -175,10 +175,10 @@ size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
   return c.used();
 }
 
-ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs) {
+ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool padded_layout) {
   if (specs.size() > size_t(kMaxGemms)) return ffi::Error::Internal("jaxmlp: too many grouped GEMMs in one call");
   if (E_ <= 0 || E_ >= (int64_t(1) << 30)) return ffi::Error::InvalidArgument("jaxmlp: need 1 <= E < 2^30 groups");
-  bool padded = false;
+  bool padded = padded_layout;
   int64_t pad = 16;
   for (const GemmSpec& s : specs) {
     if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) && path_ != GemmPath::kGrouped)

@@ -134,8 +134,10 @@ class GroupedGemms {
                bool split_k, Carver& ws);
 
   // Writes the dims and pointer arrays of all products (one kernel launch); on the fallback path also
-  // copies group_sizes to the host and waits for it. The tiled path launches nothing here.
-  ffi::Error Prepare(std::initializer_list<GemmSpec> specs);
+  // copies group_sizes to the host and waits for it. The tiled path launches nothing here. padded_layout:
+  // also padded_starts() (16-row padding) without a kTNPadded product, for a layout that a later call's
+  // products read (the FP8 forward's transposed x).
+  ffi::Error Prepare(std::initializer_list<GemmSpec> specs, bool padded_layout = false);
   // Enqueues product i of Prepare's list.
   ffi::Error Run(int i);
   // Enqueues products none of which reads another's output: one launch on the tiled path.
@@ -149,7 +151,8 @@ class GroupedGemms {
 
   // Device pointer; valid once Prepare (cuBLAS paths) or the first Run (tiled path) is enqueued.
   const int64_t* offsets() const { return arrays_.offsets; }
-  // Device pointer, where Prepare had a kTNPadded product: each group's first column in its operands.
+  // Device pointer, where Prepare had a kTNPadded product or padded_layout: each group's first column in
+  // the padded operands.
   const int64_t* padded_starts() const { return arrays_.padded_starts; }
 
  private:
