@@ -299,8 +299,9 @@ def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activati
 
 
 def bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act: Activation, b1, b2, group_sums=group_sums):
-  """(db1, db2, dscales; None where absent) in h's dtype, from float32 da, dh and dy zero past the groups,
-  h the FC1 output (both recipes; group_sums: that of the platform)."""
+  """(db1, db2, dscales; None where absent) in h's dtype, from da (float32, zero past the groups), dh and dy,
+  and h, the FC1 output (both recipes; group_sums: the platform's, which takes dh and dy in h's dtype or
+  float32)."""
   dtype = h.dtype
   db1 = None if b1 is None else group_sums(dh.astype(dtype), None, sizes).astype(dtype)
   db2 = None if b2 is None else group_sums(dy, scales, sizes).astype(dtype)

@@ -75,9 +75,9 @@ def check(x, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) -
   # The weight gradients read transposed copies with every group's rows rounded up to 16 (tensorwise) or
   # 128 (blockwise), M + 15 E or M + 127 E rows in all (ffi/cuda/grouped_gemm.h PaddedRows), indexed with
   # int32.
-  pad = fp8_blockwise.BLOCK if recipe.name == "blockwise" else 16
-  padded_rows = (shape.M + (pad - 1) * shape.E + pad - 1) // pad * pad
-  if padded_rows >= _checks.INDEX_LIMIT:
+  layout = fp8_blockwise if recipe.name == "blockwise" else fp8
+  pad = fp8_blockwise.BLOCK if recipe.name == "blockwise" else fp8.PAD
+  if layout.padded_length(shape.M, shape.E) >= _checks.INDEX_LIMIT:
     raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + {pad - 1} E must stay "
                      f"below 2^31 (the weight gradients pad each group's rows to a multiple of {pad})")
 
@@ -262,8 +262,8 @@ def _mlp_bwd(act, recipe, shape, res, dy):
     return _emulated_backward(_bfloat16_gemm, recipe)(residuals, sizes, b1, b2, scales, act, dy)
 
   def cuda(residuals, sizes, b1, b2, scales, dy):
-    h, amaxes, xq, w1q, w2q = residuals
-    return _ffi.mlp_fp8_backward(xq, w1q, w2q, sizes, b1, b2, scales, h, amaxes, dy, act, recipe, shape)
+    h, amaxes, xt, w1q, w2q = residuals
+    return _ffi.mlp_fp8_backward(xt, w1q, w2q, sizes, b1, b2, scales, h, amaxes, dy, act, recipe, shape)
 
   dy = dy.astype(residuals[0].dtype)
   if recipe.name == "blockwise":
