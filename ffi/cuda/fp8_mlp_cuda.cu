@@ -7,7 +7,6 @@
 // (GemmOp::kTNPadded); x's is written by the forward's pass that quantizes x, beside its rows. Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 
 #include "../common.h"
@@ -46,7 +45,7 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
 // operands in row layout (dyq, aq, dhq) and transposed (dyt, at, dht: [width, L]; x's came from the
 // forward), and da; with biases
-// dh in x.dtype (b1) and GroupColumnSums' partial sums.
+// dh in x.dtype (b1) and BiasGradients' partial sums.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
   uint8_t *dyq, *aq, *dhq, *dyt, *at, *dht;
@@ -67,7 +66,7 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
   s.dht = c.Take<uint8_t>(m.F1 * L);
   s.da = c.Take<char>(m.M * m.f * esize);
   if (m.has_b1) s.dh = c.Take<char>(m.M * m.F1 * esize);
-  if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(GroupColumnSumsScratch(m.E, m.M, std::max(m.F1, m.d)));
+  if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(BiasGradientsScratch(m));
   return s;
 }
 
@@ -250,13 +249,8 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
       QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
-  if (m.has_b1)
-    JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, s.dh, nullptr,
-                                           s.bias_partials, db1->untyped_data()));
-  if (m.has_b2)  // y = s * (a @ w2 + b2): rows weighted by their scale
-    JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(),
-                                           DataIfPresent(scales), s.bias_partials, db2->untyped_data()));
-  return Error::Success();
+  return BiasGradients(stream, t, gemms.offsets(), m, s.dh, dy.untyped_data(), DataIfPresent(scales), s.bias_partials,
+                       db1->untyped_data(), db2->untyped_data());
 }
 
 }  // namespace

@@ -40,14 +40,13 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
 // computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is).
 struct BackwardScratch {
   void* da;              // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
-  float* bias_partials;  // GroupColumnSums' scratch, for n = max(F1, d)
+  float* bias_partials;  // BiasGradients' scratch
 };
 BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int esize) {
   BackwardScratch s;
   const bool in_dw1 = path != GemmPath::kTiled && m.E * m.d * m.F1 >= m.M * m.f;
   s.da = in_dw1 ? nullptr : c.Take<char>(m.M * m.f * esize);
-  s.bias_partials =
-      (m.has_b1 || m.has_b2) ? c.Take<float>(GroupColumnSumsScratch(m.E, m.M, std::max(m.F1, m.d))) : nullptr;
+  s.bias_partials = (m.has_b1 || m.has_b2) ? c.Take<float>(BiasGradientsScratch(m)) : nullptr;
   return s;
 }
 
@@ -116,14 +115,8 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
   // in the first wave.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
-  if (m.has_b1)
-    JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.F1, dh->untyped_data(), nullptr,
-                                           s.bias_partials, db1->untyped_data()));
-  if (m.has_b2)
-    JAXMLP_RETURN_IF_ERROR(
-        GroupColumnSums(stream, t, gemms.offsets(), m.E, m.M, m.d, dy.untyped_data(), DataIfPresent(scales),
-                        s.bias_partials, db2->untyped_data()));  // y = s * (a @ w2 + b2): rows weighted by their scale
-  return Error::Success();
+  return BiasGradients(stream, t, gemms.offsets(), m, dh->untyped_data(), dy.untyped_data(), DataIfPresent(scales),
+                       s.bias_partials, db1->untyped_data(), db2->untyped_data());
 }
 
 template <GemmPath kPath>

@@ -216,8 +216,9 @@ ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, 
   return CheckCuda(e, "launching the activation backward kernel");
 }
 
-int64_t GroupColumnSumsScratch(int64_t E, int64_t M, int64_t n) { return (ColumnSumBlocks(M) + E) * n; }
+namespace {
 
+// out[g, :] = sum of v[r, :] * scales[r] over the rows r of group g (v [M, n], out [E, n]).
 ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
                            int64_t n, const void* v, const void* scales, float* partials, void* out) {
   const int64_t rows_per_block = ColumnSumRowsPerBlock(M);
@@ -230,6 +231,19 @@ ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* 
         offsets, E, n, rows_per_block, partials, static_cast<T*>(out));
   });
   return CheckCuda(cudaGetLastError(), "launching the bias gradient kernels");
+}
+
+}  // namespace
+
+int64_t BiasGradientsScratch(const MlpDims& m) {
+  return m.has_b1 || m.has_b2 ? (ColumnSumBlocks(m.M) + m.E) * std::max(m.F1, m.d) : 0;
+}
+
+ffi::Error BiasGradients(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, const MlpDims& m,
+                         const void* dh, const void* dy, const void* scales, float* partials, void* db1, void* db2) {
+  if (m.has_b1) JAXMLP_RETURN_IF_ERROR(GroupColumnSums(stream, t, offsets, m.E, m.M, m.F1, dh, nullptr, partials, db1));
+  if (m.has_b2) return GroupColumnSums(stream, t, offsets, m.E, m.M, m.d, dy, scales, partials, db2);
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxmlp

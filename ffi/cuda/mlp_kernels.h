@@ -30,12 +30,13 @@ ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, 
                               const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
                               const void* dy, const void* b2);
 
-// out[g, :] = sum of v[r, :] * scales[r] over the rows r of group g (v [M, n], out [E, n]; scales [M] or
-// null for 1). Groups with no rows get 0. The sums are added in an order fixed by the shapes and offsets,
-// so the result is the same bits on every run. `partials` is float scratch of GroupColumnSumsScratch
-// elements, which grows with n.
-ffi::Error GroupColumnSums(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
-                           int64_t n, const void* v, const void* scales, float* partials, void* out);
-int64_t GroupColumnSumsScratch(int64_t E, int64_t M, int64_t n);
+// The biases' gradients, each where the MLP has that bias (m.has_b1, m.has_b2): db1 [E, F1] the sums of dh
+// [M, F1] over each group's rows, db2 [E, d] those of dy [M, d] weighted by the rows' scales (null: 1), as
+// y = s * (a @ w2 + b2). Groups with no rows get 0. The sums are added in an order fixed by the shapes and
+// offsets, so the result is the same bits on every run. `partials` is float scratch of
+// BiasGradientsScratch(m) elements (0 without biases).
+ffi::Error BiasGradients(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, const MlpDims& m,
+                         const void* dh, const void* dy, const void* scales, float* partials, void* db1, void* db2);
+int64_t BiasGradientsScratch(const MlpDims& m);
 
 }  // namespace jaxmlp
