@@ -326,24 +326,19 @@ __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams 
     ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
       const Vec<T, V> dav = Load<T, V>(da + row * f + j);
       Bytes<V> qg, qu;
+      Vec<T, V> vg, vu;  // dh itself in T, where it is asked for (db1)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const ActGrad r = act(k);
-        const float g = ToFloat(dav.v[k]) * s;
-        qg.b[k] = ToE4m3(g * r.dgate * inv);
-        qu.b[k] = ToE4m3(g * r.dup * inv);
+        const float g = ToFloat(dav.v[k]) * s, dgate = g * r.dgate, dup = g * r.dup;
+        qg.b[k] = ToE4m3(dgate * inv);
+        qu.b[k] = ToE4m3(dup * inv);
+        vg.v[k] = T(dgate);
+        vu.v[k] = T(dup);
       }
       *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + j) = qg;
       if (kGated) *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + f + j) = qu;
-      if (dh) {  // dh itself, in T, for db1
-        Vec<T, V> vg, vu;
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const ActGrad r = act(k);
-          const float g = ToFloat(dav.v[k]) * s;
-          vg.v[k] = T(g * r.dgate);
-          vu.v[k] = T(g * r.dup);
-        }
+      if (dh) {
         Store<T, V>(dh + row * F1 + j, vg);
         if (kGated) Store<T, V>(dh + row * F1 + f + j, vu);
       }
