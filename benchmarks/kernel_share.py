@@ -133,9 +133,10 @@ def summarize(measured):
   busy = sum(ns for _, ns in kernels[second:])
   print(f"the second step: {(max(ends) - starts[0]) / 1e3:.1f} us from its first kernel's start to its last's end, "
         f"{busy / 1e3:.1f} us of kernels; its kernels in launch order, with the GPU's idle time before each:")
-  for i, (label, ns) in enumerate(kernels[second:]):
-    idle = max(0.0, starts[i] - max(ends[:i])) if i else 0.0
-    print(f"{ns / 1e3:10.1f} us  idle {idle / 1e3:6.1f}  {label}")
+  busy_until = starts[0]  # the latest end of the kernels before
+  for (label, ns), start, end in zip(kernels[second:], starts, ends):
+    print(f"{ns / 1e3:10.1f} us  idle {max(0.0, start - busy_until) / 1e3:6.1f}  {label}")
+    busy_until = max(busy_until, end)
 
 
 if __name__ == "__main__":

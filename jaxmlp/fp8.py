@@ -293,7 +293,7 @@ def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activati
   qdh = quantize(dh, adh)
   dw2 = gemm("tn", qa, qdy, sizes) * (scale_of(aa) * scale_of(ady))
   dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
-  dw1 = gemm("tn", jnp.where(rows, xq.astype(jnp.float32), 0), qdh, sizes) * (scale_of(ax) * scale_of(adh))
+  dw1 = gemm("tn", xq.astype(jnp.float32), qdh, sizes) * (scale_of(ax) * scale_of(adh))  # xq: 0 past the groups
   return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
           *bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act, b1, b2))
 

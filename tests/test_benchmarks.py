@@ -315,6 +315,22 @@ def test_kernel_share_summarizes_an_nsight_compute_csv(tmp_path, capsys, monkeyp
       "QuantizeTileKernel", "nvjet_sm90_qqtst_128x128_ptrGroup_TNT", "AbsMaxKernel"]
 
 
+def test_kernel_share_reports_the_idle_time_of_a_traced_step(capsys, monkeypatch):
+  """kernel_share.py --trace: with the kernels' start times (JAX's profiler), the second step's span and the
+  GPU's idle time before each kernel, counted from the latest end before it (kernels may overlap)."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import kernel_share
+
+  def step(t0):  # (name, ns, start ns): a gap of 5 us, then a kernel inside the one before, then 2 us
+    return [("gemm_a", 10_000, t0), ("gemm_b", 4_000, t0 + 15_000), ("gemm_c", 1_000, t0 + 16_000),
+            ("gemm_d", 3_000, t0 + 21_000)]
+  kernel_share.summarize(step(0) + step(100_000))
+  out = capsys.readouterr().out.splitlines()
+  assert "the second step: 24.0 us from its first kernel's start to its last's end, 18.0 us of kernels" in out[-5]
+  assert [line.split()[3:] for line in out[-4:]] == [["0.0", "gemm_a"], ["5.0", "gemm_b"], ["0.0", "gemm_c"],
+                                                     ["2.0", "gemm_d"]]
+
+
 def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, and the
   tensorwise weights' at a shape of the user's own (the JAX quantizers alone without a GPU)."""
