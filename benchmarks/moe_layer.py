@@ -1,7 +1,7 @@
 """The MoE layer, part by part, fwd+bwd: router (logits, softmax, top-k), dispatch (sort by expert, row
 gather, router weights to the rows), the expert MLP (jaxmlp.grouped_mlp, weights fused as scales),
-combine (each token's rows summed in float32), and the whole layer (jaxmlp.moe.moe, the aux loss
-included). Two JAX routing/dispatch/combine paths in one run:
+combine (each token's rows summed in float32), and the whole layer (jaxmlp.moe.router_logits and
+jaxmlp.moe.moe, the aux loss included). Two JAX routing/dispatch/combine paths in one run:
 
   jaxmlp     jaxmlp.dispatch's custom calls (the router's top-k, a counting sort on the device, gathers
              both ways);
@@ -66,7 +66,7 @@ def steps(path: str, shape: tuple, inputs):
   ops = moe_lib.DISPATCHERS[PATHS[path]]
 
   def router(x, wr):
-    weights, _, _ = moe_lib.route(x.astype(jnp.float32) @ wr, k, impl=PATHS[path])
+    weights, _, _ = moe_lib.route(moe_lib.router_logits(x, wr), k, impl=PATHS[path])
     return weights
 
   def dispatch(x, weights, experts):
@@ -81,11 +81,11 @@ def steps(path: str, shape: tuple, inputs):
 
   def layer(x, wr, w1, w2):
     expert_mlp = lambda rows, gs, scales: mlp(rows, scales, w1, w2, gs)
-    y, aux = moe_lib.moe(x, x.astype(jnp.float32) @ wr, expert_mlp, top_k=k, aux_loss_coef=1e-2,
+    y, aux = moe_lib.moe(x, moe_lib.router_logits(x, wr), expert_mlp, top_k=k, aux_loss_coef=1e-2,
                          z_loss_coef=1e-3, impl=PATHS[path])
     return y, aux["aux_loss"]
 
-  weights, experts, _ = jax.jit(lambda x, wr: moe_lib.route(x.astype(jnp.float32) @ wr, k, impl=PATHS[path]))(x, wr)
+  weights, experts, _ = jax.jit(lambda x, wr: moe_lib.route(moe_lib.router_logits(x, wr), k, impl=PATHS[path]))(x, wr)
   rows, group_sizes, plan = jax.jit(lambda x, e: ops.dispatch(x, e, E))(x, experts)
   scales = jax.jit(ops.row_weights)(weights, plan)
   y_rows = jax.jit(mlp)(rows, scales, w1, w2, group_sizes)

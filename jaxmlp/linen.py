@@ -27,7 +27,8 @@ from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, check_exchange, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, router_logits,
+                  tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -89,6 +90,18 @@ class GroupedMLP(nn.Module):
     return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype)
 
 
+class _Router(nn.Module):
+  """The router's kernel [d, E] (nn.Dense's parameter name and layout) and its float32 logits."""
+  num_experts: int
+  param_dtype: Dtype
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", nn.with_logical_partitioning(default_router_init, ROUTER_AXES),
+                        (tokens.shape[-1], self.num_experts), self.param_dtype)
+    return router_logits(tokens, kernel)
+
+
 class MoE(nn.Module):
   """A Mixture-of-Experts MLP layer: router, top-k, expert-sorted GroupedMLP, weighted combine.
 
@@ -129,10 +142,9 @@ class MoE(nn.Module):
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
     check_exchange(self.expert_exchange, "expert_exchange")
     tokens = tokens_of(x, self.d_model)
-    # The router computes in float32, as in jaxmlp.nnx.MoE: top-k choices are sensitive to rounding.
-    logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
-                      kernel_init=nn.with_logical_partitioning(default_router_init, ROUTER_AXES),
-                      name="router")(tokens)
+    # The router computes in float32 or better (jaxmlp.moe.router_logits), as in jaxmlp.nnx.MoE: top-k
+    # choices are sensitive to rounding.
+    logits = _Router(self.num_experts, self.param_dtype, name="router")(tokens)
     experts = GroupedMLP(self.num_experts, self.d_model, self.d_ff, activation=self.activation,
                          use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                          kernel_init=self.kernel_init, bias_init=self.bias_init, impl=self.impl,

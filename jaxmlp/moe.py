@@ -70,6 +70,60 @@ def tokens_of(x: jax.Array, d_model: int) -> jax.Array:
   return x.reshape(-1, d_model)
 
 
+def router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
+  """The router's logits tokens [T, d] @ kernel [d, E] in float32.
+
+  bfloat16 tokens are exact in bfloat16, so the products run on bfloat16 tensor cores with float32
+  accumulation, the float32 operand split into two bfloat16 halves (hi + lo, ~16 bits): ~2^-16 relative
+  error, against the 2^-11 of TF32 (XLA's default for a float32 product on a GPU) and the 2^-9 of a
+  bfloat16 kernel, and read from the 16-bit tokens, not a float32 copy. The backward likewise: dx in one
+  product of the gradient's and the kernel's halves (hi·hi + lo·hi + hi·lo), in the tokens' dtype; dkernel
+  from the gradient's halves. Other dtypes: one float32 product, as jnp.dot computes it.
+  """
+  if jnp.result_type(tokens) != jnp.bfloat16:
+    return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32))
+  return _split_logits(tokens, kernel.astype(jnp.float32))
+
+
+def _halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 a as bfloat16 (hi, lo), hi + lo = a to ~16 bits. hi truncates a's bits (exact in bfloat16),
+  so that a - hi is exact: rounding to bfloat16 and back would do too, but XLA may drop such a round trip
+  (xla_allow_excess_precision) and leave lo zero."""
+  hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                    jnp.float32)
+  return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
+
+
+def _contract(a: jax.Array, b: jax.Array, axes: tuple[int, int], dtype) -> jax.Array:
+  """The product of a and b over a's axis axes[0] and b's axes[1], in dtype (float32 accumulation)."""
+  return jax.lax.dot_general(a, b, (((axes[0],), (axes[1],)), ((), ())), preferred_element_type=dtype)
+
+
+@jax.custom_vjp
+def _split_logits(tokens, kernel):
+  hi, lo = _halves(kernel)
+  both = _contract(tokens, jnp.concatenate([hi, lo], axis=1), (1, 0), jnp.float32)
+  return both[:, :kernel.shape[1]] + both[:, kernel.shape[1]:]  # one product of 2E columns, then their sum
+
+
+def _split_logits_fwd(tokens, kernel):
+  return _split_logits(tokens, kernel), (tokens, kernel)
+
+
+def _split_logits_bwd(res, g):
+  tokens, kernel = res
+  g_hi, g_lo = _halves(g)
+  w_hi, w_lo = _halves(kernel)
+  # Three products in one, along a reduction of 3E: [g_hi, g_lo, g_hi] @ [w_hi, w_hi, w_lo]^T.
+  dx = _contract(jnp.concatenate([g_hi, g_lo, g_hi], axis=1), jnp.concatenate([w_hi, w_hi, w_lo], axis=1), (1, 1),
+                 tokens.dtype)
+  both = _contract(tokens, jnp.concatenate([g_hi, g_lo], axis=1), (0, 0), jnp.float32)
+  return dx, both[:, :kernel.shape[1]] + both[:, kernel.shape[1]:]
+
+
+_split_logits.defvjp(_split_logits_fwd, _split_logits_bwd)
+
+
 def route(logits: jax.Array, top_k: int, score_func: str = "softmax", renormalize: bool = True,
           impl: str = "jaxmlp"):
   """Picks each token's experts from its router logits [T, E]; impl picks the top-k: "jaxmlp"

@@ -31,7 +31,8 @@ from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, check_exchange, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, tokens_of)
+                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, router_logits,
+                  tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -248,6 +249,7 @@ class MoE(nnx.Module):
       "router_z_loss", already multiplied by their coefficients, and their sum "aux_loss".
     """
     tokens = tokens_of(x, self.d_model)
+    logits = router_logits(tokens, self.router.kernel[...])  # the Linear's parameter, in float32 or better
     options = dict(top_k=self.top_k, score_func=self.score_func, renormalize=self.renormalize,
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
                    z_loss_coef=self.z_loss_coef)
@@ -256,12 +258,12 @@ class MoE(nnx.Module):
       # merges its share.
       graphdef, state = nnx.split(self.experts)
       y, aux = moe_expert_parallel(
-          tokens, self.router(tokens), (state, fp8_weights),
+          tokens, logits, (state, fp8_weights),
           lambda local, rows, sizes: nnx.merge(graphdef, local[0])(rows, sizes, fp8_weights=local[1]),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights)
-      y, aux = moe(tokens, self.router(tokens), experts, **options, impl=self.impl)
+      y, aux = moe(tokens, logits, experts, **options, impl=self.impl)
     return y.reshape(x.shape), aux
 
   def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:

@@ -24,13 +24,6 @@ def router_bf16(x, wr):
   return jnp.dot(x, wr.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def router_split(x, wr):  # wr = hi + lo in bfloat16: one GEMM of twice the columns, ~16 bits of wr
-  hi = wr.astype(jnp.bfloat16)
-  lo = (wr - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-  both = jnp.dot(x, jnp.concatenate([hi, lo], axis=1), preferred_element_type=jnp.float32)
-  return both[:, :E] + both[:, E:]
-
-
 def layer(router, aux=True):
   """moe_layer.py's layer with `router` for its logits."""
   def fn(x, wr, w1, w2):
@@ -42,9 +35,9 @@ def layer(router, aux=True):
 
 
 variants = {
-    "layer (tf32 router)": layer(router_tf32),
+    "layer, tf32 router": layer(router_tf32),
     "layer, bf16 router": layer(router_bf16),
-    "layer, split router": layer(router_split),
+    "layer, split router": layer(moe_lib.router_logits),
     "layer, no aux": layer(router_tf32, aux=False),
 }
 steps = moe_layer.steps("jaxmlp", (T, d, E, k, f), (x, wr, w1, w2, dy))
@@ -57,7 +50,7 @@ for name, fn in variants.items():
   step = moe_layer.vjp_step(fn, 4)
   args = (x, wr, w1, w2, (dy, jnp.ones((), jnp.float32)))
   rows.append((name, measure(lambda i: step(*args), jax.block_until_ready, **timing)["s"]))
-for name, fn in (("router tf32", router_tf32), ("router bf16", router_bf16), ("router split", router_split)):
+for name, fn in (("router tf32", router_tf32), ("router bf16", router_bf16), ("router split", moe_lib.router_logits)):
   logits = jax.jit(fn)(x, wr)
   ref = jax.jit(lambda x, wr: jnp.dot(x.astype(jnp.float32), wr, precision="highest"))(x, wr)
   err = float(jnp.max(jnp.abs(logits - ref)) / jnp.max(jnp.abs(ref)))

@@ -1,0 +1,39 @@
+"""jaxmlp.moe.router_logits against float64: bfloat16 tokens through split bfloat16 products."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmlp.moe import router_logits
+
+
+def relative_error(got, want):
+  return np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("T,d,E", [(512, 256, 64), (100, 72, 5), (1, 8, 1)])
+def test_router_logits_of_bfloat16_tokens_hold_16_bits(rng, T, d, E):
+  x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  kernel = jnp.asarray(rng.standard_normal((d, E)) * 0.05, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+  # Under jit, where XLA may drop a rounding round trip (jaxmlp.moe._halves).
+  logits, (dx, dkernel) = jax.jit(lambda x, w, g: (router_logits(x, w), jax.vjp(router_logits, x, w)[1](g)))(
+      x, kernel, g)
+  assert logits.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dkernel.dtype == jnp.float32
+  X, W, G = (np.asarray(a, np.float64) for a in (x, kernel, g))
+  # ~2^-17 measured; a bfloat16 kernel (or a lost low half) gives ~2^-9, TF32 ~2^-11.
+  assert relative_error(logits, X @ W) < 2**-14
+  assert relative_error(dkernel, X.T @ G) < 2**-14
+  # dx is rounded to bfloat16: nearly every element is float64's rounded (half of them with the gradient or
+  # the kernel in bfloat16).
+  want_dx = G @ W.T
+  assert relative_error(dx, want_dx) < 2**-8
+  assert np.mean(np.asarray(dx, np.float64) == np.asarray(jnp.asarray(want_dx, jnp.bfloat16), np.float64)) > 0.97
+
+
+def test_router_logits_of_other_dtypes_are_one_float32_product(rng):
+  x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+  kernel = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+  np.testing.assert_array_equal(router_logits(x, kernel), jnp.dot(x, kernel))
+  x16 = x.astype(jnp.float16)
+  np.testing.assert_array_equal(router_logits(x16, kernel), jnp.dot(x16.astype(jnp.float32), kernel))
