@@ -178,8 +178,8 @@ class MoE(nnx.Module):
       order. Dropped rows contribute 0 to the output.
     aux_loss_coef: coefficient of the Switch/GShard load-balancing loss.
     z_loss_coef: coefficient of the router z-loss (ST-MoE).
-    dtype: the dtype of the expert computation (default: infer from input and params). The router
-      always computes in float32: top-k choices are sensitive to rounding.
+    dtype: the dtype of the expert computation (default: infer from input and params). The router's
+      logits are float32 at any dtype (jaxmlp.moe.router_logits): top-k choices are sensitive to rounding.
     param_dtype: the dtype passed to parameter initializers.
     expert_axis: None, or a mesh axis name: under a mesh (jax.set_mesh) where that axis has P > 1
       devices, the layer runs expert-parallel over it (jaxmlp.expert_parallel: E and the tokens must
