@@ -10,6 +10,7 @@
 #include "elements.cuh"
 #include "group_scan.cuh"
 #include "launch.cuh"
+#include "row_bias.cuh"
 
 namespace jaxmlp {
 namespace {
@@ -214,13 +215,8 @@ template <typename T, int V, bool kGated>
 __device__ __forceinline__ void AddBias(T* hr, const T* b, int64_t f) {
   for (int64_t j = threadIdx.x * V; j < f; j += blockDim.x * V)
 #pragma unroll
-    for (int half = 0; half < (kGated ? 2 : 1); ++half) {
-      Vec<T, V> hv = Load<T, V>(hr + half * f + j);
-      const Vec<T, V> bv = Load<T, V>(b + half * f + j);
-#pragma unroll
-      for (int k = 0; k < V; ++k) hv.v[k] = T(ToFloat(hv.v[k]) + ToFloat(bv.v[k]));
-      Store<T, V>(hr + half * f + j, hv);
-    }
+    for (int half = 0; half < (kGated ? 2 : 1); ++half)
+      Store<T, V>(hr + half * f + j, PlusBias<T, V>(Load<T, V>(hr + half * f + j), b + half * f + j));
 }
 
 template <typename T, int V, Act kAct>
@@ -239,8 +235,7 @@ __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const i
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
     const int64_t g = (b1 || b2) ? GroupOf(offsets, E, row) : 0;
     if (b1) AddBias<T, V, kGated>(h + row * F1, b1 + g * F1, f);
-    if (b2)  // FC2 adds its product onto y = round(s * b2[g]) (beta 1)
-      for (int64_t j = threadIdx.x; j < d; j += blockDim.x) y[row * d + j] = T(s * ToFloat(b2[g * d + j]));
+    if (b2) ScaledBiasRow<T, V>(y + row * d, b2 + g * d, s, d);
     ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t, auto act) {
 #pragma unroll
       for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(act(k).val * s));
@@ -300,10 +295,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
       }
       *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
     });
-    if (dscales && b2) {  // y = s * (a @ w2 + b2): the scale's gradient also takes <dy, b2[g]>
-      const int64_t g = GroupOf(offsets, E, row);
-      for (int64_t j = threadIdx.x; j < d; j += blockDim.x) ds += ToFloat(dy[row * d + j]) * ToFloat(b2[g * d + j]);
-    }
+    if (dscales && b2) ds += BiasDotShare<T, V>(dy + row * d, b2 + GroupOf(offsets, E, row) * d, d);
     if (dscales) {
       ds = BlockSum<kThreads / 32>(ds);
       if (threadIdx.x == 0) dscales[row] = T(ds);

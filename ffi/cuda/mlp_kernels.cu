@@ -7,6 +7,7 @@
 #include "elements.cuh"
 #include "group_scan.cuh"
 #include "launch.cuh"
+#include "row_bias.cuh"
 
 namespace jaxmlp {
 namespace {
@@ -43,12 +44,10 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
     Vec<T, V> gate = Load<T, V>(hr + j), up;
     if (kGated) up = Load<T, V>(hr + f + j);
     if (b1) {  // the saved pre-activation includes b1
-      Vec<T, V> bg = Load<T, V>(b1 + g * F1 + j);
-      for (int k = 0; k < V; ++k) gate.v[k] = Conv<T>::From(Conv<T>::To(gate.v[k]) + Conv<T>::To(bg.v[k]));
+      gate = PlusBias<T, V>(gate, b1 + g * F1 + j);
       Store<T, V>(hr + j, gate);
       if (kGated) {
-        Vec<T, V> bu = Load<T, V>(b1 + g * F1 + f + j);
-        for (int k = 0; k < V; ++k) up.v[k] = Conv<T>::From(Conv<T>::To(up.v[k]) + Conv<T>::To(bu.v[k]));
+        up = PlusBias<T, V>(up, b1 + g * F1 + f + j);
         Store<T, V>(hr + f + j, up);
       }
     }
@@ -59,15 +58,7 @@ __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const 
     }
     Store<T, V>(a + row * f + j, out);
   }
-  // FC2 accumulates onto this (beta = 1): the bias costs no extra pass over y. The row scale weighs the
-  // whole expert output, b2 included.
-  if (b2)
-    for (int64_t j = threadIdx.x * V; j < d; j += blockDim.x * V) {
-      Vec<T, V> bias = Load<T, V>(b2 + g * d + j);
-      if (scales)
-        for (int k = 0; k < V; ++k) bias.v[k] = Conv<T>::From(Conv<T>::To(bias.v[k]) * s);
-      Store<T, V>(y + row * d + j, bias);
-    }
+  if (b2) ScaledBiasRow<T, V>(y + row * d, b2 + g * d, s, d);
 }
 
 template <typename T, int V, Act kAct>
@@ -104,13 +95,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
     Store<T, V>(dh + row * F1 + j, dg);
     if (kGated) Store<T, V>(dh + row * F1 + f + j, du);
   }
-  if (dscales && b2) {  // y = s * (a @ w2 + b2): the scale's gradient also takes <dy, b2[g]>
-    const int64_t g = GroupOf(offsets, E, row);
-    for (int64_t j = threadIdx.x * V; j < d; j += blockDim.x * V) {
-      Vec<T, V> dyv = Load<T, V>(dy + row * d + j), bv = Load<T, V>(b2 + g * d + j);
-      for (int k = 0; k < V; ++k) ds += Conv<T>::To(dyv.v[k]) * Conv<T>::To(bv.v[k]);
-    }
-  }
+  if (dscales && b2) ds += BiasDotShare<T, V>(dy + row * d, b2 + GroupOf(offsets, E, row) * d, d);
   if (dscales) {
     ds = BlockSum<kThreads / 32>(ds);
     if (threadIdx.x == 0) dscales[row] = Conv<T>::From(ds);
