@@ -199,7 +199,7 @@ def _padded_positions(sizes: jax.Array, m: int) -> jax.Array:
 
 def transposed_padded(q: jax.Array, sizes: jax.Array) -> jax.Array:
   """q [M, C] transposed into the weight gradients' layout [C, L] (L = padded_length): each group's rows from
-  a multiple of 16, zeros between (the CUDA path leaves the columns past the last group unwritten)."""
+  a multiple of 16, zeros between and after."""
   m, c = q.shape
   out = jnp.zeros((padded_length(m, sizes.shape[0]), c), q.dtype)
   return out.at[_padded_positions(sizes, m)].set(q, mode="drop").T

@@ -10,7 +10,8 @@ from conftest import check_close, check_padding_rows_zero, max_error, rel_error
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
 import numpy_reference as ref
-from jaxmlp import _ffi, fp8_blockwise, fp8_mlp
+from jaxmlp import _checks, _ffi, activations, fp8_blockwise, fp8_mlp
+from jaxmlp.fp8 import padded_length
 
 # (M, d, f, group_sizes): empty groups, a skewed group, sizes that are not multiples of 16, padding rows.
 CASES = {
@@ -190,6 +191,30 @@ def test_cuda_fp8_equals_the_cpu_emulation(rng, recipe, fast, case, biases):
   # through h (measured on an H200: up to 8e-3 relative error, elements up to 4e-2), within the same bound.
   for k in results["cpu"]:
     check_close(results["cuda"][k], results["cpu"][k], CUDA_TOLERANCE, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_fp8_forward_keeps_the_emulations_copy_of_x(rng, case):
+  """The tensorwise forward's residual xt (x's e4m3 copy in the weight gradients' padded layout, which the
+  handler poisons first): every byte equals the emulation's, the zeros between and after the groups
+  included (the layout is sized for the worst case; the products never read past the groups)."""
+  reason = fp8_reason()
+  if reason:
+    pytest.skip(reason)
+  M, d, f, sizes = CASES[case]
+  args, gs, _ = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  act = activations.resolve("swiglu")
+  shape = _checks.check_mlp(args["x"], args["w1"], args["w2"], gs, act)
+  xts = {}
+  for platform in ("cpu", "cuda"):
+    with jax.default_device(jax.devices(platform)[0]):
+      a = jax.device_put(args, jax.devices(platform)[0])
+      _, (residuals, *_) = fp8_mlp._mlp_fwd(a["x"], a["w1"], a["w2"], None, None, jax.device_put(gs, a["x"].device),
+                                            None, None, a["scales"], act, EXACT["tensorwise"], shape)
+      xts[platform] = np.asarray(residuals[2]).view(np.uint8)
+  assert xts["cuda"].shape == (d, padded_length(M, len(sizes)))
+  np.testing.assert_array_equal(xts["cuda"], xts["cpu"])
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
