@@ -73,20 +73,16 @@ def tokens_of(x: jax.Array, d_model: int) -> jax.Array:
 def router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
   """The router's logits tokens [T, d] @ kernel [d, E] in float32.
 
-  On accelerators, bfloat16 tokens (exact in bfloat16) meet the float32 kernel split into two bfloat16
-  halves (hi + lo, ~16 bits) on bfloat16 tensor cores with float32 accumulation: ~2^-17 relative error,
-  against the 2^-11 of TF32 (XLA's default for a float32 product on a GPU) and the 2^-9 of a bfloat16
-  kernel, read from the 16-bit tokens rather than a float32 copy. The backward likewise: dx in one product
-  of the gradient's and the kernel's halves (hi·hi + lo·hi + hi·lo), in the tokens' dtype; dkernel from the
-  gradient's halves. On the CPU, and for other dtypes: one float32 product, as jnp.dot computes it.
+  bfloat16 tokens are exact in bfloat16, so the products run on bfloat16 tensor cores with float32
+  accumulation, the float32 operand split into two bfloat16 halves (hi + lo, ~16 bits): ~2^-16 relative
+  error, against the 2^-11 of TF32 (XLA's default for a float32 product on a GPU) and the 2^-9 of a
+  bfloat16 kernel, and read from the 16-bit tokens, not a float32 copy. The backward likewise: dx in one
+  product of the gradient's and the kernel's halves (hi·hi + lo·hi + hi·lo), in the tokens' dtype; dkernel
+  from the gradient's halves. Other dtypes: one float32 product, as jnp.dot computes it.
   """
-  def float32_product(tokens, kernel):
-    return jnp.dot(tokens.astype(jnp.float32), kernel)
-
-  kernel = kernel.astype(jnp.float32)
   if jnp.result_type(tokens) != jnp.bfloat16:
-    return float32_product(tokens, kernel)
-  return jax.lax.platform_dependent(tokens, kernel, cpu=float32_product, default=_split_logits)
+    return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32))
+  return _split_logits(tokens, kernel.astype(jnp.float32))
 
 
 def _halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
