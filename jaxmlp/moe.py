@@ -74,7 +74,7 @@ def router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
   """The router's logits tokens [T, d] @ kernel [d, E] in float32.
 
   bfloat16 tokens are exact in bfloat16, so the products run on bfloat16 tensor cores with float32
-  accumulation, the float32 operand split into two bfloat16 halves (hi + lo, ~16 bits): ~2^-16 relative
+  accumulation, the float32 operand split into two bfloat16 halves (hi + lo, ~16 bits): ~2^-17 relative
   error, against the 2^-11 of TF32 (XLA's default for a float32 product on a GPU) and the 2^-9 of a
   bfloat16 kernel, and read from the 16-bit tokens, not a float32 copy. The backward likewise: dx in one
   product of the gradient's and the kernel's halves (hi·hi + lo·hi + hi·lo), in the tokens' dtype; dkernel
