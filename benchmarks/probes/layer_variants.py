@@ -38,7 +38,7 @@ variants = {
     "layer, tf32 router": layer(router_tf32),
     "layer, bf16 router": layer(router_bf16),
     "layer, split router": layer(moe_lib.router_logits),
-    "layer, no aux": layer(router_tf32, aux=False),
+    "layer, no aux": layer(moe_lib.router_logits, aux=False),
 }
 steps = moe_layer.steps("jaxmlp", (T, d, E, k, f), (x, wr, w1, w2, dy))
 timing = dict(repeats=10, max_call_s=5.0, budget_s=2.0)
