@@ -80,6 +80,10 @@ def router_logits(tokens: jax.Array, kernel: jax.Array) -> jax.Array:
   product of the gradient's and the kernel's halves (hi·hi + lo·hi + hi·lo), in the tokens' dtype; dkernel
   from the gradient's halves. Other dtypes: one float32 product, as jnp.dot computes it.
   """
+  if jnp.ndim(tokens) != 2:
+    raise ValueError(f"tokens: got shape {tuple(jnp.shape(tokens))}, expected [T, d]")
+  if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != tokens.shape[1]:
+    raise ValueError(f"kernel: got shape {tuple(jnp.shape(kernel))}, expected [d, E] = [{tokens.shape[1]}, E]")
   if jnp.result_type(tokens) != jnp.bfloat16:
     return jnp.dot(tokens.astype(jnp.float32), kernel.astype(jnp.float32))
   return _split_logits(tokens, kernel.astype(jnp.float32))
