@@ -1,9 +1,9 @@
 """jaxmlp.moe.router_logits against float64: bfloat16 tokens through split bfloat16 products."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import re
-
 import pytest
 
 from jaxmlp.moe import router_logits
