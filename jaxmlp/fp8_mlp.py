@@ -75,8 +75,7 @@ def check(x, recipe: fp8.Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) -
   # The weight gradients read transposed copies with every group's rows rounded up to 16 (tensorwise) or
   # 128 (blockwise), M + 15 E or M + 127 E rows in all (ffi/cuda/grouped_gemm.h PaddedRows), indexed with
   # int32.
-  layout = fp8_blockwise if recipe.name == "blockwise" else fp8
-  pad = fp8_blockwise.BLOCK if recipe.name == "blockwise" else fp8.PAD
+  layout, pad = (fp8_blockwise, fp8_blockwise.BLOCK) if recipe.name == "blockwise" else (fp8, fp8.PAD)
   if layout.padded_length(shape.M, shape.E) >= _checks.INDEX_LIMIT:
     raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + {pad - 1} E must stay "
                      f"below 2^31 (the weight gradients pad each group's rows to a multiple of {pad})")

@@ -4,7 +4,8 @@
 // layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several calls):
 // transposed for the forward, as they lie for the backward's data gradients. The weight gradients read
 // transposed copies of the activations and gradients, each group's rows a 16-aligned column segment
-// (GemmOp::kTNPadded); x's is written by the forward's pass that quantizes x, beside its rows. Group sizes stay on the device: no host sync, command-buffer compatible.
+// (GemmOp::kTNPadded); x's is written by the forward's pass that quantizes x, beside its rows. Group sizes
+// stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -44,8 +45,7 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
 
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
 // operands in row layout (dyq, aq, dhq) and transposed (dyt, at, dht: [width, L]; x's came from the
-// forward), and da; with biases
-// dh in x.dtype (b1) and BiasGradients' partial sums.
+// forward), and da; with biases dh in x.dtype (b1) and BiasGradients' partial sums.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
   uint8_t *dyq, *aq, *dhq, *dyt, *at, *dht;
