@@ -295,19 +295,18 @@ def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activati
   dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
   dw1 = gemm("tn", xq.astype(jnp.float32), qdh, sizes) * (scale_of(ax) * scale_of(adh))  # xq: 0 past the groups
   return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
-          *bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act, b1, b2))
+          *bias_and_scale_grads(da, dh, dy, value, dtype, scales, sizes, valid, b1, b2))
 
 
-def bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act: Activation, b1, b2, group_sums=group_sums):
-  """(db1, db2, dscales; None where absent) in h's dtype, from da (float32, zero past the groups), dh and dy,
-  and h, the FC1 output (both recipes; group_sums: the platform's, which takes dh and dy in h's dtype or
-  float32)."""
-  dtype = h.dtype
+def bias_and_scale_grads(da, dh, dy, act_h, dtype, scales, sizes, valid, b1, b2, group_sums=group_sums):
+  """(db1, db2, dscales; None where absent) in dtype, from da (float32, zero past the groups), dh and dy,
+  and act_h = act(h) in float32 (read only with scales; both recipes; group_sums: the platform's, which
+  takes dh and dy in dtype or float32)."""
   db1 = None if b1 is None else group_sums(dh.astype(dtype), None, sizes).astype(dtype)
   db2 = None if b2 is None else group_sums(dy, scales, sizes).astype(dtype)
   dscales = None
   if scales is not None:  # a = act(h) * scales and y = scales * (... + b2)
-    ds = jnp.sum(da * act(h.astype(jnp.float32)), axis=1)
+    ds = jnp.sum(da * act_h, axis=1)
     if b2 is not None:
       ds = ds + jnp.sum(dy * bias_rows(b2, sizes, valid), axis=1)
     dscales = ds.astype(dtype)

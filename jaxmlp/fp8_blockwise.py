@@ -243,7 +243,8 @@ def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy, b
   if b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
     s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
     dh = jax.vjp(act, h.astype(jnp.float32))[1](da * s)[0].astype(dtype)
-  db1, db2, dscales = bias_and_scale_grads(da, dh, dy, h, scales, sizes, valid, act, b1, b2,
+  act_h = None if scales is None else act(h.astype(jnp.float32))
+  db1, db2, dscales = bias_and_scale_grads(da, dh, dy, act_h, dtype, scales, sizes, valid, b1, b2,
                                            group_sums=b.group_sums)
   return dx, dw1, dw2, db1, db2, dscales
 
