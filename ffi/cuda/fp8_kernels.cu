@@ -393,19 +393,16 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
     });                                                                                        \
   })
 
-__global__ void ZeroPaddedTailKernel(uint8_t* cols, int64_t R, int64_t ld, const int64_t* row_offsets,
-                                     const int64_t* col_offsets, int64_t E) {
-  const int64_t last = row_offsets[E] - row_offsets[E - 1];
-  const int64_t end = std::clamp<int64_t>(col_offsets[E - 1] + (last + 15) / 16 * 16, 0, ld);
+__global__ void ZeroPaddedTailKernel(uint8_t* cols, int64_t R, int64_t ld, const int64_t* padded_end) {
+  const int64_t end = std::clamp<int64_t>(*padded_end, 0, ld);
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x)
     for (int64_t j = end + threadIdx.x; j < ld; j += blockDim.x) cols[r * ld + j] = 0;
 }
 
-ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld, const int64_t* row_offsets,
-                          const int64_t* col_offsets, int64_t E) {
-  if (R == 0 || ld == 0 || E == 0) return ffi::Error::Success();
+ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld, const int64_t* padded_end) {
+  if (R == 0 || ld == 0) return ffi::Error::Success();
   ZeroPaddedTailKernel<<<unsigned(std::min<int64_t>(R, 4096)), 256, 0, stream>>>(static_cast<uint8_t*>(cols), R, ld,
-                                                                                 row_offsets, col_offsets, E);
+                                                                                 padded_end);
   return CheckCuda(cudaGetLastError(), "launching the padded layout's tail zeroing");
 }
 

@@ -39,11 +39,10 @@ struct Fp8Outputs {
 ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
                         float* scale_out, const Fp8Outputs& out);
 
-// Zeroes the columns of the padded layout cols [R, ld] past the last group's padded end: ld is sized for the
-// worst case (PaddedRows), the products read only the groups' columns, and an output keeps no element
-// unwritten. row_offsets [E + 1] and col_offsets [E] as in Fp8Outputs.
-ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld, const int64_t* row_offsets,
-                          const int64_t* col_offsets, int64_t E);
+// Zeroes the columns of the padded layout cols [R, ld] from *padded_end (the last group's padded end, on the
+// device: GroupedGemms::padded_starts() + E) on: ld is sized for the worst case (PaddedRows), the products
+// read only the groups' columns, and an output keeps no element unwritten.
+ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld, const int64_t* padded_end);
 
 // The forward's activation in two passes over the valid rows of h [M, F1]: *amax_a = max |act(h) * s|
 // (zeroing the padding rows of h and y on the way; with b1 [E, F1] adding the row's group's bias to h in

@@ -183,8 +183,8 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
                                       Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m)));
   if (residual)
-    JAXMLP_RETURN_IF_ERROR(ZeroPaddedTail(stream, xt->untyped_data(), m.d, PaddedRows(m.M, m.E), gemms.offsets(),
-                                          gemms.padded_starts(), m.E));
+    JAXMLP_RETURN_IF_ERROR(
+        ZeroPaddedTail(stream, xt->untyped_data(), m.d, PaddedRows(m.M, m.E), gemms.padded_starts() + m.E));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),

@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       p.out.padded[g] = int32_t(padded);
       p.out.padded[p.E + g] = int32_t(p.padded_ld);
       p.out.padded_starts[g] = padded_start;
+      if (g == p.E - 1) p.out.padded_starts[p.E] = padded_start + span;  // the padded layout's end
     }
     for (int i = 0; i < p.num_gemms; ++i) {
       const GemmSpec& s = p.gemms[i];
@@ -165,7 +166,7 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   arrays_.ptrs = ws.Take<void*>(kMaxGemms * 3 * E);
   arrays_.scale_ptrs = ws.Take<void*>(kMaxGemms * 2 * E);
   arrays_.padded = ws.Take<int32_t>(2 * E);
-  arrays_.padded_starts = ws.Take<int64_t>(E);
+  arrays_.padded_starts = ws.Take<int64_t>(E + 1);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
 }
 

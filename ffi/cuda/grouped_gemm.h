@@ -121,7 +121,8 @@ struct GroupArrays {
   void** ptrs;       // [kMaxGemms][3][E]: cuBLAS A, B and D pointers per group
   void** scale_ptrs;  // [kMaxGemms][2][E]: cuBLAS A and B scale pointers per group (Fp8Scaling::kBlocks)
   int32_t* padded;   // [2][E]: kTNPadded's group sizes rounded up to 16, and its leading dimension
-  int64_t* padded_starts;  // [E]: kTNPadded's first column of each group (group sizes rounded up to the pad)
+  int64_t* padded_starts;  // [E + 1]: kTNPadded's first column of each group (group sizes rounded up to the
+                           // pad); padded_starts[E]: the end of the last one
 };
 
 // The grouped products of one FFI call, on one stream.
@@ -152,7 +153,7 @@ class GroupedGemms {
   // Device pointer; valid once Prepare (cuBLAS paths) or the first Run (tiled path) is enqueued.
   const int64_t* offsets() const { return arrays_.offsets; }
   // Device pointer, where Prepare had a kTNPadded product or padded_layout: each group's first column in
-  // the padded operands.
+  // the padded operands, and at [E] the end of the last group's.
   const int64_t* padded_starts() const { return arrays_.padded_starts; }
 
  private:
