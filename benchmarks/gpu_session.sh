@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh quantizers ARGS build + benchmarks/fp8_quantizers.py ARGS (blockwise quantizers)
 #   bash benchmarks/gpu_session.sh kernels ARGS    build + Nsight Compute times of each kernel of a step
 #                                               (benchmarks/kernel_share.py ARGS, e.g. `dsv3 balanced fp8`)
+#   bash benchmarks/gpu_session.sh probe SCRIPT ARGS  build + python3 SCRIPT ARGS (benchmarks/probes/)
 # SKIP_BUILD=1: use the jaxmlp this machine already has (an earlier call's build). JAXMLP_CUDA=pip: build with
 # the CUDA compiler wheels installed in this Python (the README's GPU install) instead of the system toolkit.
 # Logs go to $OUT (the device tool brings that folder back) or /tmp/jaxmlp-session.
@@ -131,6 +132,8 @@ elif [ "$what" = expert_parallel ]; then
   nvidia-smi topo -m | tee "$OUT/topology.txt"
   python3 benchmarks/moe_expert_parallel.py --out "$OUT" "$@" 2>&1 | tee "$OUT/moe_expert_parallel.log" | tail -14
   jaxmlp-train-moe --expert-parallel --impl jaxmlp 2>&1 | tee "$OUT/train_moe_ep.log" | tail -8
+elif [ "$what" = probe ]; then
+  python3 "$@" 2>&1 | tee "$OUT/probe.log" | tail -30
 elif [ "$what" = quantizers ]; then
   python3 benchmarks/fp8_quantizers.py "$@" 2>&1 | tee "$OUT/fp8_quantizers.log" | tail -20
 else

@@ -75,10 +75,16 @@ def trace(*args, **kwargs):
   step, step_args = step_and_args(*args, **kwargs)
   for _ in range(2):
     jax.block_until_ready(step(*step_args))
+  return traced_kernels(lambda: [jax.block_until_ready(step(*step_args)) for _ in range(2)])
+
+
+def traced_kernels(run):
+  """[(kernel name, ns, start in ns)] of the kernels that run() puts on the GPU's streams, in launch order,
+  from JAX's profiler."""
+  import jax
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
-      for _ in range(2):
-        jax.block_until_ready(step(*step_args))
+      run()
     path, = glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz")
     with gzip.open(path) as f:
       events = json.load(f)["traceEvents"]

@@ -39,6 +39,23 @@ def measure(call, sync, *, repeats: int, max_call_s: float, budget_s: float, sam
           "calls_per_sample": k, "status": "ok"}
 
 
+def measure_alternating(calls: dict, sync, *, rounds: int, sample_s: float = 0.02) -> dict:
+  """Median seconds per call of each of `calls` ({name: call(i)}), their samples taken in turn, round
+  after round, so that every call meets the same clocks: under a power cap the GPU's clock drifts over
+  seconds, and calls timed one after the other can differ by more than the difference between them.
+  Each call is warmed up and its sample sized as in `measure`."""
+  k = {}
+  for name, call in calls.items():
+    sync(call(0))
+    k[name] = max(1, min(200, round(sample_s / _sample(call, sync, 1, 1))))
+  samples = {name: [] for name in calls}
+  for r in range(rounds):
+    for name, call in calls.items():
+      samples[name].append(_sample(call, sync, k[name], first=r * k[name]))
+  return {name: {"s": statistics.median(v), "min_s": min(v), "samples": len(v), "calls_per_sample": k[name]}
+          for name, v in samples.items()}
+
+
 def _sample(call, sync, k: int, first: int) -> float:
   start = time.perf_counter()
   out = None
