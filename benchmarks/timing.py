@@ -6,6 +6,7 @@ Framework-free: the caller passes `call(i)` (launch one call on input set i, ret
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -39,19 +40,24 @@ def measure(call, sync, *, repeats: int, max_call_s: float, budget_s: float, sam
           "calls_per_sample": k, "status": "ok"}
 
 
-def measure_alternating(calls: dict, sync, *, rounds: int, sample_s: float = 0.02) -> dict:
+def measure_alternating(calls: dict, sync, *, rounds: int, sample_s: float = 0.1, seed: int = 0) -> dict:
   """Median seconds per call of each of `calls` ({name: call(i)}), their samples taken in turn, round
   after round, so that every call meets the same clocks: under a power cap the GPU's clock drifts over
   seconds, and calls timed one after the other can differ by more than the difference between them.
-  Each call is warmed up and its sample sized as in `measure`."""
+  The order is shuffled in each round: the clock at a sample's start follows the power its predecessor
+  drew, and a fixed order would always hand the same call the clock left by the same neighbour. Samples
+  last about `sample_s` (k calls each, sized as in `measure`), long beside the power limiter's reaction."""
+  rng = random.Random(seed)
   k = {}
   for name, call in calls.items():
     sync(call(0))
     k[name] = max(1, min(200, round(sample_s / _sample(call, sync, 1, 1))))
   samples = {name: [] for name in calls}
+  order = list(calls)
   for r in range(rounds):
-    for name, call in calls.items():
-      samples[name].append(_sample(call, sync, k[name], first=r * k[name]))
+    rng.shuffle(order)
+    for name in order:
+      samples[name].append(_sample(calls[name], sync, k[name], first=r * k[name]))
   return {name: {"s": statistics.median(v), "min_s": min(v), "samples": len(v), "calls_per_sample": k[name]}
           for name, v in samples.items()}
 

@@ -349,6 +349,7 @@ def fp8_block_rows_and_columns(v, first, rows, total):
   """fp8_blockwise.quantize_rows_and_columns on the GPU, from the column blocks' (first row, rows) [B], in
   one pass: ((q [R, C] e4m3, exponents [R, ceil(C / 128)] int32), (qt [C, 128 B] e4m3, exponents [B, C]
   int32)); `total` [1] int32: the rows in the groups (those the blocks hold)."""
+  _fp8_path_or_raise()
   (R, C), B = v.shape, first.shape[0]
   sds = _result_types(v, first, rows, total)
   e4m3 = jnp.float8_e4m3fn
@@ -363,6 +364,7 @@ def fp8_block_activation(h, da, scales, first, rows, total, act: Activation):
   """fp8_blockwise.activation_rows_and_columns (da None) or activation_grad_rows_and_columns on the GPU:
   fp8_block_rows_and_columns of a = act(h) * scales [R, f] or of dh [R, F1], computed from h (and da) on the
   way into the quantizer; scales may be None."""
+  _fp8_path_or_raise()
   (R, F1), B = h.shape, first.shape[0]
   C = F1 if da is not None else (F1 // 2 if act.gated else F1)
   sds = _result_types(h, first, rows, total, *[a for a in (da, scales) if a is not None])
@@ -377,6 +379,7 @@ def fp8_block_activation(h, da, scales, first, rows, total, act: Activation):
 def fp8_block_weights(w):
   """fp8_blockwise.quantize_weights on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K / 128),
   ceil(N / 128)] int32, q transposed [E, N, K])."""
+  _fp8_path_or_raise()
   E, K, N = w.shape
   sds = _result_types(w)
   q = sds((E, K, N), jnp.float8_e4m3fn)

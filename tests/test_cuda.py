@@ -75,9 +75,10 @@ def test_more_groups_than_one_pass_of_the_scans(backend, rng, E, M):
 
 
 COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import jax, jax.numpy as jnp, numpy as np
     import jaxmlp
+    fp8 = os.environ.get("JAXMLP_TEST_FP8") or None
     rng = np.random.default_rng(0)
     M, d, f, E = 1024, 128, 256, 4
     x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
@@ -85,7 +86,7 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     w2 = jnp.asarray(rng.standard_normal((E, f, d)) / 16, jnp.bfloat16)
     gs = jnp.asarray([300, 0, 500, 100], jnp.int32)
     def loss(x, w1, w2):
-      return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32) ** 2)
+      return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=fp8).astype(jnp.float32) ** 2)
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     from jaxmlp import _ffi
     # As in a training loop, each step's results are dropped before the next, so XLA reuses the same
@@ -102,11 +103,12 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("path", ["grouped", "tiled"])
-def test_sync_free_paths_inside_command_buffers(path):
-  """The grouped- and tiled-path handlers are captured into an XLA command buffer and give identical
-  results."""
-  reason = cuda_reason(path)
+@pytest.mark.parametrize("path, fp8", [("grouped", None), ("tiled", None), ("grouped", "tensorwise"),
+                                       ("grouped", "blockwise")])
+def test_sync_free_paths_inside_command_buffers(path, fp8):
+  """The grouped- and tiled-path handlers, and the FP8 recipes' (quantizers and products), are captured
+  into an XLA command buffer and give identical results."""
+  reason = cuda_reason(path) or (fp8 and not jaxmlp._ffi.fp8_status()[0] and jaxmlp._ffi.fp8_status()[1])
   if reason:
     pytest.skip(reason)
   import json
@@ -114,7 +116,8 @@ def test_sync_free_paths_inside_command_buffers(path):
   def run(flags):
     # XLA's own allocator: without preallocation buffer addresses can move between steps, and XLA then
     # re-records the command buffer, which runs the handlers' host code again.
-    env = dict(os.environ, JAXMLP_GEMM_PATH=path, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    env = dict(os.environ, JAXMLP_GEMM_PATH=path, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="true",
+               JAXMLP_TEST_FP8=fp8 or "")
     out = subprocess.run([sys.executable, "-P", "-c", COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -122,9 +125,10 @@ def test_sync_free_paths_inside_command_buffers(path):
 
   with_cb = run("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
   without = run("--xla_gpu_enable_command_buffer=")
-  # 20 steady-state steps of one forward and one backward call: 40 host executions, or none when XLA
-  # replays the captured command buffer.
-  assert without["host_calls"] == 40
+  # 20 steady-state steps of one forward and one backward call: 40 host executions (more with FP8: its
+  # weights' quantization, and the blockwise recipe's quantizers and products), or none when XLA replays
+  # the captured command buffer.
+  assert without["host_calls"] == 40 if fp8 is None else without["host_calls"] >= 80
   assert with_cb["host_calls"] == 0, "the jaxmlp custom calls were not replayed from a command buffer"
   assert with_cb["loss"] == without["loss"]
   for a, b in zip(with_cb["grads"], without["grads"]):

@@ -417,6 +417,32 @@ def test_fp8_needs_16bit_operands_and_aligned_widths():
                        jnp.zeros((2, 16, 24), jnp.bfloat16), gs, fp8="tensorwise")
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_on_a_gpu_that_cannot_run_it_raises_at_trace_time(monkeypatch, recipe):
+  """A CUDA device whose GPU or cuBLAS cannot run the FP8 path (here: one made up, so that the CPU runs the
+  check) fails when the call is traced, naming fp8 and why, not when it runs; weights quantized once too."""
+  from jaxmlp import _ffi
+  monkeypatch.setattr(_ffi, "cuda_devices", lambda: ["cuda:0"])
+  monkeypatch.setattr(_ffi, "fp8_status", lambda: (False, "cuBLASLt 130100 has no grouped GEMM (13.4 or newer)"))
+  x, w1, w2 = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8, 16), (2, 16, 32), (2, 16, 16)))
+  with pytest.raises(RuntimeError, match=r"fp8: this GPU cannot run the FP8 grouped MLP: cuBLASLt 130100"):
+    jax.eval_shape(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), fp8=recipe), x, w1, w2)
+  with pytest.raises(RuntimeError, match=r"fp8: this GPU cannot run the FP8 grouped MLP"):
+    jax.eval_shape(lambda w: jaxmlp.fp8_weights(w, recipe), w1)
+
+
+@pytest.mark.gpu
+def test_backend_info_reports_fp8():
+  cuda = jaxmlp.backend_info()["cuda"]
+  if not cuda.get("devices"):
+    pytest.skip("no CUDA device")
+  ok, why = jaxmlp._ffi.fp8_status()
+  assert cuda["fp8_available"] is ok and cuda["fp8_why"] == why
+  assert ok == (cuda["compute_capability"].startswith("9.") and cuda["grouped_available"])
+  if ok:
+    assert "block-scaled" in cuda["fp8_blockwise"]
+
+
 @pytest.mark.parametrize("recipe, rows, pad", [("tensorwise", 2**31 - 16, 15), ("blockwise", 2**31 - 200, 127)])
 def test_fp8_rejects_more_padded_rows_than_int32_indexes(recipe, rows, pad):
   """The weight gradients pad every group's rows to 16 (tensorwise) or 128 (blockwise): M + 15 E or

@@ -1,0 +1,58 @@
+"""FP8 against bf16 with their samples taken in turn: the issue's FP8 targets as ratios that the clock's drift
+under the GPU's power cap cannot tilt (bench.py times each implementation after the other, seconds apart).
+
+For each shape, the fwd+bwd steps of the named implementations (bench.py's, built by kernel_share.py) are
+timed round after round, one sample of about 0.1 s of each per round in a shuffled order
+(timing.measure_alternating), and reported as medians and as speedups over the first implementation.
+
+  python benchmarks/fp8_in_turn.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 10
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import kernel_share
+from timing import measure_alternating
+
+DEFAULT_IMPLS = "jaxmlp,jaxmlp_fp8_cached,jaxmlp_fp8_blockwise_cached,jaxmlp_fp8,jaxmlp_fp8_blockwise"
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", default="dsv3,mixtral,gptoss,qwen3")
+  p.add_argument("--routing", default="balanced")
+  p.add_argument("--impls", default=DEFAULT_IMPLS, help="comma-separated, the first is the baseline "
+                 f"(default {DEFAULT_IMPLS})")
+  p.add_argument("--rounds", type=int, default=10)
+  p.add_argument("--out", type=Path, default=None, help="also write fp8_in_turn.json there")
+  a = p.parse_args()
+  import jax
+  impls = a.impls.split(",")
+  for impl in impls:
+    if impl not in kernel_share.IMPLS:
+      sys.exit(f"--impls: {impl!r}: expected one of {', '.join(kernel_share.IMPLS)}")
+  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv),
+             "shapes": {}}
+  for shape in a.shapes.split(","):
+    steps = {impl: kernel_share.step_and_args(shape, a.routing, impl) for impl in impls}
+    calls = {impl: (lambda i, s=s: s[0](*s[1])) for impl, s in steps.items()}
+    results["shapes"][shape] = measure_alternating(calls, jax.block_until_ready, rounds=a.rounds)
+    del steps, calls
+    line = ", ".join(f"{impl} {t['s'] * 1e3:.3f} ms" for impl, t in results["shapes"][shape].items())
+    print(f"{shape}: {line}", file=sys.stderr, flush=True)
+  if a.out:
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "fp8_in_turn.json").write_text(json.dumps(results, indent=1))
+  base = impls[0]
+  print(f"\n{results['device']}, jax {results['jax']}, {a.routing} routing, fwd+bwd, medians of {a.rounds} rounds "
+        f"taken in turn, shuffled; speedup over {base} (minimums' ratio in brackets)\n")
+  print("| shape | " + " | ".join(impls) + " |\n|---" * 1 + "|---" * len(impls) + "|")
+  for shape, t in results["shapes"].items():
+    cells = [f"{t[base]['s'] * 1e3:.3f} ms"] + [
+        f"{t[base]['s'] / t[i]['s']:.2f}x ({t[base]['min_s'] / t[i]['min_s']:.2f}x)" for i in impls[1:]]
+    print(f"| {shape} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+  main()
