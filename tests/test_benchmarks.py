@@ -354,3 +354,30 @@ def test_fp8_biases_benchmark_runs_on_the_cpu(tmp_path):
   rows = [line.split() for line in proc.stdout.splitlines()[1:]]
   assert [r[0] for r in rows] == ["bf16", "tensorwise", "blockwise"]
   assert all(float(r[3]) > 0 and float(r[7]) > 0 for r in rows), rows  # ms without and with biases
+
+
+def test_fp8_in_turn_benchmark_runs_on_the_cpu(tmp_path):
+  """benchmarks/fp8_in_turn.py times bf16 and FP8 steps in turn at a shape of the user's own (the emulation
+  without a GPU) and reports each one's speedup over the first."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, str(BENCH.parent / "fp8_in_turn.py"), "--shapes", "2x64x64x128", "--impls",
+         "jaxmlp,jaxmlp_fp8_cached,jaxmlp_fp8_blockwise", "--rounds", "2", "--out", str(tmp_path)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  times = json.loads((tmp_path / "fp8_in_turn.json").read_text())["shapes"]["2x64x64x128"]
+  assert set(times) == {"jaxmlp", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise"}
+  assert all(t["samples"] == 2 and t["s"] > 0 for t in times.values())
+  row = proc.stdout.strip().splitlines()[-1].split("|")
+  assert row[1].strip() == "2x64x64x128" and row[3].strip().endswith(")") and "x (" in row[3]
+
+
+def test_measure_alternating_samples_every_call_each_round_in_a_shuffled_order():
+  sys.path.insert(0, str(BENCH.parent))
+  import timing
+  log = []
+  calls = {name: (lambda i, name=name: log.append(name)) for name in "abcd"}
+  got = timing.measure_alternating(calls, lambda _: None, rounds=6, sample_s=0.0)
+  assert set(got) == set("abcd") and all(t["samples"] == 6 and t["calls_per_sample"] == 1 for t in got.values())
+  rounds = [log[8 + 4 * r: 12 + 4 * r] for r in range(6)]  # after each call's warm-up and sizing call
+  assert all(sorted(r) == list("abcd") for r in rounds)
+  assert len({"".join(r) for r in rounds}) > 1  # the order is not fixed

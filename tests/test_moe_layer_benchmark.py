@@ -23,7 +23,10 @@ def test_moe_layer_benchmark_runs_on_the_cpu(tmp_path):
       assert case["paths"][path][part]["s"] > 0, (path, part)
   assert case["check"]["y"] < 1e-5 and case["check"]["dx"] < 1e-5, case["check"]
   assert case["paths"]["torch"]["status"] == "skipped"
-  assert "| jaxmlp |" in (tmp_path / "moe_layer.md").read_text()
+  assert case["alternating"]["layer"]["samples"] == case["alternating"]["mlp"]["samples"] == 1
+  assert case["alternating"]["layer"]["s"] > 0 and case["alternating"]["mlp"]["s"] > 0
+  md = (tmp_path / "moe_layer.md").read_text()
+  assert "| jaxmlp |" in md and "with their samples taken in turn (1 rounds)" in md
 
 
 def test_moe_layer_benchmark_rejects_unknown_shapes(tmp_path):
