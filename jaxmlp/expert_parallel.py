@@ -120,9 +120,9 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
   """One device's part: its T/P tokens, its E/P experts (`params`)."""
   num_experts = logits.shape[1]
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
-  # Routing choices per (choice j, expert) on every device: the global counts (and capacity ranks).
-  choice_counts = jnp.bincount((jnp.arange(top_k)[None, :] * num_experts + experts).reshape(-1),
-                               length=top_k * num_experts).reshape(top_k, num_experts)
+  # Routing choices per (choice j, expert) on every device: the global counts (and capacity ranks). A
+  # one-hot sum over the tokens, not jnp.bincount, which XLA runs as a scatter-add.
+  choice_counts = jnp.sum(experts[:, :, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
   all_counts = all_gather(choice_counts, axis)  # [P, k, E]
   losses = _global_router_losses(logits, probs, all_counts.sum((0, 1)), top_k, aux_loss_coef,
                                  z_loss_coef, axis)
