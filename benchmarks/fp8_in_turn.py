@@ -47,7 +47,8 @@ def main():
   base = impls[0]
   print(f"\n{results['device']}, jax {results['jax']}, {a.routing} routing, fwd+bwd, medians of {a.rounds} rounds "
         f"taken in turn, shuffled; speedup over {base} (minimums' ratio in brackets)\n")
-  print("| shape | " + " | ".join(impls) + " |\n|---" * 1 + "|---" * len(impls) + "|")
+  print("| shape | " + " | ".join(impls) + " |")
+  print("|---" * (len(impls) + 1) + "|")
   for shape, t in results["shapes"].items():
     cells = [f"{t[base]['s'] * 1e3:.3f} ms"] + [
         f"{t[base]['s'] / t[i]['s']:.2f}x ({t[base]['min_s'] / t[i]['min_s']:.2f}x)" for i in impls[1:]]

@@ -25,7 +25,7 @@ def swiglu_and_grads(h, f):
   g, u = h[:, :f], h[:, f:]
   sig = 1 / (1 + np.exp(-g))
   silu = g * sig
-  return silu * u, u * (sig + g * sig * (1 - sig)), silu  # a, d a / d gate (per unit of u), d a / d up
+  return silu * u, u * (sig + g * sig * (1 - sig)), silu  # a, d a / d gate, d a / d up
 
 
 def backward(x, w1, w2, dy, f, forward_fp8, grad_fmt):
