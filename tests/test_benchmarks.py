@@ -381,3 +381,12 @@ def test_measure_alternating_samples_every_call_each_round_in_a_shuffled_order()
   rounds = [log[8 + 4 * r: 12 + 4 * r] for r in range(6)]  # after each call's warm-up and sizing call
   assert all(sorted(r) == list("abcd") for r in rounds)
   assert len({"".join(r) for r in rounds}) > 1  # the order is not fixed
+
+
+def test_torch_in_turn_says_it_needs_a_gpu(tmp_path):
+  """benchmarks/torch_in_turn.py (GPU only) stops with a message, not a traceback, where torch or its CUDA
+  device is missing."""
+  proc = subprocess.run([sys.executable, str(BENCH.parent / "torch_in_turn.py"), "--shapes", "small"],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+  assert proc.returncode != 0 and "(GPU only)" in proc.stderr and "Traceback" not in proc.stderr
