@@ -103,11 +103,16 @@ def _contract(a: jax.Array, b: jax.Array, axes: tuple[int, int], dtype) -> jax.A
   return jax.lax.dot_general(a, b, (((axes[0],), (axes[1],)), ((), ())), preferred_element_type=dtype)
 
 
+def _contract_halves(a: jax.Array, hi: jax.Array, lo: jax.Array, axes: tuple[int, int]) -> jax.Array:
+  """_contract(a, hi + lo) in float32 as one product of hi and lo side by side (2E columns), then the sum of
+  its two halves."""
+  both = _contract(a, jnp.concatenate([hi, lo], axis=1), axes, jnp.float32)
+  return both[:, :hi.shape[1]] + both[:, hi.shape[1]:]
+
+
 @jax.custom_vjp
 def _split_logits(tokens, kernel):
-  hi, lo = _halves(kernel)
-  both = _contract(tokens, jnp.concatenate([hi, lo], axis=1), (1, 0), jnp.float32)
-  return both[:, :kernel.shape[1]] + both[:, kernel.shape[1]:]  # one product of 2E columns, then their sum
+  return _contract_halves(tokens, *_halves(kernel), (1, 0))
 
 
 def _split_logits_fwd(tokens, kernel):
@@ -121,8 +126,7 @@ def _split_logits_bwd(res, g):
   # Three products in one, along a reduction of 3E: [g_hi, g_lo, g_hi] @ [w_hi, w_hi, w_lo]^T.
   dx = _contract(jnp.concatenate([g_hi, g_lo, g_hi], axis=1), jnp.concatenate([w_hi, w_hi, w_lo], axis=1), (1, 1),
                  tokens.dtype)
-  both = _contract(tokens, jnp.concatenate([g_hi, g_lo], axis=1), (0, 0), jnp.float32)
-  return dx, both[:, :kernel.shape[1]] + both[:, kernel.shape[1]:]
+  return dx, _contract_halves(tokens, g_hi, g_lo, (0, 0))
 
 
 _split_logits.defvjp(_split_logits_fwd, _split_logits_bwd)
