@@ -1,6 +1,6 @@
 """Times the blockwise FP8 recipe's quantizers, and the tensorwise recipe's weight quantizer, alone at one MLP
-shape: their JAX code (what XLA makes of jaxmlp/fp8_blockwise.py and jaxmlp/fp8.py) and, on a GPU, jaxmlp's
-CUDA kernels (ffi/cuda/fp8_block_quantize.cu, fp8_kernels.cu), with the
+shape: their JAX code (what XLA makes of jaxmlp/fp8/blockwise.py and jaxmlp/fp8/tensorwise.py) and, on a GPU,
+jaxmlp's CUDA kernels (jaxmlp/fp8/cuda.py's custom calls), with the
 bandwidth each reaches (bytes read and written over the time); the CUDA results are checked bit for bit
 against the JAX ones first (the activations' up to act's last bit: the share of equal bits).
 
@@ -18,7 +18,8 @@ import numpy as np
 
 import cases
 import jaxmlp
-from jaxmlp import _ffi, fp8, fp8_blockwise, fp8_mlp
+from jaxmlp._groups import Groups
+from jaxmlp.fp8 import blockwise, cuda as fp8_cuda, tensorwise
 
 
 def median_ms(fn, *args, repeats: int = 7) -> float:
@@ -47,30 +48,31 @@ def main() -> None:
   dh = jax.random.normal(key, (M, 2 * f), jnp.float32)  # a and dh: float32, as XLA makes them
   w1 = jax.random.normal(key, (E, d, 2 * f), jnp.bfloat16)
   sizes = jnp.asarray(cases.group_sizes("balanced", E, M), jnp.int32)
-  L = fp8_blockwise.padded_length(M, E)
+  L = blockwise.SCHEME.padded_length(M, E)
   gpu = jax.default_backend() == "gpu"
-  cuda = fp8_mlp._CUDA_BLOCKWISE
+  cuda = fp8_cuda.BLOCKWISE_PRIMITIVES
   h = jax.random.normal(key, (M, 2 * f), jnp.bfloat16)  # FC1's output and da: bfloat16, as cuBLAS writes them
   da = jax.random.normal(key, (M, f), jnp.bfloat16)
-  valid, swiglu = jnp.ones(M, bool), jaxmlp.Activation("swiglu")
+  groups, swiglu = Groups.of(sizes, M), jaxmlp.Activation("swiglu")
   # (name, JAX quantizer, CUDA quantizer, operands, GB read and written). The activations' JAX form is the
   # XLA fusion that computes them in float32 and the quantizer of that; the CUDA form computes them inside
   # the quantizer.
-  both = (lambda v: fp8_blockwise.quantize_rows_and_columns(v, sizes),
-          lambda v: cuda.quantize_rows_and_columns(v, sizes))
-  act = (lambda h: fp8_blockwise.activation_rows_and_columns(h, None, sizes, valid, swiglu),
-         lambda h: cuda.activation_rows_and_columns(h, None, sizes, valid, swiglu))
-  act_grad = (lambda h, da: fp8_blockwise.activation_grad_rows_and_columns(h, da, None, sizes, valid, swiglu),
-              lambda h, da: cuda.activation_grad_rows_and_columns(h, da, None, sizes, valid, swiglu))
+  both = (lambda v: blockwise.quantize_rows_and_columns(v, groups),
+          lambda v: cuda.quantize_rows_and_columns(v, groups))
+  act = (lambda h: blockwise.activation_rows_and_columns(h, None, groups, swiglu),
+         lambda h: cuda.activation_rows_and_columns(h, None, groups, swiglu))
+  act_grad = (lambda h, da: blockwise.activation_grad_rows_and_columns(h, da, None, groups, swiglu),
+              lambda h, da: cuda.activation_grad_rows_and_columns(h, da, None, groups, swiglu))
   quantized = lambda v: v.size * (1 + L / M)  # bytes of e4m3 rows and columns
   runs = [("rows + columns of x", *both, (x,), x.nbytes + quantized(x)),
           ("rows + columns of dh", *both, (dh,), dh.nbytes + quantized(dh)),
           ("a = swiglu(h)", *act, (h,), h.nbytes + quantized(da)),
           ("dh of swiglu(h), da", *act_grad, (h, da), h.nbytes + da.nbytes + quantized(h)),
-          ("weights w1 (bf16)", fp8_blockwise.quantize_weights, cuda.quantize_weights, (w1,),
+          ("weights w1 (bf16)", blockwise.quantize_weights, fp8_cuda.block_weights, (w1,),
            w1.nbytes + 2 * w1.size),
           # one scale for the tensor: a pass for its amax, then one for both e4m3 layouts
-          ("tensorwise w1 (bf16)", fp8.quantize_weights, _ffi.fp8_tensor_weights, (w1,), 2 * w1.nbytes + 2 * w1.size)]
+          ("tensorwise w1 (bf16)", tensorwise.quantize_weights, fp8_cuda.tensor_weights, (w1,),
+           2 * w1.nbytes + 2 * w1.size)]
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:

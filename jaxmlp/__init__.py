@@ -11,9 +11,11 @@
 """
 from . import dispatch, reference, reference_moe
 from .activations import NAMES as ACTIVATIONS, Activation
-from .api import fp8_weights, grouped_mlp, ragged_dot
-from .fp8 import Fp8Recipe, Fp8Weights
 from .backend import backend_info
+from .fp8 import Fp8Recipe, Fp8Weights
+from .fp8.mlp import fp8_weights
+from .gemm import ragged_dot
+from .mlp import grouped_mlp
 
 __version__ = "0.1.0"
 __all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "Fp8Weights", "backend_info", "dispatch", "fp8_weights",

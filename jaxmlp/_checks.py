@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .activations import Activation
+from .activations import GATED, NAMES, Activation
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -30,7 +30,7 @@ def _fail(name: str, got, expected: str):
   raise ValueError(f"{name}: got shape {tuple(got)}, expected {expected}")
 
 
-# The handlers take dimensions and row counts as int32 (ffi/common.h CheckExtents), and the CUDA GEMM paths
+# The handlers take dimensions and row counts as int32 (ffi CheckExtents), and the CUDA GEMM paths
 # keep 64-bit per-group arrays of a few entries per group and product, indexed below 2^30 groups
 # (GroupedGemms::Prepare). Checked here, at trace time, so that such shapes fail at the call, naming the
 # argument, rather than in the handler (or, for E near 2^30, when the workspace is allocated).
@@ -61,8 +61,8 @@ def check_group_sizes(group_sizes, E: int | None = None, name: str = "group_size
     raise TypeError(f"{name}: expected an integer dtype (int32), got {jnp.result_type(group_sizes)}")
 
 
-GATED_NAMES = "swiglu, geglu, reglu, clamped_swiglu"
-UNGATED_NAMES = "gelu, relu, silu, squared_relu"
+GATED_NAMES = ", ".join(n for n in NAMES if n in GATED)
+UNGATED_NAMES = ", ".join(n for n in NAMES if n not in GATED)
 
 
 def check_mlp(x, w1, w2, group_sizes, act: Activation, b1=None, b2=None, scales=None, *,
@@ -148,40 +148,3 @@ def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, *, floa
     raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected float32, bfloat16 or "
                     "float16")
   return dtype, out_dtype
-
-
-def host_sizes_as_int32(group_sizes, m: int):
-  """NumPy group_sizes clamped to [0, m] and narrowed to int32 on the host, meaning the same under the
-  policy; anything else unchanged. Without x64, JAX would narrow an int64 array itself, by wrapping
-  (2**32 + 5 becomes 5), before sizes_as_int32 could clamp it."""
-  if isinstance(group_sizes, (np.ndarray, np.generic)):
-    return np.clip(group_sizes, 0, m).astype(np.int32)
-  return group_sizes
-
-
-def sizes_as_int32(group_sizes: jax.Array, m: int) -> jax.Array:
-  """group_sizes of any integer dtype as int32, meaning the same under the policy: each size is clamped
-  to [0, m] in its own dtype first (m capped at that dtype's largest value), so that no cast wraps (an
-  int64 2**32 + 5 would become 5, a uint32 2**31 negative) and no bound wraps (m = 300 as an int8)."""
-  dtype = jnp.result_type(group_sizes)
-  return jnp.clip(group_sizes, 0, min(m, jnp.iinfo(dtype).max)).astype(jnp.int32)
-
-
-def clamp_group_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
-  """The group_sizes policy: negative sizes count as 0 and the running total is capped at m.
-
-  Returns int32 sizes that sum to at most m, so no backend can index outside the m rows.
-  """
-  sizes = sizes_as_int32(group_sizes, m)
-  # A saturating running sum, min(a + b, m), associative for non-negative terms. Written a + min(b, m - a)
-  # so that no intermediate exceeds m: adversarial sizes cannot wrap int32 the way a plain cumsum (or
-  # a + b, up to 2m, once m > 2^30) could.
-  ends = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, m - a), sizes)
-  starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-  return (ends - starts).astype(jnp.int32)
-
-
-def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
-  """Group index of each of the m rows for clamped group_sizes; padding rows get E."""
-  ends = jnp.cumsum(group_sizes)
-  return jnp.searchsorted(ends, jnp.arange(m, dtype=ends.dtype), side="right").astype(jnp.int32)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _ffi
+from . import _gemm_path, _library
+from .fp8.cuda import fp8_status
 
 
 def backend_info() -> dict:
@@ -20,20 +21,20 @@ def backend_info() -> dict:
   """
   info = {"jax": jax.__version__,
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group"}}
-  cuda = {"built": _ffi._cuda is not None, "devices": [str(d) for d in _ffi.cuda_devices()]}
-  if _ffi._cuda is None:
-    cuda["why"] = _ffi.CUDA_BUILD_ERROR
+  cuda = {"built": _library._cuda is not None, "devices": [str(d) for d in _library.cuda_devices()]}
+  if _library._cuda is None:
+    cuda["why"] = _library.CUDA_BUILD_ERROR
   elif cuda["devices"]:
-    cuda.update(_ffi.cuda_status())
+    cuda.update(_library.cuda_status())
     try:
-      path, why = _ffi.gemm_path(jnp.bfloat16, 8)
-      small_path, small_why = _ffi.gemm_path(jnp.bfloat16, 8, problem=(8, 256, 256, 1024))
+      path, why = _gemm_path.gemm_path(jnp.bfloat16, 8)
+      small_path, small_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(8, 256, 256, 1024))
       cuda.update(gemm_path=path, why=why, small_gemm_path=small_path, small_why=small_why,
-                  float32_gemm_path=_ffi.gemm_path(jnp.float32, 8)[0])
+                  float32_gemm_path=_gemm_path.gemm_path(jnp.float32, 8)[0])
     except RuntimeError as e:  # JAXMLP_GEMM_PATH forces a path this GPU cannot run: every call would raise
       cuda.update(gemm_path=None, why=str(e))
-    cuda.update(tiled_max_weights=_ffi.TILED_MAX_WEIGHTS, tiled_max_macs=_ffi.TILED_MAX_MACS)
-    fp8_ok, fp8_why = _ffi.fp8_status()
+    cuda.update(tiled_max_weights=_gemm_path.TILED_MAX_WEIGHTS, tiled_max_macs=_gemm_path.TILED_MAX_MACS)
+    fp8_ok, fp8_why = fp8_status()
     cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
                 fp8_blockwise="jaxmlp's CUDA quantizers, products on cuBLASLt's block-scaled FP8 grouped GEMM")
   else:

@@ -10,17 +10,20 @@ device (no XLA sort, no host sync) and gathers the token rows into that order; c
 k rows (optionally weighted) in float32, in a fixed order (no atomics: deterministic). Their VJPs are the
 same gathers the other way round, so a layer built on them holds no sort and no scatter-add.
 
+  dispatch -> _dispatch (custom_vjp) -> "jaxmlp_dispatch" (ffi/cpu/dispatch_cpu.cc, ffi/cuda/moe/), and
+  likewise combine ("jaxmlp_combine", "jaxmlp_combine_bwd") and top_k ("jaxmlp_top_k").
+
 Semantics (defined by jaxmlp.reference_moe, which runs the same on jnp.argsort and a scatter-add):
   - choices are served choice-major (every token's first choice, then every token's second, ...), then
     in token order: GShard's priority when an expert overflows its capacity;
   - an expert id outside [0, num_experts) is dropped: not counted, no row, contributes nothing;
   - capacity (None: unlimited) keeps each expert's first `capacity` choices in that order; the others are
     dropped (their tokens get nothing from them) but counted in plan.counts, for the load-balancing loss;
-  - rows [R, d], R = reference_moe.num_rows(T, k, E, capacity, pad_to) (static): expert e's rows are
+  - rows [R, d], R = num_rows(T, k, E, capacity, pad_to) (static): expert e's rows are
     [offsets[e], offsets[e] + group_sizes[e]), offsets the exclusive running sum of group_sizes;
     group_sizes[e] is its kept choices rounded up to a multiple of pad_to (16 or 128 for FP8 GEMMs), and
     the rows past the kept ones, in a group or after the last one, are zero.
-  - plan (reference_moe.Plan): row_of_slot [T, k] int32 (-1: dropped), slot_of_row [R] int32 (t * k + j
+  - plan (jaxmlp.plan.Plan): row_of_slot [T, k] int32 (-1: dropped), slot_of_row [R] int32 (t * k + j
     of the choice a row holds, -1 for padding rows), counts [E] int32.
 """
 from __future__ import annotations
@@ -31,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, reference_moe
-from .reference_moe import Plan, check_combine_args, check_dispatch_args, num_rows, take_or_zero
+from . import _library, reference_moe
+from .plan import Plan, check_combine_args, check_dispatch_args, check_row_weights_args, num_rows, take_or_zero
 
 __all__ = ["Plan", "combine", "dispatch", "num_rows", "row_weights", "top_k"]
 
@@ -63,9 +66,7 @@ def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: in
 def row_weights(weights: jax.Array, plan: Plan) -> jax.Array:
   """weights [T, k] (the router's, per choice) permuted to the rows: [R], 0 on padding rows. Pass it as
   grouped_mlp's `scales` to weigh the rows inside the expert MLP. Its VJP is the inverse gather."""
-  T, k = plan.row_of_slot.shape
-  if jnp.shape(weights) != (T, k):
-    raise ValueError(f"weights: got shape {tuple(jnp.shape(weights))}, expected [T, k] = [{T}, {k}]")
+  check_row_weights_args(weights, plan)
   return _row_weights(weights, plan)
 
 
@@ -99,28 +100,16 @@ def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 # ---- the custom calls -------------------------------------------------------------------------------
 
-def _cuda_module():
-  if not _ffi.cuda_devices():
-    return None  # platform_dependent traces the CUDA branch everywhere; without a device it is never lowered
-  if _ffi._cuda is None:
-    raise RuntimeError(f"jaxmlp's CUDA handlers are unavailable: {_ffi.CUDA_BUILD_ERROR}")
-  return _ffi._cuda
-
-
-def _call(target: str, outs: list, *args, workspace_bytes=None, **attrs):
-  """`target` on the CPU, or on CUDA with a workspace result of `workspace_bytes(cuda_module)` bytes."""
-  sds = _ffi._result_types(*args)
-  outs = [sds(*o) for o in outs]
-
+def _call(target: str, outs: list, *args, workspace_bytes=None, **attrs) -> tuple:
+  """`target` on the CPU, or on CUDA with a workspace of `workspace_bytes(cuda_module)` bytes where given."""
   def cpu(*a):
-    return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*a, **attrs))
+    return _library.call(target, outs, *a, **attrs)
 
   def cuda(*a):
     if workspace_bytes is None:
-      return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*a, **attrs))
-    module = _cuda_module()
-    ws = _ffi._workspace(workspace_bytes(module) if module else 0, sds)
-    return tuple(jax.ffi.ffi_call(target, outs + [ws], vmap_method="sequential")(*a, **attrs)[:len(outs)])
+      return _library.call(target, outs, *a, **attrs)
+    module = _library.cuda_module()
+    return _library.call(target, outs, *a, workspace=workspace_bytes(module) if module else 0, **attrs)
 
   return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
 
@@ -140,7 +129,7 @@ def _dispatch_call(x, experts, num_experts, capacity, pad_to):
 def _combine_call(rows, row_of_slot, weights):
   T = row_of_slot.shape[0]
   return _call("jaxmlp_combine", [((T, rows.shape[1]), rows.dtype)], rows, row_of_slot,
-               _ffi.optional(weights, jnp.float32))[0]
+               _library.optional(weights, jnp.float32))[0]
 
 
 def _combine_backward_call(dy, rows, plan: Plan, weights):
@@ -148,9 +137,9 @@ def _combine_backward_call(dy, rows, plan: Plan, weights):
   <dy[t], rows[row_of_slot[t, j]]> in float32 (0 if dropped). Unweighted: rows and dweights are unused."""
   weighted = weights is not None
   outs = [((plan.slot_of_row.shape[0], dy.shape[1]), dy.dtype),
-          (plan.row_of_slot.shape if weighted else _ffi.ABSENT, jnp.float32)]
-  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, _ffi.optional(rows if weighted else None, dy.dtype),
-                          plan.row_of_slot, plan.slot_of_row, _ffi.optional(weights, jnp.float32))
+          (plan.row_of_slot.shape if weighted else _library.ABSENT, jnp.float32)]
+  drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, _library.optional(rows if weighted else None, dy.dtype),
+                          plan.row_of_slot, plan.slot_of_row, _library.optional(weights, jnp.float32))
   return drows, (dweights if weighted else None)
 
 

@@ -38,7 +38,8 @@ from jax.lax import all_gather, psum_scatter, ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
 from .dispatch import combine, dispatch
-from .moe import route, router_losses, sort_by_expert
+from .moe import route, router_losses
+from .reference_moe import sort_by_expert
 
 EXCHANGES = ("all_gather", "ragged_all_to_all")
 

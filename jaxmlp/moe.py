@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from . import dispatch, reference, reference_moe
-from .api import fp8_weights, grouped_mlp
-from .fp8 import Fp8Recipe, Fp8Weights
-# The layer's original argsort path, kept importable here for its callers (jaxmlp.reference_moe defines it).
-from .reference_moe import sort_by_expert  # noqa: F401
+from .fp8.mlp import fp8_weights
+from .fp8.recipe import Fp8Recipe, Fp8Weights, check_layer_weights
+from .mlp import grouped_mlp
 
 # Logical axis names of the parameters (the MaxText convention).
 W1_AXES = ("expert", "embed", "mlp")
@@ -52,12 +51,7 @@ def check_moe_args(num_experts: int, top_k: int, score_func: str, capacity_facto
 def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype) -> tuple[Fp8Weights, Fp8Weights]:
   """The modules' fp8_weights(): the experts' w1 and w2 quantized for the layer's recipe from their
   rounding to the computation dtype (jaxmlp.fp8_weights)."""
-  if fp8 is None:
-    raise ValueError("fp8_weights: the layer was built with fp8=None; give it a recipe (fp8='tensorwise' or "
-                     "'blockwise')")
-  if dtype is None and jnp.result_type(w1) == jnp.float32:
-    raise TypeError("fp8_weights: the parameters are float32 and the layer's dtype is None; FP8 weights are "
-                    "quantized from the 16-bit computation dtype (build the layer with dtype=jnp.bfloat16)")
+  check_layer_weights(fp8, w1, dtype)
   # The parameters themselves, not their 16-bit copies: their gradients then add up in their dtype.
   return fp8_weights(w1, fp8, dtype), fp8_weights(w2, fp8, dtype)
 

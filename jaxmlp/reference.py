@@ -1,18 +1,21 @@
 """Pure-JAX reference: defines what jaxmlp.grouped_mlp and jaxmlp.ragged_dot compute.
 
-Written independently of the FFI path, on top of jax.lax.ragged_dot, and differentiated by JAX autodiff.
-It is also "the ragged_dot path" that benchmarks and the Flax example compare against. Intermediates
-are rounded to the input dtype where the fast path stores them (the FC1 output and the activation
-output), with float32 accumulation.
+Written independently of the FFI path, on top of jax.lax.ragged_dot, and differentiated by JAX autodiff
+(FP8: by the recipe's own backward, which is part of its definition). It is also "the ragged_dot path" that
+benchmarks and the Flax example compare against. Intermediates are rounded to the input dtype where the
+fast path stores them (the FC1 output and the activation output), with float32 accumulation.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _checks, fp8_mlp
-from . import fp8 as fp8_recipes
+from . import _checks, _groups
 from .activations import Activation, resolve
+from .fp8 import recipe as fp8_recipe
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
@@ -26,23 +29,22 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   dim but 0 - NYI").
   """
   act = resolve(activation)
-  recipe = fp8_recipes.resolve_with_weights(fp8, w1, w2)
+  recipe = fp8_recipe.resolve_with_weights(fp8, w1, w2)
   if recipe is not None:
     dtype = jnp.result_type(x)
-    s = _checks.check_mlp(x, fp8_recipes.checked_as(w1, dtype), fp8_recipes.checked_as(w2, dtype), group_sizes, act,
+    s = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes, act,
                           b1, b2, scales)
-    fp8_mlp.check(x, recipe, s, w1, w2)
-    return fp8_mlp.reference_mlp(x, w1, w2, _checks.host_sizes_as_int32(group_sizes, s.M), b1, b2, scales, act,
-                                 recipe)
+    fp8_recipe.check_call(x, recipe, s, w1, w2)
+    (w1, w1q), (w2, w2q) = (_split(w, dtype) for w in (w1, w2))
+    return _fp8_mlp(x, w1, w2, w1q, w2q, _groups.host_sizes_as_int32(group_sizes, s.M), b1, b2, scales, act, recipe)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=True)
   acc = jnp.promote_types(x.dtype, jnp.float32)  # the accumulation dtype: float32, or float64
-  sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, s.M), s.M)
-  rows = _checks.row_groups(sizes, s.M)  # E for padding rows
-  valid = (rows < s.E)[:, None]
-  expert = jnp.minimum(rows, s.E - 1)
+  groups = _groups.Groups.of(_groups.host_sizes_as_int32(group_sizes, s.M), s.M)
+  valid = groups.valid[:, None]
+  expert = jnp.minimum(groups.row_group, s.E - 1)
 
   # h is stored in x.dtype twice, as the fast path does: FC1's output, then with b1 added.
-  h = jax.lax.ragged_dot(x, w1, sizes, preferred_element_type=acc).astype(x.dtype)
+  h = jax.lax.ragged_dot(x, w1, groups.sizes, preferred_element_type=acc).astype(x.dtype)
   if b1 is not None:
     h = (h.astype(acc) + b1[expert].astype(acc)).astype(x.dtype)
   a = act(h.astype(acc))
@@ -50,7 +52,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   # The scale is applied to the activation output (where the fast path fuses it) and to b2: it weighs
   # the whole expert output, y = s * (act(h) @ w2 + b2).
   a = jnp.where(valid, a * scale, 0).astype(x.dtype)
-  y = jax.lax.ragged_dot(a, w2, sizes, preferred_element_type=acc)
+  y = jax.lax.ragged_dot(a, w2, groups.sizes, preferred_element_type=acc)
   if b2 is not None:
     y = y + jnp.where(valid, scale * b2[expert].astype(acc), 0)
   return jnp.where(valid, y, 0).astype(x.dtype)
@@ -62,5 +64,48 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported by jaxmlp.ragged_dot")
   _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type, float64=True)
-  sizes = _checks.clamp_group_sizes(_checks.host_sizes_as_int32(group_sizes, lhs.shape[0]), lhs.shape[0])
+  sizes = _groups.clamp_group_sizes(_groups.host_sizes_as_int32(group_sizes, lhs.shape[0]), lhs.shape[0])
   return jax.lax.ragged_dot(lhs, rhs, sizes, precision=precision, preferred_element_type=preferred_element_type)
+
+
+# ---- FP8: the recipe's definition around jax.lax.ragged_dot, with the recipe's own backward ----------------
+def _split(w, dtype):
+  """(weights in the call's dtype, their quantized form or None): as jaxmlp.fp8.mlp.split_weights."""
+  return (w.weights.astype(dtype), w.quantized) if isinstance(w, fp8_recipe.Fp8Weights) else (w, None)
+
+
+def _ragged_dot_gemm(op, lhs, rhs, sizes):
+  """The float32 grouped products of the recipes (jaxmlp.fp8.quantize.Gemm) on jax.lax.ragged_dot."""
+  hi = jax.lax.Precision.HIGHEST
+  if op == "nn":
+    return jax.lax.ragged_dot(lhs, rhs, sizes, precision=hi, preferred_element_type=jnp.float32)
+  if op == "nt":
+    return jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), sizes, precision=hi, preferred_element_type=jnp.float32)
+  numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=hi, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _fp8_mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
+  return _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe)[0]
+
+
+def _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
+  emulation = recipe.scheme.emulation(_ragged_dot_gemm)
+  w1q = recipe.scheme.quantize_weights(w1) if w1q is None else w1q
+  w2q = recipe.scheme.quantize_weights(w2) if w2q is None else w2q
+  groups = _groups.Groups.of(group_sizes, x.shape[0])
+  y, residuals = emulation.forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, None, True)
+  return y, (residuals, groups, b1, b2, scales)
+
+
+def _fp8_mlp_bwd(act, recipe, saved, dy):
+  residuals, groups, b1, b2, scales = saved
+  emulation = recipe.scheme.emulation(_ragged_dot_gemm)
+  dx, dw1, dw2, db1, db2, dscales = emulation.backward(residuals, groups, b1, b2, scales, act, recipe, None,
+                                                       dy.astype(residuals[0].dtype))
+  return dx, dw1, dw2, None, None, np.zeros(np.shape(groups.given), jax.dtypes.float0), db1, db2, dscales
+
+
+_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)

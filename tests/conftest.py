@@ -18,7 +18,7 @@ import pytest
 from hypothesis import strategies as st
 
 import numpy_reference as ref
-from jaxmlp import _ffi
+from jaxmlp import _gemm_path, _library
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative Frobenius error
 
@@ -29,14 +29,14 @@ GROUP_SIZE = st.one_of(st.integers(-3, 40), st.sampled_from([-(2**31), -1, 2**31
 
 def cuda_reason(path):
   """Why a CUDA backend cannot be tested here, or None."""
-  if _ffi._cuda is None:
-    return _ffi.CUDA_BUILD_ERROR
-  if not _ffi.cuda_devices():
+  if _library._cuda is None:
+    return _library.CUDA_BUILD_ERROR
+  if not _library.cuda_devices():
     return "no CUDA device"
-  if path == "grouped" and not _ffi.cuda_status().get("grouped_available"):
-    return "cuBLASLt grouped GEMM unavailable: " + _ffi.cuda_status().get("grouped_reason", "")
-  if path == "tiled" and not _ffi.cuda_status().get("tiled_available"):
-    return "tiled kernel unavailable: " + _ffi.cuda_status().get("tiled_reason", "")
+  if path == "grouped" and not _library.cuda_status().get("grouped_available"):
+    return "cuBLASLt grouped GEMM unavailable: " + _library.cuda_status().get("grouped_reason", "")
+  if path == "tiled" and not _library.cuda_status().get("tiled_available"):
+    return "tiled kernel unavailable: " + _library.cuda_status().get("tiled_reason", "")
   return None
 
 
@@ -46,7 +46,7 @@ BACKENDS = [
     pytest.param("cuda-tiled", id="cuda-tiled", marks=pytest.mark.gpu),
     pytest.param("cuda-fallback", id="cuda-fallback", marks=pytest.mark.gpu),
 ]
-# float32 always runs on the fallback (`_ffi.unservable`): a float32-only test takes these.
+# float32 always runs on the fallback (`_gemm_path.unservable`): a float32-only test takes these.
 float32_backends = pytest.mark.parametrize(
     "backend", [p for p in BACKENDS if p.values[0] in ("cpu", "cuda-fallback")], indirect=True)
 
@@ -69,14 +69,14 @@ def backend(request, monkeypatch):
     pytest.skip(reason)
   monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
   taken = []
-  choose = _ffi._cuda_path
+  choose = _gemm_path.cuda_path
 
   def recorded(*args, **kwargs):
     taken.append(choose(*args, **kwargs))
     return taken[-1]
 
-  monkeypatch.setattr(_ffi, "_cuda_path", recorded)
-  with jax.default_device(_ffi.cuda_devices()[0]):
+  monkeypatch.setattr(_gemm_path, "cuda_path", recorded)
+  with jax.default_device(_library.cuda_devices()[0]):
     yield name
   report = getattr(request.node, "call_report", None)
   if report is not None and report.passed:
@@ -97,7 +97,7 @@ def skip_unless_served(backend, dtype, *row_lengths, empty=False):
   or unaligned rows (the fallback serves them), or an empty problem (no custom call at all)."""
   if backend not in ("cuda-grouped", "cuda-tiled"):
     return
-  why_not = "an empty problem makes no custom call" if empty else _ffi.unservable(dtype, *row_lengths)
+  why_not = "an empty problem makes no custom call" if empty else _gemm_path.unservable(dtype, *row_lengths)
   if why_not:
     pytest.skip(f"{why_not} (see cuda-fallback)")
 

@@ -1,4 +1,4 @@
-"""The FP8 recipes (jaxmlp/fp8.py's and jaxmlp/fp8_blockwise.py's docstrings) in float64 NumPy, independent of
+"""The FP8 recipes (the docstrings of jaxmlp/fp8/tensorwise.py and jaxmlp/fp8/blockwise.py) in float64 NumPy, independent of
 jaxmlp's code.
 
 Quantization to e4m3 through ml_dtypes; products in float64; rounding to the 16-bit dtype where the
@@ -93,7 +93,7 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
   return y, grads
 
 
-# ---- the blockwise recipe (jaxmlp/fp8_blockwise.py's docstring) ----------------------------------------------
+# ---- the blockwise recipe (jaxmlp/fp8/blockwise.py) ----------------------------------------------
 BLOCK = 128
 
 

@@ -16,6 +16,8 @@ from conftest import TOLERANCE, check_close, check_padding_rows_zero, cuda_reaso
 
 import jaxmlp
 import numpy_reference as ref
+from jaxmlp import _library
+from jaxmlp.fp8.cuda import fp8_status
 
 pytestmark = pytest.mark.gpu
 f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
@@ -88,17 +90,17 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     def loss(x, w1, w2):
       return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=fp8).astype(jnp.float32) ** 2)
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    from jaxmlp import _ffi
+    from jaxmlp import _library
     # As in a training loop, each step's results are dropped before the next, so XLA reuses the same
     # buffers and replays the captured graph (new buffer addresses would make it re-record).
     losses = []
     for i in range(30):
       if i == 10:  # XLA records a graph per set of buffer addresses it sees; by now it has them all
-        warm = _ffi._cuda.handler_host_calls()
+        warm = _library._cuda.handler_host_calls()
       v, g = jax.block_until_ready(step(x, w1, w2))
       losses.append(float(v))
     assert len(set(losses)) == 1
-    print(json.dumps({"host_calls": _ffi._cuda.handler_host_calls() - warm, "loss": float(v),
+    print(json.dumps({"host_calls": _library._cuda.handler_host_calls() - warm, "loss": float(v),
                       "grads": [np.asarray(a, np.float32).tolist() for a in g]}))
 """)
 
@@ -108,7 +110,7 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 def test_sync_free_paths_inside_command_buffers(path, fp8):
   """The grouped- and tiled-path handlers, and the FP8 recipes' (quantizers and products), are captured
   into an XLA command buffer and give identical results."""
-  reason = cuda_reason(path) or (fp8 and not jaxmlp._ffi.fp8_status()[0] and jaxmlp._ffi.fp8_status()[1])
+  reason = cuda_reason(path) or (fp8 and not fp8_status()[0] and fp8_status()[1])
   if reason:
     pytest.skip(reason)
   import json
@@ -135,10 +137,10 @@ def test_sync_free_paths_inside_command_buffers(path, fp8):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.skipif(jaxmlp._ffi._cuda is None, reason="built without the CUDA handlers")
+@pytest.mark.skipif(_library._cuda is None, reason="built without the CUDA handlers")
 def test_workspace_sizes_reject_an_unknown_gemm_path():
   """The CUDA module (built in CI, which has nvcc but no GPU) sizes scratch per path and names the bad one."""
-  cuda = jaxmlp._ffi._cuda
+  cuda = _library._cuda
   assert cuda.gemm_workspace_bytes("tiled", 8) < cuda.gemm_workspace_bytes("grouped", 8)  # no cuBLAS workspace
   # A ragged_dot call is one tiled launch, which never splits: the group arrays only, no split-K scratch.
   assert cuda.gemm_workspace_bytes("tiled", 8) <= 1024
@@ -155,17 +157,17 @@ def test_small_problems_take_the_tiled_path_and_large_ones_cublas(monkeypatch):
   reason = cuda_reason("tiled")
   if reason:
     pytest.skip(reason)
-  from jaxmlp import _ffi
+  from jaxmlp._gemm_path import TILED_MAX_WEIGHTS, gemm_path
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "auto")
   bf16 = jnp.bfloat16
-  assert _ffi.gemm_path(bf16, 256, 1024, problem=(8, 256, 256, 1024))[0] == "tiled"
-  assert _ffi.gemm_path(bf16, 256, 1024, problem=(8, 4096, 256, 1024))[0] == "tiled"
-  assert _ffi.gemm_path(bf16, 1024, 4096, problem=(8, 16, 1024, 4096))[0] != "tiled"  # large weights
-  assert _ffi.gemm_path(bf16, 256, 1024, problem=(8, 1 << 16, 256, 1024))[0] != "tiled"  # much work
-  assert _ffi.gemm_path(bf16, 256, 1020, problem=(8, 256, 256, 1020))[0] != "tiled"  # rows not 16-byte multiples
-  assert _ffi.gemm_path(jnp.float32, 256, 1024, problem=(8, 256, 256, 1024))[0] == "fallback"
+  assert gemm_path(bf16, 256, 1024, problem=(8, 256, 256, 1024))[0] == "tiled"
+  assert gemm_path(bf16, 256, 1024, problem=(8, 4096, 256, 1024))[0] == "tiled"
+  assert gemm_path(bf16, 1024, 4096, problem=(8, 16, 1024, 4096))[0] != "tiled"  # large weights
+  assert gemm_path(bf16, 256, 1024, problem=(8, 1 << 16, 256, 1024))[0] != "tiled"  # much work
+  assert gemm_path(bf16, 256, 1020, problem=(8, 256, 256, 1020))[0] != "tiled"  # rows not 16-byte multiples
+  assert gemm_path(jnp.float32, 256, 1024, problem=(8, 256, 256, 1024))[0] == "fallback"
   info = jaxmlp.backend_info()["cuda"]
-  assert info["small_gemm_path"] == "tiled" and info["tiled_max_weights"] == _ffi.TILED_MAX_WEIGHTS
+  assert info["small_gemm_path"] == "tiled" and info["tiled_max_weights"] == TILED_MAX_WEIGHTS
 
 
 def test_tiled_kernel_uses_wgmma_exactly_where_built_for_hopper():
@@ -210,8 +212,8 @@ def test_tiled_path_at_the_host_overhead_layer(monkeypatch, rng, sizes):
     dout = jnp.asarray(rng.standard_normal((M, f)), jnp.bfloat16)
     out, dot_vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, gs), lhs, rhs)
     dlhs, drhs = dot_vjp(dout)
-  from jaxmlp import _ffi
-  assert _ffi.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, M, d, 2 * f))[0] == "tiled"
+  from jaxmlp._gemm_path import gemm_path
+  assert gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, M, d, 2 * f))[0] == "tiled"
   want_y, want = ref.grouped_mlp(f64(x), f64(w1), f64(w2), sizes, "swiglu", b1=f64(b1), b2=f64(b2), scales=f64(s),
                                  dy=f64(dy))
   check_bf16(y, want_y)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import BACKENDS, TOLERANCE, check_close, cuda_reason
 
-from jaxmlp import _ffi
+from jaxmlp import _library
 from jaxmlp import dispatch as D
 from jaxmlp import reference_moe
 
@@ -333,13 +333,13 @@ def test_layer_fwd_bwd_holds_no_sort_and_no_scatter(capacity_factor):
 
 # ---- CUDA only: sizes past one sort block, command buffers ------------------------------------------
 
-@pytest.mark.skipif(_ffi._cuda is None, reason="built without the CUDA handlers")
+@pytest.mark.skipif(_library._cuda is None, reason="built without the CUDA handlers")
 def test_cuda_module_registers_the_targets_and_sizes_the_workspace():
   """What the CUDA branch needs from jaxmlp._cuda at trace time (checked wherever it is built, GPU or not):
   the three targets, and a workspace of one counter per sort block (2048 choices) and expert, plus E offsets."""
-  assert {"jaxmlp_dispatch", "jaxmlp_combine", "jaxmlp_combine_bwd"} <= set(_ffi._cuda.registrations())
-  assert _ffi._cuda.dispatch_workspace_bytes(2048, 128) >= (1 + 1) * 128 * 4
-  assert _ffi._cuda.dispatch_workspace_bytes(65536, 128) >= (32 + 1) * 128 * 4
+  assert {"jaxmlp_dispatch", "jaxmlp_combine", "jaxmlp_combine_bwd"} <= set(_library._cuda.registrations())
+  assert _library._cuda.dispatch_workspace_bytes(2048, 128) >= (1 + 1) * 128 * 4
+  assert _library._cuda.dispatch_workspace_bytes(65536, 128) >= (32 + 1) * 128 * 4
 
 
 def skip_without_cuda():
@@ -357,7 +357,7 @@ def test_cuda_dispatch_at_moe_sizes(rng, T, k, E, capacity, pad_to):
   skip_without_cuda()
   x, _, weights = random_case(rng, T, k, E, 256, jnp.bfloat16)
   experts = (rng.geometric(0.02, (T, k)) % (E + 2) - 1).astype(np.int32)  # small ids first; -1 and E: dropped
-  with jax.default_device(_ffi.cuda_devices()[0]):
+  with jax.default_device(_library.cuda_devices()[0]):
     @jax.jit
     def layer(x, w):
       rows, _, plan = D.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
@@ -375,7 +375,7 @@ def test_cuda_dispatch_at_moe_sizes(rng, T, k, E, capacity, pad_to):
 COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
-    from jaxmlp import _ffi, dispatch as D
+    from jaxmlp import _library, dispatch as D
     rng = np.random.default_rng(0)
     T, k, E, d = 2048, 4, 16, 256
     x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
@@ -389,11 +389,11 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     losses = []
     for i in range(30):
       if i == 10:
-        warm = _ffi._cuda.handler_host_calls()
+        warm = _library._cuda.handler_host_calls()
       v, g = jax.block_until_ready(step(x, weights))
       losses.append(float(v))
     assert len(set(losses)) == 1
-    print(json.dumps({"host_calls": _ffi._cuda.handler_host_calls() - warm, "loss": float(v),
+    print(json.dumps({"host_calls": _library._cuda.handler_host_calls() - warm, "loss": float(v),
                       "grads": [np.asarray(a, np.float32).tolist() for a in g]}))
 """)
 
@@ -424,7 +424,7 @@ def test_dispatch_and_combine_inside_command_buffers():
 def test_inside_shard_map(backend, rng):
   """Data parallel: each device dispatches and combines its own tokens (the results' types vary over the
   mesh axis, as the operands' do); values and gradients equal the single-device calls, shard by shard."""
-  devices = jax.devices("cpu") if backend == "cpu" else _ffi.cuda_devices()
+  devices = jax.devices("cpu") if backend == "cpu" else _library.cuda_devices()
   mesh = jax.make_mesh((len(devices),), ("dev",), devices=devices)
   n, T, k, E, d = len(devices), 24, 2, 4, 16
   x, experts, weights = random_case(rng, n * T, k, E, d, jnp.float32)

@@ -10,8 +10,9 @@ from conftest import check_close, check_padding_rows_zero, max_error, rel_error
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
 import numpy_reference as ref
-from jaxmlp import _checks, _ffi, activations, fp8_blockwise, fp8_mlp
-from jaxmlp.fp8 import padded_length
+from jaxmlp import _checks, activations
+from jaxmlp._groups import Groups
+from jaxmlp.fp8 import blockwise, cuda as fp8_cuda, mlp as fp8_mlp, tensorwise
 
 # (M, d, f, group_sizes): empty groups, a skewed group, sizes that are not multiples of 16, padding rows.
 CASES = {
@@ -29,7 +30,7 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def fp8_reason():
-  ok, why = _ffi.fp8_status()
+  ok, why = fp8_cuda.fp8_status()
   return None if ok else why
 
 
@@ -213,7 +214,7 @@ def test_cuda_fp8_forward_keeps_the_emulations_copy_of_x(rng, case):
       _, (residuals, *_) = fp8_mlp._mlp_fwd(a["x"], a["w1"], a["w2"], None, None, jax.device_put(gs, a["x"].device),
                                             None, None, a["scales"], act, EXACT["tensorwise"], shape)
       xts[platform] = np.asarray(residuals[2]).view(np.uint8)
-  assert xts["cuda"].shape == (d, padded_length(M, len(sizes)))
+  assert xts["cuda"].shape == (d, tensorwise.SCHEME.padded_length(M, len(sizes)))
   np.testing.assert_array_equal(xts["cuda"], xts["cpu"])
 
 
@@ -309,10 +310,16 @@ def test_fp8_weights_checks_its_weights():
 def test_blockwise_column_blocks(sizes, want):
   """The weight gradients' 128 x 1 blocks, (first row, rows), that the JAX and the CUDA quantizer read: the
   groups' blocks in order, then blocks of no rows up to padded_length."""
-  first, rows = fp8_blockwise.column_blocks(jnp.asarray(sizes, jnp.int32), 448)
+  first, rows = blockwise.column_blocks(Groups.of(jnp.asarray(sizes, jnp.int32), 448))
   got = list(zip(np.asarray(first).tolist(), np.asarray(rows).tolist()))
-  assert len(got) == fp8_blockwise.padded_length(448, len(sizes)) // 128
+  assert len(got) == blockwise.SCHEME.padded_length(448, len(sizes)) // 128
   assert got[:len(want)] == want and all(r == 0 for _, r in got[len(want):]), got
+
+
+def _blockwise_primitive(name, *static):
+  """One of the blockwise recipe's quantizers, CUDA's kernel on a GPU and the JAX definition on the CPU."""
+  cpu, cuda = (getattr(p, name) for p in (blockwise.emulated_primitives(None), fp8_cuda.BLOCKWISE_PRIMITIVES))
+  return lambda *a: jax.lax.platform_dependent(*a, cpu=lambda *a: cpu(*a, *static), cuda=lambda *a: cuda(*a, *static))
 
 
 @pytest.mark.gpu
@@ -330,12 +337,11 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   v[:5, 128:256] = 0
   w = rng.standard_normal((3, C, 144)) * 2.0 ** rng.integers(-12, 13, (3, 1, 1))
   v, w, gs = jnp.asarray(v, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)
-  backend = fp8_mlp._blockwise_backend()  # the CUDA kernels on a GPU, the JAX quantizers on the CPU
-  quantizers = {"rows and columns": lambda v, w, gs: jax.tree.leaves(backend.quantize_rows_and_columns(v, gs)),
-                "weights": lambda v, w, gs: backend.quantize_weights(w)}
+  quantize = _blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
+  quantizers = {"rows and columns": lambda v, w, gs: jax.tree.leaves(quantize(v, Groups.of(gs, M))),
+                "weights": lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("blockwise"))}
   if dtype != "float32":  # and the tensorwise recipe's weights (16-bit only), one scale for the whole tensor
-    tensorwise = jaxmlp.Fp8Recipe("tensorwise")
-    quantizers["tensorwise weights"] = lambda v, w, gs: fp8_mlp._quantize_weights(w, tensorwise)
+    quantizers["tensorwise weights"] = lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("tensorwise"))
   bits = lambda a: np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)
   for name, quantize in quantizers.items():
     results = {}
@@ -369,25 +375,24 @@ def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales, f)
   scales = jnp.asarray(rng.uniform(0.1, 1.0, M), jnp.bfloat16) if with_scales else None
   gs = jnp.asarray(sizes, jnp.int32)
   activation = jaxmlp.Activation(act)
-  backend = fp8_mlp._blockwise_backend()
-  quantizers = {
-      "a": lambda h, da, s, gs, valid: backend.activation_rows_and_columns(h, s, gs, valid, activation),
-      "dh": lambda h, da, s, gs, valid: backend.activation_grad_rows_and_columns(h, da, s, gs, valid, activation)}
-  valid = jnp.arange(M) < sum(sizes)
+  a, dh = (_blockwise_primitive(name, activation) for name in ("activation_rows_and_columns",
+                                                                  "activation_grad_rows_and_columns"))
+  quantizers = {"a": lambda h, da, s, gs: a(h, s, Groups.of(gs, M)),
+                "dh": lambda h, da, s, gs: dh(h, da, s, Groups.of(gs, M))}
   for name, quantize in quantizers.items():
     results = {}
     for platform in ("cpu", "cuda"):
       device = jax.devices(platform)[0]
       with jax.default_device(device):
-        results[platform] = jax.tree.leaves(jax.jit(quantize)(*jax.device_put((h, da, scales, gs, valid), device)))
+        results[platform] = jax.tree.leaves(jax.jit(quantize)(*jax.device_put((h, da, scales, gs), device)))
     (q, e, qt, ec), (q0, e0, qt0, ec0) = results["cuda"], results["cpu"]
     if act in ("reglu", "relu"):
       for got, want, what in ((e, e0, "row exponents"), (ec, ec0, "column exponents"), (q, q0, "rows"),
                               (qt, qt0, "columns")):  # as float: -0 and 0 alike
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), f"{name}: {what}")
       continue
-    dequantized = {"rows": (fp8_blockwise.dequantize_rows(q, e), fp8_blockwise.dequantize_rows(q0, e0)),
-                   "columns": (fp8_blockwise.dequantize_columns(qt, ec), fp8_blockwise.dequantize_columns(qt0, ec0))}
+    dequantized = {"rows": (blockwise.dequantize_rows(q, e), blockwise.dequantize_rows(q0, e0)),
+                   "columns": (blockwise.dequantize_columns(qt, ec), blockwise.dequantize_columns(qt0, ec0))}
     for what, (got, want) in dequantized.items():
       got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
       # a flip to the neighbouring e4m3 value (3 mantissa bits; one step of the block's subnormals at most)
@@ -421,9 +426,9 @@ def test_fp8_needs_16bit_operands_and_aligned_widths():
 def test_fp8_on_a_gpu_that_cannot_run_it_raises_at_trace_time(monkeypatch, recipe):
   """A CUDA device whose GPU or cuBLAS cannot run the FP8 path (here: one made up, so that the CPU runs the
   check) fails when the call is traced, naming fp8 and why, not when it runs; weights quantized once too."""
-  from jaxmlp import _ffi
-  monkeypatch.setattr(_ffi, "cuda_devices", lambda: ["cuda:0"])
-  monkeypatch.setattr(_ffi, "fp8_status", lambda: (False, "cuBLASLt 130100 has no grouped GEMM (13.4 or newer)"))
+  from jaxmlp import _library
+  monkeypatch.setattr(_library, "cuda_devices", lambda: ["cuda:0"])
+  monkeypatch.setattr(fp8_cuda, "fp8_status", lambda: (False, "cuBLASLt 130100 has no grouped GEMM (13.4 or newer)"))
   x, w1, w2 = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((8, 16), (2, 16, 32), (2, 16, 16)))
   with pytest.raises(RuntimeError, match=r"fp8: this GPU cannot run the FP8 grouped MLP: cuBLASLt 130100"):
     jax.eval_shape(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, jnp.array([4, 4]), fp8=recipe), x, w1, w2)
@@ -436,7 +441,7 @@ def test_backend_info_reports_fp8():
   cuda = jaxmlp.backend_info()["cuda"]
   if not cuda.get("devices"):
     pytest.skip("no CUDA device")
-  ok, why = jaxmlp._ffi.fp8_status()
+  ok, why = fp8_cuda.fp8_status()
   assert cuda["fp8_available"] is ok and cuda["fp8_why"] == why
   assert ok == (cuda["compute_capability"].startswith("9.") and cuda["grouped_available"])
   if ok:

@@ -11,7 +11,7 @@ from conftest import TOLERANCE, check_close, check_padding_rows_zero, float32_ba
 
 import jaxmlp
 import numpy_reference as ref
-from jaxmlp import _checks, _ffi
+from jaxmlp import _checks, _groups, _library, mlp
 
 # (M, d, f, group_sizes): odd sizes, one expert, empty groups, padding rows, skewed sizes.
 CASES = {
@@ -154,7 +154,7 @@ def test_numpy_int64_group_sizes_keep_their_values(backend, rng):
 ])
 def test_clamped_group_sizes_at_the_int32_limit(m, sizes, want):
   """The policy's running total is capped at M without wrapping int32, for any M up to 2^31 - 1."""
-  got = _checks.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), m)
+  got = _groups.clamp_group_sizes(jnp.asarray(sizes, jnp.int32), m)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(np.diff(ref.clamp_sizes(sizes, m)), want)
 
@@ -182,7 +182,7 @@ def test_saved_fc1_output_is_written_in_every_row(backend, rng):
   a = make_inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, bias=True)
   act = jaxmlp.Activation("swiglu")
   shape = _checks.check_mlp(a["x"], a["w1"], a["w2"], a["group_sizes"], act, a["b1"], a["b2"])
-  _, h = _ffi.mlp_forward(a["x"], a["w1"], a["w2"], a["group_sizes"], a["b1"], a["b2"], None, act, shape)
+  _, h = mlp.mlp_forward(a["x"], a["w1"], a["w2"], a["group_sizes"], a["b1"], a["b2"], None, act, shape)
   n = numpy_args(a)
   want = ref.ragged_dot(n["x"], n["w1"], sizes)
   want[:sum(sizes)] += np.repeat(n["b1"], sizes, axis=0)
@@ -273,7 +273,7 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
   args = make_inputs(rng, 40, 16, 16, [15, 25], "swiglu", jnp.float32)
   n = numpy_args(args)
   with jax.default_device(jax.devices("cpu")[0]):
-    if _ffi.cuda_devices() and not _ffi.cuda_status().get(f"{path}_available"):
+    if _library.cuda_devices() and not _library.cuda_status().get(f"{path}_available"):
       with pytest.raises(RuntimeError, match=f"JAXMLP_GEMM_PATH={path}, but"):
         jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
       # The diagnostic still answers, and says why.

@@ -10,14 +10,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmlp
 import numpy_reference as ref
-from jaxmlp import _ffi
+from jaxmlp import _library
 
 M, d, f = 40, 16, 24
 SIZES = [[10, 0, 22], [3, 17, 20], [0, 0, 0], [40, 5, -2]]  # per device: padding, full, empty, clamped
 
 
 def mesh_for(backend):
-  devices = jax.devices("cpu") if backend == "cpu" else _ffi.cuda_devices()
+  devices = jax.devices("cpu") if backend == "cpu" else _library.cuda_devices()
   return jax.make_mesh((len(devices),), ("dev",), devices=devices)
 
 

@@ -1,4 +1,5 @@
-"""The blockwise FP8 recipe (DeepSeek-V3's block scaling): its quantizers in JAX, and the recipe over a backend.
+"""The blockwise FP8 recipe (DeepSeek-V3's block scaling): its definition, its quantizers in JAX, and the
+recipe over the primitives each platform provides.
 
 `jaxmlp.grouped_mlp(..., fp8="blockwise")` quantizes every operand of the six products in blocks, each
 block with its own scale from its own absolute maximum (current scaling, stateless):
@@ -19,7 +20,7 @@ The blocks follow each product's reduction dimension:
     consecutive rows of one column within one group, counted from the group's first row (a group of 300
     rows has blocks of 128, 128 and 44 rows): no block spans two experts, whatever the group sizes.
 
-Where each quantization happens (rounding to x's dtype as in the tensorwise recipe, jaxmlp.fp8):
+Where each quantization happens (rounding to x's dtype as in the tensorwise recipe):
 
   forward   h  = round(qr(x) @ qb(w1)),   a = act(h) * scales (float32),   y = round(qr(a) @ qb(w2))
   backward  da = round(qr(dy) @ qb(w2)^T),  dh = da * scales * act'(h) (float32)
@@ -27,18 +28,18 @@ Where each quantization happens (rounding to x's dtype as in the tensorwise reci
 
 With biases, h = round(h + b1[g]) before the activation and y = round(y + round(scales * b2[g])) (after the
 product's own rounding, where the tensorwise recipe rounds once); their gradients and dscales are those of
-the tensorwise recipe (jaxmlp.fp8): float32 sums of the unquantized dh and dy.
+the tensorwise recipe (jaxmlp.fp8.tensorwise): float32 sums of the unquantized dh and dy.
 
 qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Between the directions the
 backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is
 e4m3: small blocks leave no range to protect with e5m2.
 
-On a GPU (`Backend`) the quantizers are CUDA kernels that compute this module's quantizers bit for bit
-(ffi/cuda/fp8_block_quantize.cu; those of a and dh compute the activation on the way from h, up to the
-last bit of act and its derivative) and each product is an FP8 tensor-core product with cuBLASLt's block
-scaling (jaxmlp_gemm_fp8_blocks, ffi/cuda/fp8_block_gemm_cuda.cu); elsewhere the quantizers are this
-module's JAX code and the products their emulation (`emulation`): float32 sums of exactly dequantized
-operands on any grouped GEMM. The two agree up to the order of the float32 sums (and act's last bits).
+The recipe runs over `Primitives`, its quantizers and products. On a GPU (jaxmlp.fp8.cuda) the quantizers
+are CUDA kernels that compute this module's quantizers bit for bit (those of a and dh compute the activation
+on the way from h, up to the last bit of act and its derivative) and each product is an FP8 tensor-core
+product with cuBLASLt's block scaling; elsewhere the quantizers are this module's JAX code and the products
+their emulation (`emulation`): float32 sums of exactly dequantized operands on any grouped GEMM. The two
+agree up to the order of the float32 sums (and act's last bits).
 """
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
-from . import _checks
-from .activations import Activation
-from .fp8 import E4M3_MAX, Gemm, bias_and_scale_grads, bias_rows, group_sums, scaled_bias, to_e4m3
+from .._groups import Groups
+from ..activations import Activation
+from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, bias_and_scale_grads, bias_rows, group_sums,
+                       padded_length, scaled_bias, to_e4m3)
 
 BLOCK = 128
 
@@ -104,27 +106,20 @@ def dequantize_weights(q: jax.Array, e: jax.Array) -> jax.Array:
   return _dequantize(q, jnp.repeat(jnp.repeat(e, BLOCK, axis=1), BLOCK, axis=2)[:, :K, :N])
 
 
-def padded_length(m: int, groups: int) -> int:
-  """Rows of the weight gradients' operand layout (quantize_columns) for m rows in `groups` groups: every
-  group's rows rounded up to 128 (at most m + 127 groups), itself a multiple of 128. ffi/cuda/grouped_gemm.h
-  PaddedRows(m, groups, 128) is the same number."""
-  return (m + (BLOCK - 1) * groups + BLOCK - 1) // BLOCK * BLOCK
+def padded_sizes(groups: Groups) -> jax.Array:
+  """Each group's rows in the padded layout: its (clamped) size rounded up to 128."""
+  return (groups.sizes + BLOCK - 1) // BLOCK * BLOCK
 
 
-def padded_sizes(sizes: jax.Array, m: int) -> jax.Array:
-  """Each group's rows in the padded layout: its size (clamped as grouped_mlp clamps it) rounded up to 128."""
-  return (_checks.clamp_group_sizes(sizes, m) + BLOCK - 1) // BLOCK * BLOCK
-
-
-def column_blocks(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-  """The 128 x 1 blocks of m rows in groups, in the weight gradients' layout (quantize_columns): (first row,
-  rows) of each of the padded_length(m, E) / 128 blocks, int32. Each group's rows start at a multiple of
-  128, so block b of a group of 300 rows holds its rows 128 b .. 128 b + 127 (the last one 44 rows) and no
-  block spans two groups; the blocks past the groups hold no rows."""
-  sizes = _checks.clamp_group_sizes(sizes, m)
-  spans = padded_sizes(sizes, m)
+def column_blocks(groups: Groups) -> tuple[jax.Array, jax.Array]:
+  """The 128 x 1 blocks of the rows in groups, in the weight gradients' layout (quantize_columns): (first
+  row, rows) of each of the padded_length(m, E, 128) / 128 blocks, int32. Each group's rows start at a
+  multiple of 128, so block b of a group of 300 rows holds its rows 128 b .. 128 b + 127 (the last one 44
+  rows) and no block spans two groups; the blocks past the groups hold no rows."""
+  sizes = groups.sizes
+  spans = padded_sizes(groups)
   span_ends = jnp.cumsum(spans)
-  start = jnp.arange(padded_length(m, sizes.shape[0]) // BLOCK, dtype=jnp.int32) * BLOCK
+  start = jnp.arange(padded_length(groups.num_rows, groups.num_groups, BLOCK) // BLOCK, dtype=jnp.int32) * BLOCK
   # compare_all: one fused comparison, where the default binary search is a chain of small kernels.
   group = jnp.minimum(jnp.searchsorted(span_ends, start, side="right", method="compare_all"), sizes.shape[0] - 1)
   within = start - (span_ends - spans)[group]
@@ -132,13 +127,13 @@ def column_blocks(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   return first.astype(jnp.int32), jnp.clip(sizes[group] - within, 0, BLOCK).astype(jnp.int32)
 
 
-def quantize_columns(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_columns(v: jax.Array, groups: Groups) -> tuple[jax.Array, jax.Array]:
   """128 x 1 blocks of v [M, C] within the groups (column_blocks), laid out for the weight gradients:
-  (q [C, L] e4m3, exponents [L / 128, C]) with L = padded_length(M, E), zeros past each block's rows.
+  (q [C, L] e4m3, exponents [L / 128, C]) with L = padded_length(M, E, 128), zeros past each block's rows.
   Transposed: the products reduce over the tokens, and FP8 tensor cores read both operands contiguous
   along the reduction."""
   M, C = v.shape
-  first, rows = column_blocks(sizes, M)
+  first, rows = column_blocks(groups)
   within = jnp.arange(BLOCK, dtype=jnp.int32)
   source = jnp.where(within < rows[:, None], first[:, None] + within, M).reshape(-1)
   padded = jnp.take(v, source, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
@@ -147,26 +142,26 @@ def quantize_columns(v: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Arr
   return _quantize(blocks, e[:, None, :]).reshape(-1, C).T, e
 
 
-def quantize_rows_and_columns(v: jax.Array, sizes: jax.Array):
-  """(quantize_rows(v), quantize_columns(v, sizes)): a tensor that is both a row and a column operand."""
-  return quantize_rows(v), quantize_columns(v, sizes)
+def quantize_rows_and_columns(v: jax.Array, groups: Groups):
+  """(quantize_rows(v), quantize_columns(v, groups)): a tensor that is both a row and a column operand."""
+  return quantize_rows(v), quantize_columns(v, groups)
 
 
-def activation_rows_and_columns(h, scales, sizes, valid, act: Activation):
+def activation_rows_and_columns(h, scales, groups: Groups, act: Activation):
   """quantize_rows_and_columns of the forward's a = act(h) * scales in float32, zero in the rows past the
-  groups (`valid` false)."""
+  groups."""
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
-  return quantize_rows_and_columns(jnp.where(valid[:, None], a, 0), sizes)
+  return quantize_rows_and_columns(jnp.where(groups.valid[:, None], a, 0), groups)
 
 
-def activation_grad_rows_and_columns(h, da, scales, sizes, valid, act: Activation):
+def activation_grad_rows_and_columns(h, da, scales, groups: Groups, act: Activation):
   """quantize_rows_and_columns of the backward's dh = (da * scales) * act'(h) (the vjp of act) in float32,
   zero in the rows past the groups."""
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   dh = jax.vjp(act, h.astype(jnp.float32))[1](da.astype(jnp.float32) * s)[0]
-  return quantize_rows_and_columns(jnp.where(valid[:, None], dh, 0), sizes)
+  return quantize_rows_and_columns(jnp.where(groups.valid[:, None], dh, 0), groups)
 
 
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
@@ -174,84 +169,93 @@ def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
   return _dequantize(q.T, jnp.repeat(e, BLOCK, axis=0))
 
 
-class Backend(tp.NamedTuple):
+class Primitives(tp.NamedTuple):
   """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
   module of the same names (the emulation: those functions; a kernel reads the tensor of
   quantize_rows_and_columns once), bit for bit, except the activations' up to the last bit of act and its
   derivative (a kernel computes them on the way from h, whose float32 result goes through no memory).
   The products take quantized operands, accumulate in float32 and round once to `dtype`:
-    rows(lhs, w, sizes, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
+    rows(lhs, w, groups, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
       [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
       reads only q and exponents): [M, n], zeros in the rows past the groups (as jax.lax.ragged_dot; no
       pass of masking after each product);
-    columns(lhs, rhs, sizes, m, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
+    columns(lhs, rhs, groups, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
       [m, N]): [E, K, N].
-  And the biases' gradients: group_sums(v, weights, sizes), jaxmlp.fp8.group_sums of 16-bit v."""
+  And the biases' gradients: group_sums(v, weights, groups), jaxmlp.fp8.quantize.group_sums of 16-bit v."""
   quantize_rows_and_columns: tp.Callable
   activation_rows_and_columns: tp.Callable
   activation_grad_rows_and_columns: tp.Callable
-  quantize_weights: tp.Callable
   rows: tp.Callable
   columns: tp.Callable
   group_sums: tp.Callable
 
 
-def emulation(gemm: Gemm) -> Backend:
+def emulated_primitives(gemm: Gemm) -> Primitives:
   """This module's quantizers, and products of exactly dequantized operands with float32 accumulation on
   any grouped GEMM."""
-  def rows(lhs, w, sizes, transposed, dtype):
-    return gemm("nt" if transposed else "nn", dequantize_rows(*lhs), dequantize_weights(*w[:2]), sizes).astype(dtype)
+  def rows(lhs, w, groups, transposed, dtype):
+    return gemm("nt" if transposed else "nn", dequantize_rows(*lhs), dequantize_weights(*w[:2]),
+                groups.sizes).astype(dtype)
 
-  def columns(lhs, rhs, sizes, m, dtype):
-    return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(sizes, m)).astype(dtype)
+  def columns(lhs, rhs, groups, dtype):
+    return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(groups)).astype(dtype)
 
-  return Backend(quantize_rows_and_columns, activation_rows_and_columns, activation_grad_rows_and_columns,
-                 quantize_weights, rows, columns, group_sums)
+  return Primitives(quantize_rows_and_columns, activation_rows_and_columns, activation_grad_rows_and_columns,
+                    rows, columns, group_sums)
 
 
-def forward(b: Backend, x, w1q, w2q, sizes, scales, valid, act: Activation, b1=None, b2=None):
-  """(y, residuals) of the blockwise forward for weights quantized by b.quantize_weights; `valid` marks the
-  rows in groups. The residuals: h, x and a in 128 x 1 blocks (the weight gradients' operands: a's from
-  here, where it is quantized anyway, rather than from h again) and the quantized weights, each with its
-  exponents."""
-  dtype = x.dtype  # the rows past the groups: zero in every product's result (Backend.rows)
-  x_rows, x_columns = b.quantize_rows_and_columns(x, sizes)
-  h = b.rows(x_rows, w1q, sizes, False, dtype)
+def forward(p: Primitives, x, w1q, w2q, groups: Groups, scales, act: Activation, b1=None, b2=None):
+  """(y, residuals) of the forward for weights quantized by quantize_weights. The residuals: h, x and a in
+  128 x 1 blocks (the weight gradients' operands: a's from here, where it is quantized anyway, rather than
+  from h again) and the quantized weights, each with its exponents."""
+  dtype = x.dtype  # the rows past the groups: zero in every product's result (Primitives.rows)
+  x_rows, x_columns = p.quantize_rows_and_columns(x, groups)
+  h = p.rows(x_rows, w1q, groups, False, dtype)
   if b1 is not None:
-    h = (h.astype(jnp.float32) + bias_rows(b1, sizes, valid)).astype(dtype)
-  a_rows, a_columns = b.activation_rows_and_columns(h, scales, sizes, valid, act)
-  y = b.rows(a_rows, w2q, sizes, False, dtype)
+    h = (h.astype(jnp.float32) + bias_rows(b1, groups)).astype(dtype)
+  a_rows, a_columns = p.activation_rows_and_columns(h, scales, groups, act)
+  y = p.rows(a_rows, w2q, groups, False, dtype)
   if b2 is not None:
-    y = (y.astype(jnp.float32) + scaled_bias(b2, scales, sizes, valid, dtype)).astype(dtype)
+    y = (y.astype(jnp.float32) + scaled_bias(b2, scales, groups, dtype)).astype(dtype)
   return y, (h, x_columns, a_columns, w1q[:2], w2q[:2])
 
 
-def backward(b: Backend, residuals, sizes, scales, valid, act: Activation, dy, b1=None, b2=None):
-  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the blockwise backward, from the forward's
-  residuals."""
+def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals."""
   h, x_columns, a_columns, w1q, w2q = residuals
   dtype = h.dtype
-  dy_rows, dy_columns = b.quantize_rows_and_columns(dy, sizes)
-  da = b.rows(dy_rows, w2q, sizes, True, dtype)
-  dh_rows, dh_columns = b.activation_grad_rows_and_columns(h, da, scales, sizes, valid, act)
-  dx = b.rows(dh_rows, w1q, sizes, True, dtype)
-  m = h.shape[0]
-  dw2 = b.columns(a_columns, dy_columns, sizes, m, dtype)
-  dw1 = b.columns(x_columns, dh_columns, sizes, m, dtype)
+  dy_rows, dy_columns = p.quantize_rows_and_columns(dy, groups)
+  da = p.rows(dy_rows, w2q, groups, True, dtype)
+  dh_rows, dh_columns = p.activation_grad_rows_and_columns(h, da, scales, groups, act)
+  dx = p.rows(dh_rows, w1q, groups, True, dtype)
+  dw2 = p.columns(a_columns, dy_columns, groups, dtype)
+  dw1 = p.columns(x_columns, dh_columns, groups, dtype)
   da = da.astype(jnp.float32)
   dh = None
   if b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
     s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
     dh = jax.vjp(act, h.astype(jnp.float32))[1](da * s)[0].astype(dtype)
   act_h = None if scales is None else act(h.astype(jnp.float32))
-  db1, db2, dscales = bias_and_scale_grads(da, dh, dy, act_h, dtype, scales, sizes, valid, b1, b2,
-                                           group_sums=b.group_sums)
+  db1, db2, dscales = bias_and_scale_grads(da, dh, dy, act_h, dtype, scales, groups, b1, b2,
+                                           group_sums=p.group_sums)
   return dx, dw1, dw2, db1, db2, dscales
 
 
-def emulated_forward(gemm: Gemm, x, w1q, w2q, sizes, scales, valid, act: Activation, b1=None, b2=None):
-  return forward(emulation(gemm), x, w1q, w2q, sizes, scales, valid, act, b1, b2)
+def implementation(p: Primitives, quantize_weights_on_platform) -> Implementation:
+  """The recipe over a platform's primitives and weight quantizer."""
+  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals):
+    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2)
+
+  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy):
+    return backward(p, residuals, groups, scales, act, dy, b1, b2)
+
+  return Implementation(quantize_weights_on_platform, forward_, backward_)
 
 
-def emulated_backward(gemm: Gemm, residuals, sizes, scales, valid, act: Activation, dy, b1=None, b2=None):
-  return backward(emulation(gemm), residuals, sizes, scales, valid, act, dy, b1, b2)
+def emulation(gemm: Gemm) -> Implementation:
+  return implementation(emulated_primitives(gemm), quantize_weights)
+
+
+SCHEME = Scheme(name="blockwise", pad=BLOCK,
+                weight_scales=lambda E, K, N: ((E, -(-K // BLOCK), -(-N // BLOCK)), jnp.int32),
+                quantize_weights=quantize_weights, emulation=emulation)

@@ -1,0 +1,53 @@
+"""What the ops' custom_vjp rules share: the guard against differentiating a custom call again, and the
+gradients' types inside jax.shard_map."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+SECOND_ORDER_ERROR = (
+    "jaxmlp's custom calls have a first derivative only, in reverse mode: forward mode (jax.jvp, jax.jacfwd) "
+    "and derivatives of the gradient (grad of grad, jax.hessian) are not implemented. Use "
+    "jaxmlp.reference.grouped_mlp or jaxmlp.reference.ragged_dot: pure JAX, which differentiates them in "
+    "every mode (jax.jvp, grad of grad, Hessian-vector products), in float64 too under jax_enable_x64.")
+
+
+def not_differentiable(call, *args):
+  """`call(*args)`, raising SECOND_ORDER_ERROR at trace time where JAX would differentiate it.
+
+  The ops' custom_vjp rules are what JAX differentiates once; it reaches the custom calls inside those
+  rules only when differentiating again (grad of grad, jax.hessian), and would then fail with its own
+  "cannot be differentiated" message. Non-array arguments (activation, shapes, dtypes) pass through.
+  """
+  static = tuple(i for i, a in enumerate(args) if not _is_operand(a))
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=static)
+  def guarded(*args):
+    return call(*args)
+
+  @guarded.defjvp
+  def _(*args_and_tangents):
+    raise NotImplementedError(SECOND_ORDER_ERROR)
+
+  return guarded(*args)
+
+
+def _is_operand(a) -> bool:
+  return a is None or isinstance(a, (jax.Array, np.ndarray, np.generic))
+
+
+def summed_like(grad, primal):
+  """Inside jax.shard_map, the gradient of an operand that is the same on every device along a mesh axis
+  (weights replicated over a data-parallel axis) is the sum of the devices' gradients, as JAX makes it
+  for its own ops; the custom calls' gradients vary over every axis any operand varies over."""
+  if grad is None:
+    return None
+  axes = tuple(jax.typeof(grad).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying)
+  return jax.lax.psum(grad, axes) if axes else grad
+
+
+def integer_cotangent(a):
+  """The cotangent of an integer operand (group_sizes): float0 zeros."""
+  return np.zeros(np.shape(a), dtype=jax.dtypes.float0)

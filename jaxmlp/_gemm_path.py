@@ -1,0 +1,76 @@
+"""The GEMM-path policy: which CUDA engine serves a call, chosen at trace time, and why.
+
+CUDA targets of the grouped products come in three variants (ffi/targets.inc):
+  *_grouped   cuBLASLt grouped GEMM, group sizes read on the device: no host sync, and the handlers are
+              declared command-buffer compatible, so XLA may capture them in CUDA graphs;
+  *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
+              product dominates: fewer launches, also sync-free;
+  *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
+              and stream sync per call).
+"""
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from ._library import cuda_module, cuda_status
+
+# The tiled kernel beats the cuBLAS grouped GEMM while a product's expert weights (E * K * N elements) and
+# its work (M * K * N multiply-adds) are both small; with larger weights its many small weight-gradient
+# tiles lose. The limits sit at the largest measured win (docs/performance.md, "The tiled path").
+TILED_MAX_WEIGHTS = 1 << 21
+TILED_MAX_MACS = 1 << 30
+
+
+def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None) -> tuple[str, str]:
+  """Which CUDA GEMM path a call takes, and why: ("grouped" | "tiled" | "fallback", reason).
+
+  row_lengths: the K and N of the call's products (the tiled and grouped paths need multiples of 8);
+  problem: (E, M, K, N) of its largest product (None: a large one). JAXMLP_GEMM_PATH=grouped|tiled
+  forces that path for every call it can serve (`unservable`); the others take the fallback.
+  """
+  forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
+  if forced not in ("auto", "grouped", "tiled", "fallback"):
+    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, tiled or fallback")
+  status = cuda_status()  # first, even for the fallback: it loads cuBLAS, searching the wheel's folder
+  if forced == "fallback":
+    return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
+  if forced == "tiled" and not status.get("tiled_available"):
+    raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: "
+                       f"{status.get('tiled_reason', 'no CUDA device')}")
+  if forced == "grouped" and not status.get("grouped_available"):
+    raise RuntimeError("JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: "
+                       f"{status.get('grouped_reason', 'no CUDA device')}")
+  why_not = unservable(dtype, *row_lengths)
+  if why_not:
+    return "fallback", f"{why_not}: cublasGemmGroupedBatchedEx serves it"
+  if forced != "auto":
+    return forced, f"forced by JAXMLP_GEMM_PATH={forced}"
+  if status.get("tiled_available") and problem is not None and _small(*problem):
+    return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
+  if not status.get("grouped_available"):
+    return "fallback", status.get("grouped_reason", "no CUDA device")
+  return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
+
+
+def unservable(dtype, *row_lengths: int) -> str | None:
+  """Why the grouped and tiled paths cannot serve a call, or None: both take 16-bit inputs, with row
+  lengths that are multiples of 8 (16-byte aligned group pointers)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return "float32 inputs"
+  if any(n % 8 for n in row_lengths):
+    return f"row lengths {row_lengths} not all multiples of 8"
+  return None
+
+
+def _small(E: int, M: int, K: int, N: int) -> bool:
+  return E * K * N <= TILED_MAX_WEIGHTS and M * K * N <= TILED_MAX_MACS
+
+
+def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> str:
+  """gemm_path's choice inside a CUDA branch; "fallback" where no CUDA device is visible (the branch is
+  traced but never lowered there)."""
+  if cuda_module() is None:
+    return "fallback"
+  return gemm_path(dtype, *row_lengths, problem=problem)[0]

@@ -1,0 +1,195 @@
+"""The FP8 recipes on a GPU: their custom calls (CUDA only; handlers in ffi/cuda/fp8/) and each recipe's
+Implementation over them.
+
+  tensorwise  one call quantizes a weight tensor ("jaxmlp_fp8_tensor_weights"); one call runs each direction
+              ("jaxmlp_mlp_fp8_fwd" / "_bwd"), the quantization passes and the activation inside;
+  blockwise   each quantizer and each of the six products is a call ("jaxmlp_fp8_block_*",
+              "jaxmlp_gemm_fp8_blocks"); the activation and its derivative run inside the quantizers of a
+              and dh, and the recipe's glue between the calls is jaxmlp.fp8.blockwise's own.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _library
+from .._checks import MlpShape
+from .._groups import Groups
+from .._library import ABSENT, optional
+from ..activations import Activation
+from ..gemm import grouped_gemm
+from . import blockwise, tensorwise
+from .quantize import Implementation
+
+E4M3 = jnp.float8_e4m3fn
+
+
+def fp8_status() -> tuple[bool, str]:
+  """Whether this process's CUDA device and cuBLAS run the FP8 grouped MLP, and why (not)."""
+  if _library._cuda is None:
+    return False, _library.CUDA_BUILD_ERROR
+  status = _library.cuda_status()
+  if not status:
+    return False, "no CUDA device"
+  if not status.get("grouped_available"):
+    return False, "FP8 runs on the cuBLASLt grouped GEMM, which is unavailable: " + status.get("grouped_reason", "")
+  major = int(status.get("compute_capability", "0.0").split(".")[0])
+  if major != 9:
+    return False, (f"compute capability {status['compute_capability']}: the FP8 path is built and tested for "
+                   "Hopper (9.x) only")
+  return True, "cuBLASLt grouped GEMM, FP8 e4m3 with one scale per tensor (tensorwise) or per block (blockwise)"
+
+
+def _module_or_raise():
+  """The CUDA extension, where a CUDA device is visible and runs FP8 (RuntimeError otherwise); None without
+  a device, where the CUDA branch is traced but never lowered."""
+  cuda = _library.cuda_module()
+  if cuda is not None:
+    ok, why = fp8_status()
+    if not ok:
+      raise RuntimeError(f"fp8: this GPU cannot run the FP8 grouped MLP: {why}")
+  return cuda
+
+
+# ---- tensorwise ------------------------------------------------------------------------------------------
+def tensor_weights(w):
+  """tensorwise.quantize_weights on the GPU: (q [E, K, N] e4m3, amax float32 [], q transposed [E, N, K])."""
+  _module_or_raise()
+  E, K, N = w.shape
+  q, amax, qt = _library.call("jaxmlp_fp8_tensor_weights", [((E, K, N), E4M3), ((1,), jnp.float32),
+                                                             ((E, N, K), E4M3)], w)
+  return q, amax[0], qt
+
+
+def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape,
+                 residuals: bool):
+  """The forward's custom call: (y [M, d], with `residuals` what the backward takes: h [M, F1], amax [4]
+  float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout), q(w1), q(w2))."""
+  cuda = _module_or_raise()
+  dt = x.dtype
+  (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
+  ws = cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), False, False) if cuda else 0
+  xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals else ABSENT
+  outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3)]
+  y, h, amax, xt = _library.call(
+      "jaxmlp_mlp_fp8_fwd", outs, x, w1, w2, groups.given, optional(b1, dt), optional(b2, dt), optional(scales, dt),
+      w1t, w2t, jnp.stack([aw1, aw2]), workspace=ws, **_library.activation_attrs(act),
+      fast_accumulation=bool(recipe.fast_accumulation))
+  return y, (h, amax, xt, w1, w2) if residuals else None
+
+
+def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape, dy):
+  """The backward's custom call, from the forward's residuals: (dx, dw1, dw2, db1, db2, dscales), None where
+  absent."""
+  cuda = _module_or_raise()
+  h, amax, xt, w1q, w2q = residuals
+  dt = h.dtype
+  ws = (cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), b1 is not None,
+                                     b2 is not None) if cuda else 0)
+  outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
+          ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
+          ((s.M,) if scales is not None else ABSENT, dt)]
+  dx, dw1, dw2, db1, db2, dscales = _library.call(
+      "jaxmlp_mlp_fp8_bwd", outs, xt, w1q, w2q, groups.given, optional(b1, dt), optional(b2, dt),
+      optional(scales, dt), h, dy, amax, workspace=ws, **_library.activation_attrs(act),
+      fast_accumulation=bool(recipe.backward_fast_accumulation))
+  return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
+          dscales if scales is not None else None)
+
+
+TENSORWISE = Implementation(tensor_weights, _mlp_forward, _mlp_backward)
+
+
+# ---- blockwise -------------------------------------------------------------------------------------------
+def block_weights(w):
+  """blockwise.quantize_weights on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K / 128), ceil(N / 128)]
+  int32, q transposed [E, N, K])."""
+  _module_or_raise()
+  E, K, N = w.shape
+  q, qt, e = _library.call("jaxmlp_fp8_block_weights", [((E, K, N), E4M3), ((E, N, K), E4M3),
+                                                        ((E, -(-K // 128), -(-N // 128)), jnp.int32)], w)
+  return q, e, qt
+
+
+def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtype):
+  """A product on FP8 tensor cores with cuBLASLt's block scaling (the operands' layouts: ffi/cuda/fp8/):
+  "nt" out [M, K] = lhs @ rhs[g].T per group of rows, "tn" out [E, K, N] = lhs [K, L] @ rhs [N, L].T per
+  group's padded columns. Scales are float32 powers of two."""
+  cuda = _module_or_raise()
+  rows, E = groups.num_rows, groups.num_groups
+  code = _library.gemm_op({"nt": "nt", "tn": "tn_padded"}[op])
+  out_shape = (rows, rhs.shape[1]) if op == "nt" else (E, lhs.shape[0], rhs.shape[0])
+  ws = cuda.gemm_fp8_blocks_workspace_bytes(int(code), rows, E, lhs.shape[1]) if cuda else 0
+  return _library.call("jaxmlp_gemm_fp8_blocks", [(out_shape, dtype)], lhs, lhs_scales, rhs, rhs_scales,
+                       groups.given, workspace=ws, op=code, rows=np.int64(rows))[0]
+
+
+def _block_outputs(R: int, C: int, B: int) -> list:
+  """The results of a blockwise quantizer of [R, C] in B column blocks: (q, exponents) by rows and by columns."""
+  return [((R, C), E4M3), ((R, -(-C // 128)), jnp.int32), ((C, 128 * B), E4M3), ((B, C), jnp.int32)]
+
+
+def _column_blocks(groups: Groups):
+  """(first, rows, total) of the quantizers: the column blocks, and the rows in groups, [1] int32 (the
+  kernels' own bound on the rows past the groups)."""
+  return (*blockwise.column_blocks(groups), jnp.sum(groups.sizes, keepdims=True).astype(jnp.int32))
+
+
+def _rows_and_columns(v, groups: Groups):
+  """blockwise.quantize_rows_and_columns in one pass over v."""
+  _module_or_raise()
+  first, rows, total = _column_blocks(groups)
+  q, e, qt, ec = _library.call("jaxmlp_fp8_block_rows_and_columns", _block_outputs(*v.shape, first.shape[0]),
+                               v, first, rows, total)
+  return (q, e), (qt, ec)
+
+
+def _activation(h, da, scales, groups: Groups, act: Activation):
+  """blockwise.activation_rows_and_columns (da None) or activation_grad_rows_and_columns: the quantizer of
+  a = act(h) * scales [R, f] or of dh [R, F1], computed from h (and da) on the way in."""
+  _module_or_raise()
+  (R, F1) = h.shape
+  C = F1 if da is not None else (F1 // 2 if act.gated else F1)
+  first, rows, total = _column_blocks(groups)
+  q, e, qt, ec = _library.call("jaxmlp_fp8_block_activation", _block_outputs(R, C, first.shape[0]), h,
+                               optional(da, h.dtype), optional(scales, h.dtype), first, rows, total,
+                               **_library.activation_attrs(act))
+  return (q, e), (qt, ec)
+
+
+def _scales(e):
+  """float32 2^e of the recipe's exponents: the block scales cuBLASLt multiplies by."""
+  return jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
+
+
+def _rows(lhs, w, groups: Groups, transposed, dtype):
+  (q, e), (wq, we) = lhs, w[:2]
+  if not transposed:  # FP8 tensor cores read w[g] contiguous along the reduction: the transposed copy [n, k]
+    wq, we = w[2], jnp.swapaxes(we, 1, 2)
+  we = jnp.pad(we, ((0, 0), (0, 0), (0, -we.shape[2] % 4)))  # cuBLASLt's 128x128 layout: blocks per row to 4
+  return _gemm_blocks("nt", q, _scales(e), wq, _scales(we), groups, dtype)
+
+
+def _columns(lhs, rhs, groups: Groups, dtype):
+  (lq, le), (rq, re) = lhs, rhs
+  return _gemm_blocks("tn", lq, _scales(le), rq, _scales(re), groups, dtype)
+
+
+def _group_sums(v, weights, groups: Groups):
+  """quantize.group_sums as a grouped product over the rows, [16, M] @ v per group, of a 16-bit lhs whose
+  first column is the weights (or ones) and the others zero (16 columns: 16-byte rows for the tensor cores):
+  exact 16-bit products, float32 sums in a fixed order (no atomics, as XLA's scatter-add would take)."""
+  m = v.shape[0]
+  column = jnp.ones((m,), v.dtype) if weights is None else weights.astype(v.dtype)
+  lhs = jnp.pad(column[:, None], ((0, 0), (0, 15)))
+  return grouped_gemm("tn", lhs, v, groups.given, (groups.num_groups, 16, v.shape[1]), jnp.float32)[:, 0]
+
+
+BLOCKWISE_PRIMITIVES = blockwise.Primitives(
+    quantize_rows_and_columns=_rows_and_columns,
+    activation_rows_and_columns=lambda h, scales, groups, act: _activation(h, None, scales, groups, act),
+    activation_grad_rows_and_columns=_activation,
+    rows=_rows, columns=_columns, group_sums=_group_sums)
+BLOCKWISE = blockwise.implementation(BLOCKWISE_PRIMITIVES, block_weights)
+
+IMPLEMENTATIONS = {tensorwise.SCHEME.name: TENSORWISE, blockwise.SCHEME.name: BLOCKWISE}

@@ -1,0 +1,125 @@
+"""grouped_mlp with an FP8 recipe: one custom_vjp over every recipe, on the CUDA kernels or the emulation.
+
+  jaxmlp.grouped_mlp(fp8=...) -> grouped_mlp -> _mlp (custom_vjp) -> the recipe's Implementation for the
+  platform: jaxmlp.fp8.cuda on a GPU, the recipe's emulation (jaxmlp.fp8.tensorwise, .blockwise) elsewhere,
+  around jaxmlp's grouped GEMM of bfloat16 operands (exact for dequantized FP8 values).
+
+Both platforms carry the same residuals (see each recipe). The weights are quantized in the call, or once
+by the caller (jaxmlp.fp8_weights, Fp8Weights) and reused over several calls. The group sizes are clamped
+once per call (Groups) and travel to the backward with the residuals.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import _checks
+from .._autodiff import integer_cotangent
+from .._groups import Groups
+from ..activations import Activation
+from ..gemm import grouped_gemm
+from . import cuda
+from .quantize import Implementation
+from .recipe import Fp8Recipe, Fp8Weights, check_weights_args
+
+
+def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: Fp8Recipe,
+                shape: _checks.MlpShape):
+  """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp). w1 and w2: arrays, or Fp8Weights
+  of this recipe."""
+  (w1, w1q), (w2, w2q) = split_weights(w1, x.dtype), split_weights(w2, x.dtype)
+  return _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)
+
+
+def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weights:
+  """Expert weights quantized for an FP8 recipe, once: grouped_mlp(..., fp8=...) takes them in place of w1
+  or w2 and then skips their quantization (two passes over the weights per call).
+
+  Quantize once per optimizer step and reuse over the step's micro-batches (gradient accumulation), as
+  TransformerEngine caches FP8 weights on the first micro-batch: the results equal those of passing
+  w.astype(dtype). The gradient of a grouped_mlp call for these weights flows to `w` (Fp8Weights.weights)
+  in w's dtype; the quantization itself is not differentiated (the weights are constants of the step).
+
+  Args:
+    w: [E, K, N] weights (w1 [E, d, F1] or w2 [E, f, d]) as the optimizer holds them, float32 master
+      weights too; K and N multiples of 16.
+    fp8: the recipe: "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe.
+    dtype: the computation dtype the calls take (x's: bfloat16 or float16), which w is rounded to before
+      it is quantized, as grouped_mlp would take it; default w's dtype.
+  """
+  recipe, dtype = check_weights_args(w, fp8, dtype)
+  quantized = _quantize_weights(jax.lax.stop_gradient(w).astype(dtype), recipe)
+  return Fp8Weights(w, *quantized, recipe=recipe.name)
+
+
+def split_weights(w, dtype):
+  """(weights in the call's dtype, their quantized form (q, scales, qt) or None where the call quantizes
+  them). Fp8Weights' weights are cast (read by nothing when quantized: the cast is there for its
+  transpose, which hands the gradient to the weights in their own dtype, float32 master weights too)."""
+  return (w.weights.astype(dtype), w.quantized) if isinstance(w, Fp8Weights) else (w, None)
+
+
+def _bfloat16_gemm(op, lhs, rhs, sizes):
+  """A float32 grouped product of dequantized FP8 operands on jaxmlp's grouped GEMM, CPU or CUDA: an e4m3
+  value, and its product with a power-of-two scale, is exact in bfloat16 (8 bits of exponent, 7 of
+  mantissa), so the product of the bfloat16 operands with float32 accumulation and output is the float32
+  product of the dequantized values (up to the order of the sums)."""
+  if op == "tn":
+    out_shape = (sizes.shape[0], lhs.shape[1], rhs.shape[1])
+  else:
+    out_shape = (lhs.shape[0], rhs.shape[2] if op == "nn" else rhs.shape[1])
+  return grouped_gemm(op, lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes, out_shape, jnp.float32)
+
+
+def _platforms(recipe: Fp8Recipe) -> dict[str, Implementation]:
+  """The recipe's Implementation per platform, for jax.lax.platform_dependent."""
+  return dict(cpu=recipe.scheme.emulation(_bfloat16_gemm), cuda=cuda.IMPLEMENTATIONS[recipe.name])
+
+
+def _quantize_weights(w, recipe: Fp8Recipe):
+  """(q, scales, qt) of weights [E, K, N] for the recipe, on this platform's kernels."""
+  return jax.lax.platform_dependent(w, **{p: i.quantize_weights for p, i in _platforms(recipe).items()})
+
+
+# w1q and w2q: the weights quantized by the caller (Fp8Weights), or None to quantize them here; they take no
+# gradient (the weights w1 and w2 do). b1, b2 and scales may be None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
+  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals=False)[0]
+
+
+def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
+  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals=True)
+
+
+def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals: bool):
+  """(y, what the backward takes: the recipe's residuals, or None without `residuals`, and the operands it
+  reads again)."""
+  w1q = _quantize_weights(w1, recipe) if w1q is None else w1q
+  w2q = _quantize_weights(w2, recipe) if w2q is None else w2q
+  groups = Groups.of(group_sizes, shape.M)
+
+  def on(implementation):
+    return lambda *a: implementation.forward(*a, act, recipe, shape, residuals)
+
+  y, res = jax.lax.platform_dependent(x, w1q, w2q, groups, b1, b2, scales,
+                                      **{p: on(i) for p, i in _platforms(recipe).items()})
+  return y, (res, groups, b1, b2, scales)
+
+
+def _mlp_bwd(act, recipe, shape, saved, dy):
+  residuals, groups, b1, b2, scales = saved
+
+  def on(implementation):
+    return lambda residuals, groups, b1, b2, scales, dy: implementation.backward(
+        residuals, groups, b1, b2, scales, act, recipe, shape, dy)
+
+  dy = dy.astype(residuals[0].dtype)
+  dx, dw1, dw2, db1, db2, dscales = jax.lax.platform_dependent(
+      residuals, groups, b1, b2, scales, dy, **{p: on(i) for p, i in _platforms(recipe).items()})
+  return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -1,0 +1,165 @@
+"""The FP8 recipes' public types, Fp8Recipe and Fp8Weights, and every trace-time check of an FP8 call."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _checks
+from . import blockwise, tensorwise
+from .quantize import Scheme
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (tensorwise.SCHEME, blockwise.SCHEME)}
+RECIPES = tuple(SCHEMES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+  """An FP8 recipe of the grouped MLP.
+
+  name: "tensorwise" (one scale per tensor, current scaling: jaxmlp.fp8.tensorwise) or "blockwise" (one
+    scale per 1 x 128 block of activations and gradients, per 128 x 128 block of weights:
+    jaxmlp.fp8.blockwise).
+  fast_accumulation: the forward's products accumulate in the tensor cores' faster, less precise FP8
+    accumulator (cuBLASLt's FAST_ACCUM), as TransformerEngine's recipes do. Only the CUDA kernels of the
+    tensorwise recipe have it; their results then differ from the emulation by ~1e-2 (tests/test_fp8.py).
+  backward_fast_accumulation: the same for the backward's four products (data and weight gradients). Off by
+    default, as in TransformerEngine, which keeps the precise accumulator for gradients; on, the weight
+    gradients' products run faster (docs/fp8.md).
+  """
+
+  name: str = "tensorwise"
+  fast_accumulation: bool = True
+  backward_fast_accumulation: bool = False
+
+  def __post_init__(self):
+    if self.name not in SCHEMES:
+      raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
+
+  @property
+  def scheme(self) -> Scheme:
+    return SCHEMES[self.name]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weights:
+  """Expert weights quantized once for an FP8 recipe (jaxmlp.fp8_weights), which grouped_mlp takes in place
+  of w1 or w2: quantize the weights once per optimizer step and reuse them over the step's micro-batches
+  (TransformerEngine's weight caching on the first micro-batch), instead of once per call.
+
+  weights: the weights [E, K, N] they were quantized from, as the optimizer holds them (float32 master
+    weights too): grouped_mlp's gradient of w1 or w2 flows to this field, in its dtype (so gradients of
+    micro-batches add up in float32 there); the quantized fields take none (constants of the step).
+  q: [E, K, N] float8_e4m3fn.
+  scales: the recipe's scales: tensorwise, the float32 absolute maximum of the weights (a scalar);
+    blockwise, the int32 exponents [E, ceil(K / 128), ceil(N / 128)] of the 128 x 128 blocks.
+  qt: q transposed, [E, N, K]: the layout FP8 tensor cores read in the forward.
+  recipe: the recipe's name.
+  """
+
+  weights: jax.Array
+  q: jax.Array
+  scales: jax.Array
+  qt: jax.Array
+  recipe: str = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def quantized(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return self.q, self.scales, self.qt
+
+
+def resolve(fp8: str | Fp8Recipe | None) -> Fp8Recipe | None:
+  """None, a recipe name or an Fp8Recipe; raises a clear error for anything else."""
+  if fp8 is None or isinstance(fp8, Fp8Recipe):
+    return fp8
+  if isinstance(fp8, str):
+    return Fp8Recipe(fp8)
+  raise TypeError(f"fp8: expected None, a recipe name ({', '.join(RECIPES)}) or jaxmlp.Fp8Recipe, "
+                  f"got {type(fp8).__name__}")
+
+
+def resolve_with_weights(fp8: str | Fp8Recipe | None, w1, w2) -> Fp8Recipe | None:
+  """The recipe of a grouped_mlp call: `fp8`, or where it is None the recipe w1 and w2 were quantized for
+  (Fp8Weights); an Fp8Weights of another recipe raises ValueError naming it."""
+  recipe = resolve(fp8)
+  for name, w in (("w1", w1), ("w2", w2)):
+    if isinstance(w, Fp8Weights):
+      if recipe is None:
+        recipe = Fp8Recipe(w.recipe)
+      elif w.recipe != recipe.name:
+        raise ValueError(f"{name}: Fp8Weights quantized for fp8={w.recipe!r}, but the call runs "
+                         f"fp8={recipe.name!r}; quantize it with jaxmlp.fp8_weights(w, {recipe.name!r})")
+  return recipe
+
+
+def weights_of(w):
+  """The weights array of w: Fp8Weights' `weights`, or w itself."""
+  return w.weights if isinstance(w, Fp8Weights) else w
+
+
+def checked_as(w, dtype):
+  """What grouped_mlp's operand checks see of w: an Fp8Weights as its weights' shape in the call's dtype
+  (its weights may be wider: the products read only the quantized fields)."""
+  return jax.ShapeDtypeStruct(w.weights.shape, dtype) if isinstance(w, Fp8Weights) else w
+
+
+def check_call(x, recipe: Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) -> None:
+  """Trace-time checks of an FP8 call, with the reason in the error; w1 and w2 as given (arrays or
+  Fp8Weights, whose `weights` passed check_mlp)."""
+  for name, w in (("w1", w1), ("w2", w2)):
+    if isinstance(w, Fp8Weights):
+      _check_quantized(name, w, recipe)
+  if jnp.result_type(x) == jnp.float32:
+    raise TypeError("fp8: x.dtype float32 is not supported; FP8 training takes bfloat16 or float16 operands")
+  if shape.d % 16 or shape.f % 16:
+    raise ValueError(f"fp8: d = {shape.d} and f = {shape.f} must be multiples of 16 (FP8 rows are 16-byte "
+                     "aligned for the tensor cores)")
+  # The weight gradients read transposed copies with every group's rows rounded up to the recipe's pad,
+  # M + (pad - 1) E rows in all, indexed with int32.
+  pad = recipe.scheme.pad
+  if recipe.scheme.padded_length(shape.M, shape.E) >= _checks.INDEX_LIMIT:
+    raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + {pad - 1} E must stay "
+                     f"below 2^31 (the weight gradients pad each group's rows to a multiple of {pad})")
+
+
+def _check_quantized(name: str, w: Fp8Weights, recipe: Fp8Recipe) -> None:
+  """An Fp8Weights holds what fp8_weights makes of its `weights` (one built by hand might not)."""
+  E, K, N = np.shape(w.weights)
+  want = {"q": ((E, K, N), jnp.float8_e4m3fn), "qt": ((E, N, K), jnp.float8_e4m3fn),
+          "scales": recipe.scheme.weight_scales(E, K, N)}
+  for field, (shape, dtype) in want.items():
+    got = getattr(w, field)
+    if np.shape(got) != shape or jnp.result_type(got) != dtype:
+      raise ValueError(f"{name}: Fp8Weights.{field} is {jnp.result_type(got).name} {list(np.shape(got))}, expected "
+                       f"{jnp.dtype(dtype).name} {list(shape)} for weights {list(np.shape(w.weights))} "
+                       "(make it with jaxmlp.fp8_weights)")
+
+
+def check_weights_args(w, fp8, dtype) -> tuple[Fp8Recipe, jnp.dtype]:
+  """jaxmlp.fp8_weights' arguments: returns (the recipe, the computation dtype)."""
+  recipe = resolve(fp8)
+  if recipe is None:
+    raise ValueError("fp8_weights: fp8 must name a recipe (tensorwise or blockwise), got None")
+  shape = np.shape(w)
+  if len(shape) != 3 or shape[1] % 16 or shape[2] % 16:
+    raise ValueError(f"fp8_weights: w has shape {list(shape)}, expected [E, K, N] with K and N multiples of 16")
+  dtype = jnp.dtype(jnp.result_type(w) if dtype is None else dtype)
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"fp8_weights: computation dtype {dtype} is not supported; FP8 weights are quantized from "
+                    "bfloat16 or float16 (pass dtype= for wider weights)")
+  if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+    raise TypeError(f"fp8_weights: w.dtype {jnp.result_type(w)} is not a floating-point type")
+  return recipe, dtype
+
+
+def check_layer_weights(fp8: Fp8Recipe | None, w1, dtype) -> None:
+  """The Flax modules' fp8_weights(): the layer has a recipe, and a 16-bit dtype to quantize from."""
+  if fp8 is None:
+    raise ValueError("fp8_weights: the layer was built with fp8=None; give it a recipe (fp8='tensorwise' or "
+                     "'blockwise')")
+  if dtype is None and jnp.result_type(w1) == jnp.float32:
+    raise TypeError("fp8_weights: the parameters are float32 and the layer's dtype is None; FP8 weights are "
+                    "quantized from the 16-bit computation dtype (build the layer with dtype=jnp.bfloat16)")

@@ -1,0 +1,163 @@
+"""The tensorwise FP8 recipe: its definition, as an emulation in JAX.
+
+`jaxmlp.grouped_mlp(..., fp8="tensorwise")` runs FC1 and FC2, forward and backward, as FP8 e4m3 products
+with float32 accumulation. Every operand of a product is quantized with *current* scaling (stateless, no
+amax history): its scale is computed from its own absolute maximum in the same call,
+
+    scale = amax / 448      (1 where amax is 0: an all-zero tensor)
+    q     = e4m3(v * (448 / amax))      round to nearest even, saturating at +-448, NaN kept
+
+in float32 arithmetic (16-bit data puts many v * 448 / amax exactly on an e4m3 rounding tie, which the
+float32 rounding of 448 / amax decides: it is part of the definition),
+
+and a product of quantized operands is `(q_a @ q_b) * (scale_a * scale_b)`, rounded once to x's dtype.
+Activations (x, the activation output, the output gradient dy and the FC1 gradient dh) take one scale per
+tensor over the rows in groups (padding rows are ignored); the weights one scale per tensor.
+
+Where each quantization happens, which is what makes a result bit-reproducible:
+
+  forward   h  = round((q(x) @ q(w1)) * sx sw1)               h: the saved FC1 output, x.dtype
+                 (with b1: h = round(h + b1[g]), as the 16-bit path)
+            a  = act(h) * scales                              float32, then q(a) for FC2
+            y  = round((q(a) @ q(w2)) * sa sw2 + round(scales * b2[g]))     (without b2: no second term)
+  backward  da = round((q(dy) @ q(w2)^T) * sdy sw2)           x.dtype
+            dh = da * scales * act'(h)                         float32, then q(dh)
+            dw2 = round((q(a)^T @ q(dy)) * sa sdy), dx = round((q(dh) @ q(w1)^T) * sdh sw1),
+            dw1 = round((q(x)^T @ q(dh)) * sx sdh), dscales = round(sum_j da * act(h) + sum_j dy * b2[g])
+            db1[g] = round(sum over g's rows of round(dh)), db2[g] = round(sum over g's rows of scales * dy)
+
+The biases stay in x's dtype and their gradients are float32 sums of unquantized 16-bit operands (dh rounded
+to x's dtype, as the 16-bit path stores it), as in the 16-bit path: only the six products are FP8.
+
+The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes) and its quantized
+q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights; q(x) in
+the layout the weight gradient reads, transposed_padded). All FP8 data is e4m3, gradients included: with
+per-tensor current scaling its 3 mantissa bits beat e5m2's range, which current scaling does not need (the
+scale adapts every call; docs/fp8.md).
+
+The emulation computes exactly that with dequantized float32 operands around any grouped GEMM: with
+jax.lax.ragged_dot it is the reference (jaxmlp.reference), with jaxmlp's grouped GEMM the CPU backend. The
+CUDA kernels compute the same in two custom calls (jaxmlp.fp8.cuda).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._groups import Groups
+from ..activations import Activation
+from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, amax, bias_and_scale_grads, bias_rows, padded_length,
+                       scaled_bias, to_e4m3)
+
+# The weight gradients' operands on FP8 tensor cores: transposed (contiguous along the tokens), each group's
+# rows from a multiple of PAD.
+PAD = 16
+
+
+def scale_of(a: jax.Array) -> jax.Array:
+  """The dequantization scale of a tensor with absolute maximum a: a / 448, or 1 where a is 0."""
+  return jnp.where(a > 0, a / E4M3_MAX, 1.0).astype(jnp.float32)
+
+
+def quantize_e4m3(v: jax.Array, a: jax.Array) -> jax.Array:
+  """v quantized to e4m3 (float8_e4m3fn) with the scale of amax a."""
+  inverse = jnp.where(a > 0, E4M3_MAX / a, 1.0).astype(jnp.float32)
+  return to_e4m3(v.astype(jnp.float32) * inverse)
+
+
+def quantize(v: jax.Array, a: jax.Array) -> jax.Array:
+  """v quantized to e4m3 with the scale of amax a, returned as the float32 values of the e4m3 numbers."""
+  return quantize_e4m3(v, a).astype(jnp.float32)
+
+
+def _padded_positions(groups: Groups) -> jax.Array:
+  """Each row's column in transposed_padded's layout, or its length for the rows past the groups."""
+  sizes, m = groups.sizes, groups.num_rows
+  spans = (sizes + PAD - 1) // PAD * PAD
+  g = jnp.minimum(groups.row_group, groups.num_groups - 1)
+  position = (jnp.cumsum(spans) - spans)[g] + jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[g]
+  return jnp.where(groups.valid, position, padded_length(m, groups.num_groups, PAD))
+
+
+def transposed_padded(q: jax.Array, groups: Groups) -> jax.Array:
+  """q [M, C] transposed into the weight gradients' layout [C, L] (L = padded_length): each group's rows from
+  a multiple of 16, zeros between and after."""
+  m, c = q.shape
+  out = jnp.zeros((padded_length(m, groups.num_groups, PAD), c), q.dtype)
+  return out.at[_padded_positions(groups)].set(q, mode="drop").T
+
+
+def rows_of_transposed_padded(qt: jax.Array, groups: Groups) -> jax.Array:
+  """The [m, C] rows of transposed_padded's qt, zeros past the groups."""
+  return jnp.take(qt.T, _padded_positions(groups), axis=0, mode="fill", fill_value=0)
+
+
+def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Weights [E, K, N] with one scale per tensor: (q [E, K, N] e4m3, amax float32 [], q transposed [E, N, K])."""
+  a = amax(w)
+  q = quantize_e4m3(w, a)
+  return q, a, jnp.swapaxes(q, 1, 2)
+
+
+def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=None, b2=None):
+  """(y, residuals) of the forward for w1 and w2 quantized by quantize_weights ((q, amax, qt) each). The
+  residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x) (transposed_padded), q(w1), q(w2) in e4m3."""
+  dtype, valid, sizes = x.dtype, groups.valid, groups.sizes
+  (w1q, aw1, _), (w2q, aw2, _) = w1, w2
+  ax = amax(x, valid)
+  xq = quantize_e4m3(x, ax)
+  h = gemm("nn", xq.astype(jnp.float32), w1q.astype(jnp.float32), sizes) * (scale_of(ax) * scale_of(aw1))
+  h = jnp.where(valid[:, None], h, 0).astype(dtype)
+  if b1 is not None:
+    h = (h.astype(jnp.float32) + bias_rows(b1, groups)).astype(dtype)
+  a = act(h.astype(jnp.float32))
+  if scales is not None:
+    a = a * scales.astype(jnp.float32)[:, None]
+  a = jnp.where(valid[:, None], a, 0)
+  aa = amax(a)
+  y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
+  if b2 is not None:
+    y = y + scaled_bias(b2, scales, groups, dtype)
+  residuals = (h, jnp.stack([ax, aw1, aw2, aa]), transposed_padded(xq, groups), w1q, w2q)
+  return jnp.where(valid[:, None], y, 0).astype(dtype), residuals
+
+
+def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals."""
+  h, amaxes, xt, w1q, w2q = residuals
+  dtype, sizes = h.dtype, groups.sizes
+  xq = rows_of_transposed_padded(xt, groups)
+  ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
+  rows = groups.valid[:, None]
+  dy = jnp.where(rows, dy.astype(jnp.float32), 0)
+  ady = amax(dy)
+  qdy = quantize(dy, ady)
+  da = (gemm("nt", qdy, w2q.astype(jnp.float32), sizes) * (scale_of(ady) * scale_of(aw2))).astype(dtype)
+  da = jnp.where(rows, da.astype(jnp.float32), 0)
+  value, vjp = jax.vjp(act, h.astype(jnp.float32))
+  s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
+  qa = quantize(jnp.where(rows, value * s, 0), aa)
+  dh = jnp.where(rows, vjp(da * s)[0], 0)
+  adh = amax(dh)
+  qdh = quantize(dh, adh)
+  dw2 = gemm("tn", qa, qdy, sizes) * (scale_of(aa) * scale_of(ady))
+  dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
+  dw1 = gemm("tn", xq.astype(jnp.float32), qdh, sizes) * (scale_of(ax) * scale_of(adh))  # xq: 0 past the groups
+  return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
+          *bias_and_scale_grads(da, dh, dy, value, dtype, scales, groups, b1, b2))
+
+
+def emulation(gemm: Gemm) -> Implementation:
+  """The recipe around `gemm`, with float32 operands that are exactly the dequantized FP8 values."""
+  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals):
+    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2)
+    return y, res if residuals else None
+
+  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy):
+    return backward(gemm, residuals, groups, scales, act, dy, b1, b2)
+
+  return Implementation(quantize_weights, forward_, backward_)
+
+
+SCHEME = Scheme(name="tensorwise", pad=PAD, weight_scales=lambda E, K, N: ((), jnp.float32),
+                quantize_weights=quantize_weights, emulation=emulation)

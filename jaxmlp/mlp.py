@@ -1,0 +1,145 @@
+"""jaxmlp.grouped_mlp: the expert MLP over rows sorted by expert, one custom call per direction.
+
+  grouped_mlp -> _mlp (custom_vjp) -> mlp_forward / mlp_backward -> "jaxmlp_mlp_fwd" / "jaxmlp_mlp_bwd"
+  (ffi/cpu/mlp_cpu.cc; on CUDA one handler per GEMM path, ffi/cuda/mlp/). With an FP8 recipe the call
+goes to jaxmlp.fp8.mlp instead. jaxmlp.reference.grouped_mlp defines what both compute.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks, _gemm_path, _groups, _library, reference
+from ._autodiff import integer_cotangent, not_differentiable, summed_like
+from ._library import ABSENT, optional
+from .activations import Activation, resolve
+from .fp8 import mlp as fp8_mlp
+from .fp8 import recipe as fp8_recipe
+
+
+def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
+                scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipe.Fp8Recipe | None = None):
+  """Mixture-of-Experts expert MLP over rows sorted by expert: `scales * (act(x @ w1[g] + b1[g]) @ w2[g] + b2[g])`.
+
+  Args:
+    x: [M, d] rows sorted by group; group g owns rows [offset_g, offset_g + group_sizes[g]).
+    w1: [E, d, 2f] for gated activations (first f columns gate, last f linear part), else [E, d, f].
+    w2: [E, f, d].
+    group_sizes: [E] integer, on the device. Negative sizes count as 0 and the running total is capped
+      at M; rows past the total are padding: output 0, gradient 0.
+    activation: a name (swiglu, geglu, reglu, gelu, relu, silu, squared_relu, clamped_swiglu) or a
+      jaxmlp.Activation with parameters.
+    b1: optional [E, 2f] or [E, f] FC1 bias. b2: optional [E, d] FC2 bias.
+    scales: optional [M] per-row factor on the row's whole expert output, b2 included (an MoE's
+      router weights); differentiable.
+    check_group_sizes: raise ValueError if group_sizes holds negative sizes or sums past M. Concrete
+      sizes (NumPy, or a jax.Array outside jit) are checked at once; traced ones (under jit) at run time,
+      by a host callback, whose ValueError JAX reports as jax.errors.JaxRuntimeError with the same message
+      (costs a device-to-host copy; for debugging).
+    fp8: None (x's dtype throughout), "tensorwise", "blockwise" or a jaxmlp.Fp8Recipe: FC1 and FC2,
+      forward and backward, as FP8 e4m3 products (the recipes: jaxmlp.fp8.tensorwise,
+      jaxmlp.fp8.blockwise; biases and their gradients stay in x's dtype); bfloat16 or float16 operands,
+      d and f multiples of 16. w1 and w2 may then be jaxmlp.Fp8Weights (jaxmlp.fp8_weights): weights
+      quantized once and reused over calls, with the same results; where fp8 is None, theirs is the recipe.
+
+  Returns:
+    [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
+
+  Differentiable once, in reverse mode (grad, vjp, value_and_grad, jacrev). Forward mode (jax.jvp,
+  jax.jacfwd) and derivatives of the gradient (grad of grad, jax.hessian) are not implemented: use
+  jaxmlp.reference.grouped_mlp there.
+  """
+  act = resolve(activation)
+  recipe = fp8_recipe.resolve_with_weights(fp8, w1, w2)
+  dtype = jnp.result_type(x)
+  shape = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes,
+                            act, b1, b2, scales)
+  if recipe is not None:
+    fp8_recipe.check_call(x, recipe, shape, w1, w2)
+  if check_group_sizes:
+    _groups.check_at_run_time(group_sizes, shape.M)
+  group_sizes = _groups.host_sizes_as_int32(group_sizes, shape.M)
+  if 0 in (shape.M, shape.d, shape.f):
+    # An empty problem leaves only biases and zeros to compute, and the handlers take no zero-sized
+    # operands (they launch kernels sized by them): the reference, which defines the semantics, does it.
+    w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
+    return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
+  if recipe is not None:
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape)
+  return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
+
+
+# The operands were checked once, in grouped_mlp: the rules get their sizes (`shape`, static and
+# hashable) instead of checking them again.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape):
+  return _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape)[0]
+
+
+def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape):
+  y, h = not_differentiable(mlp_forward, x, w1, w2, group_sizes, b1, b2, scales, act, shape)
+  # Residuals: the inputs and the FC1 output; the activation output is recomputed in the backward.
+  return y, (x, w1, w2, group_sizes, b1, b2, scales, h)
+
+
+def _mlp_bwd(act, shape, res, dy):
+  x, w1, w2, group_sizes, b1, b2, scales, h = res
+  grads = not_differentiable(mlp_backward, x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
+  dx, dw1, dw2, db1, db2, dscales = map(summed_like, grads, (x, w1, w2, b1, b2, scales))
+  return dx, dw1, dw2, integer_cotangent(group_sizes), db1, db2, dscales
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: bool) -> tuple[str, int]:
+  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
+  cuda = _library.cuda_module()
+  ws = cuda.mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dtype),
+                                biases) if cuda else 0
+  return path, ws
+
+
+def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _checks.MlpShape):
+  """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
+  dt = x.dtype
+  args = (x, w1, w2, _groups.handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
+          optional(scales, dt))
+  outs = [((s.M, s.d), dt), ((s.M, s.F1), dt)]
+  attrs = _library.activation_attrs(act)
+
+  def cpu(*a):
+    return _library.call("jaxmlp_mlp_fwd", outs, *a, **attrs)
+
+  def cuda(*a):
+    path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None)
+    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, **attrs)
+
+  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+
+
+def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: _checks.MlpShape):
+  """One custom call for the whole backward: (dx, dw1, dw2, db1, db2, dscales), None where absent."""
+  dt = x.dtype
+  args = (x, w1, w2, _groups.handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
+          optional(scales, dt), h, dy.astype(dt))
+  outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
+          ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
+          ((s.M,) if scales is not None else ABSENT, dt)]
+  attrs = _library.activation_attrs(act)
+
+  def cpu(*a):
+    return _library.call("jaxmlp_mlp_bwd", outs, *a, **attrs)
+
+  def cuda(*a):
+    path, ws = _mlp_path_and_workspace(dt, s, forward=False, biases=b1 is not None or b2 is not None)
+    # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
+    dh = ((s.M, s.F1), dt)
+    return _library.call(f"jaxmlp_mlp_bwd_{path}", outs + [dh], *a, workspace=ws, input_output_aliases={7: 6},
+                         **attrs)[:6]
+
+  dx, dw1, dw2, db1, db2, ds = jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+  return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
+          ds if scales is not None else None)
