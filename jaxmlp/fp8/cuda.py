@@ -43,12 +43,12 @@ def fp8_status() -> tuple[bool, str]:
 def _module_or_raise():
   """The CUDA extension, where a CUDA device is visible and runs FP8 (RuntimeError otherwise); None without
   a device, where the CUDA branch is traced but never lowered."""
-  cuda = _library.cuda_module()
-  if cuda is not None:
-    ok, why = fp8_status()
-    if not ok:
-      raise RuntimeError(f"fp8: this GPU cannot run the FP8 grouped MLP: {why}")
-  return cuda
+  if not _library.cuda_devices():
+    return None
+  ok, why = fp8_status()
+  if not ok:
+    raise RuntimeError(f"fp8: this GPU cannot run the FP8 grouped MLP: {why}")
+  return _library._cuda
 
 
 # ---- tensorwise ------------------------------------------------------------------------------------------
