@@ -92,15 +92,21 @@ def _halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
 
 
-def _contract(a: jax.Array, b: jax.Array, axes: tuple[int, int], dtype) -> jax.Array:
-  """The product of a and b over a's axis axes[0] and b's axes[1], in dtype (float32 accumulation)."""
-  return jax.lax.dot_general(a, b, (((axes[0],), (axes[1],)), ((), ())), preferred_element_type=dtype)
+def _contract(a: jax.Array, b: jax.Array, axes: tuple[int, int], dtype, like: jax.Array | None = None) -> jax.Array:
+  """The product of a and b over a's axis axes[0] and b's axes[1], in dtype (float32 accumulation). A
+  gradient passes `like`, its primal: under Explicit mesh axes a product over the tokens (sharded alike in
+  a and b) is ambiguous until its result is given a sharding, and a gradient takes its primal's, as JAX's
+  own transpose of dot_general does."""
+  sharding = None if like is None or jax.typeof(like).sharding.mesh.empty else jax.typeof(like).sharding
+  return jax.lax.dot_general(a, b, (((axes[0],), (axes[1],)), ((), ())), preferred_element_type=dtype,
+                             out_sharding=sharding)
 
 
-def _contract_halves(a: jax.Array, hi: jax.Array, lo: jax.Array, axes: tuple[int, int]) -> jax.Array:
+def _contract_halves(a: jax.Array, hi: jax.Array, lo: jax.Array, axes: tuple[int, int],
+                     like: jax.Array | None = None) -> jax.Array:
   """_contract(a, hi + lo) in float32 as one product of hi and lo side by side (2E columns), then the sum of
   its two halves."""
-  both = _contract(a, jnp.concatenate([hi, lo], axis=1), axes, jnp.float32)
+  both = _contract(a, jnp.concatenate([hi, lo], axis=1), axes, jnp.float32, like)
   return both[:, :hi.shape[1]] + both[:, hi.shape[1]:]
 
 
@@ -119,8 +125,8 @@ def _split_logits_bwd(res, g):
   w_hi, w_lo = _halves(kernel)
   # Three products in one, along a reduction of 3E: [g_hi, g_lo, g_hi] @ [w_hi, w_hi, w_lo]^T.
   dx = _contract(jnp.concatenate([g_hi, g_lo, g_hi], axis=1), jnp.concatenate([w_hi, w_hi, w_lo], axis=1), (1, 1),
-                 tokens.dtype)
-  return dx, _contract_halves(tokens, g_hi, g_lo, (0, 0))
+                 tokens.dtype, tokens)
+  return dx, _contract_halves(tokens, g_hi, g_lo, (0, 0), kernel)
 
 
 _split_logits.defvjp(_split_logits_fwd, _split_logits_bwd)

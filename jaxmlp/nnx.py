@@ -23,6 +23,7 @@ try:
 except ModuleNotFoundError as e:  # flax is an extra: say which
   raise ModuleNotFoundError("jaxmlp.nnx needs flax: pip install 'jaxmlp[flax]' "
                             f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
+from flax.core import spmd
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer
 
@@ -44,8 +45,15 @@ def _partitioned(init: Initializer, names: tuple[str | None, ...]) -> Initialize
   when no mesh is set. Shard eagerly only under a mesh, so that the modules also build on one device
   without one; the names are kept either way for `nnx.get_partition_spec`.
   """
-  eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
-  return nnx.with_partitioning(init, names, eager_sharding=eager)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not (nnx.using_eager_sharding() and not mesh.empty):
+    return nnx.with_partitioning(init, names, eager_sharding=False)
+  # Flax takes a logical name that no rule maps for a mesh axis of that name; one the mesh lacks is
+  # replicated here, so that a mesh of the expert axis alone (the others unmapped) builds the layer.
+  rules = tuple(spmd.get_logical_axis_rules())
+  unmapped = tuple((n, None) for n in names
+                   if n is not None and n not in mesh.axis_names and all(rule[0] != n for rule in rules))
+  return nnx.with_partitioning(init, names, eager_sharding=True, sharding_rules=rules + unmapped)
 
 
 class GroupedMLP(nnx.Module):
