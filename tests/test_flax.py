@@ -476,6 +476,16 @@ def test_linen_save_and_restore_gives_identical_outputs():
 # ---- The training example -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_train_example_help(capsys, flag):
+  """The command's help prints every option and exits 0 (the --fp8 help's percent sign once crashed it)."""
+  with pytest.raises(SystemExit) as exit_:
+    train_moe.parse_args([flag])
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  assert "--fp8" in out and "within 2% of its final loss" in " ".join(out.split()) and "--expert-parallel" in out
+
+
 def test_train_example_runs_and_both_paths_agree(capsys):
   result = train_moe.main(["--steps", "3", "--config", "tiny", "--impl", "both", "--seed", "1"])
   runs = result["runs"]

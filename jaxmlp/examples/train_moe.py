@@ -244,7 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--fp8", choices=FP8_RECIPES, default=None,
                       help="train the expert MLPs in FP8 (jaxmlp.grouped_mlp's fp8=) beside the same model in "
                            "bfloat16 (same seed, same batches), and check that FP8 ends within "
-                           f"{FP8_FINAL_LOSS_TOLERANCE:.0%} of its final loss; needs --dtype bfloat16 (auto picks it)")
+                           f"{FP8_FINAL_LOSS_TOLERANCE:.0%}".replace("%", "%%")  # argparse formats help with %
+                           + " of its final loss; needs --dtype bfloat16 (auto picks it)")
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
                            "the other; with --fp8 the experts' weights are quantized once per step "
