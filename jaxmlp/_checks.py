@@ -38,10 +38,16 @@ INDEX_LIMIT = 2**31
 GROUPS_LIMIT = 2**30
 
 
+def is_static(size) -> bool:
+  """Whether a dimension is a number, not a symbolic one (jax.export's shape polymorphism): the handlers
+  check a symbolic one's size when the call runs."""
+  return isinstance(size, (int, np.integer))
+
+
 def check_extents(name: str, shape, **dims: int) -> None:
   """Raises ValueError naming `name` (of shape `shape`) when one of `dims` (label=size) is 2^31 or more."""
   for label, size in dims.items():
-    if size >= INDEX_LIMIT:
+    if is_static(size) and size >= INDEX_LIMIT:
       raise ValueError(f"{name}: got shape {tuple(shape)}, {label} = {size} must be below 2^31 (jaxmlp's kernels "
                        "index rows and columns with int32)")
 
@@ -127,24 +133,31 @@ def _fail_widths(w1, w2, act: Activation):
   raise ValueError(f"w1: got shape {_shape(w1)}, expected {expected} (f = {f} from w2 {_shape(w2)}): {hint}")
 
 
-def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None, *, float64: bool = False):
-  """Validates jaxmlp.ragged_dot's operands; returns (the dtype they are multiplied in, the output dtype).
-  float64: also accept float64 (jaxmlp.reference, under jax_enable_x64)."""
+def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
+  """Validates jaxmlp.ragged_dot's operands as jax.lax.ragged_dot would, with a TypeError naming the
+  argument; returns (the dtype they are multiplied in, the output dtype)."""
   if len(_shape(lhs)) != 2:
-    _fail("lhs", _shape(lhs), "[m, k]")
+    raise TypeError(f"lhs: got shape {_shape(lhs)}, expected [m, k]")
   k = _shape(lhs)[1]
-  if len(_shape(rhs)) != 3 or _shape(rhs)[1] != k or _shape(rhs)[0] == 0:
-    _fail("rhs", _shape(rhs), f"[g, {k}, n] with g >= 1 (k from lhs)")
-  check_extents("lhs", _shape(lhs), m=_shape(lhs)[0], k=k)
-  check_extents("rhs", _shape(rhs), n=_shape(rhs)[2])
-  check_groups("rhs", _shape(rhs), _shape(rhs)[0])
-  check_group_sizes(group_sizes, _shape(rhs)[0])
+  if len(_shape(rhs)) != 3 or _shape(rhs)[1] != k:
+    raise TypeError(f"rhs: got shape {_shape(rhs)}, expected [g, {k}, n] (k from lhs)")
+  if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
+    raise TypeError(f"group_sizes: expected an integer array [g], got {getattr(group_sizes, 'dtype', type(group_sizes))}")
+  if _shape(group_sizes) != _shape(rhs)[:1]:
+    raise TypeError(f"group_sizes: got shape {_shape(group_sizes)}, expected [{_shape(rhs)[0]}] (g from rhs)")
   dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))
-  allowed = FLOAT_DTYPES + ((jnp.dtype(jnp.float64),) if float64 else ())
-  if dtype not in allowed:
-    raise TypeError(f"lhs, rhs: dtype {dtype} is not supported; expected float32, bfloat16 or float16")
-  out_dtype = jnp.dtype(preferred_element_type or dtype)
-  if out_dtype not in allowed:
-    raise TypeError(f"preferred_element_type: {out_dtype} is not supported; expected float32, bfloat16 or "
-                    "float16")
-  return dtype, out_dtype
+  return dtype, jnp.dtype(preferred_element_type or dtype)
+
+
+def ragged_dot_unservable(lhs, rhs, dtype, out_dtype) -> str | None:
+  """Why jaxmlp's grouped GEMM does not serve a checked ragged_dot (jax.lax.ragged_dot does it then), or
+  None: it takes float32, bfloat16 and float16, at least one group and fewer than 2^30, and rows and
+  columns it can index with int32."""
+  if dtype not in FLOAT_DTYPES or out_dtype not in FLOAT_DTYPES:
+    return f"{dtype} operands with a {out_dtype} result"
+  (m, k), (g, _, n) = _shape(lhs), _shape(rhs)
+  if g == 0 or (is_static(g) and g >= GROUPS_LIMIT):
+    return f"{g} groups"
+  if any(is_static(size) and size >= INDEX_LIMIT for size in (m, k, n)):
+    return f"extents (m, k, n) = {(m, k, n)} past int32"
+  return None

@@ -20,22 +20,27 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
                out_sharding=None, *, check_group_sizes: bool = False):
   """Drop-in for jax.lax.ragged_dot: lhs [m, k], rhs [g, k, n], group_sizes [g] -> [m, n].
 
-  Rows past sum(group_sizes) are 0. `precision` is accepted for compatibility: float32 inputs are
-  multiplied in float32 and 16-bit inputs accumulate in float32 whatever it says. The backward
-  multiplies in the operands' dtype, so a float32 output gradient of 16-bit operands is rounded to
-  their dtype first. group_offset and out_sharding are not supported (NotImplementedError).
+  float32, bfloat16 and float16 operands run on jaxmlp's grouped GEMM, with its own grouped VJP: rows past
+  sum(group_sizes) are 0; `precision` is accepted for compatibility (float32 inputs are multiplied in
+  float32 and 16-bit inputs accumulate in float32 whatever it says); the backward multiplies in the
+  operands' dtype, so a float32 output gradient of 16-bit operands is rounded to their dtype first. Other
+  dtypes (float64 under jax_enable_x64, int8 x int8 -> int32, ...) and extents past int32 run on
+  jax.lax.ragged_dot itself, under jaxmlp's group_sizes policy (jaxmlp.reference.ragged_dot). Shape
+  errors raise TypeError, as jax.lax's. group_offset and out_sharding are not supported
+  (NotImplementedError).
   """
   for name, value in (("group_offset", group_offset), ("out_sharding", out_sharding)):
     if value is not None:
       raise NotImplementedError(f"jaxmlp.ragged_dot: {name} is not supported; use jax.lax.ragged_dot")
-  del precision
   dtype, out_dtype = _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
   m, k, n = *np.shape(lhs), np.shape(rhs)[2]
   if check_group_sizes:
     _groups.check_at_run_time(group_sizes, m)
+  if _checks.ragged_dot_unservable(lhs, rhs, dtype, out_dtype) or 0 in (m, k, n):
+    # XLA's own op: no custom call takes these dtypes, or sizes, and an empty product has nothing to run
+    return reference.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, precision=precision,
+                                preferred_element_type=out_dtype)
   group_sizes = _groups.host_sizes_as_int32(group_sizes, m)
-  if 0 in (m, k, n):  # an empty product: zeros, without a custom call (the handlers take no empty operands)
-    return reference.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, preferred_element_type=out_dtype)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
 
 

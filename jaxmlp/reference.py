@@ -59,11 +59,11 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
-  """Reference for jaxmlp.ragged_dot: jax.lax.ragged_dot under jaxmlp's group_sizes policy (float64 too,
-  under jax_enable_x64)."""
+  """Reference for jaxmlp.ragged_dot: jax.lax.ragged_dot under jaxmlp's group_sizes policy, in any dtype it
+  takes (float64 too, under jax_enable_x64)."""
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported by jaxmlp.ragged_dot")
-  _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type, float64=True)
+  _checks.check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
   sizes = _groups.clamp_group_sizes(_groups.host_sizes_as_int32(group_sizes, lhs.shape[0]), lhs.shape[0])
   return jax.lax.ragged_dot(lhs, rhs, sizes, precision=precision, preferred_element_type=preferred_element_type)
 

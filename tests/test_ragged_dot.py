@@ -86,31 +86,103 @@ def test_group_offset_is_not_implemented():
 
 
 @pytest.mark.parametrize("op", [jaxmlp.ragged_dot, jaxmlp.reference.ragged_dot], ids=["jaxmlp", "reference"])
-def test_bad_shapes_name_the_argument(op):
-  with pytest.raises(ValueError, match=r"lhs: got shape \(4,\), expected \[m, k\]"):
+def test_bad_shapes_raise_type_error_naming_the_argument(op):
+  """TypeError, as jax.lax.ragged_dot raises for these."""
+  with pytest.raises(TypeError, match=r"lhs: got shape \(4,\), expected \[m, k\]"):
     op(jnp.ones((4,)), jnp.ones((1, 3, 3)), jnp.asarray([4], jnp.int32))
-  with pytest.raises(ValueError, match=r"rhs: got shape \(1, 3, 3\), expected \[g, 2, n\]"):
+  with pytest.raises(TypeError, match=r"rhs: got shape \(1, 3, 3\), expected \[g, 2, n\]"):
     op(jnp.ones((4, 2)), jnp.ones((1, 3, 3)), jnp.asarray([4], jnp.int32))
-  with pytest.raises(ValueError, match=r"rhs: got shape \(0, 2, 3\), expected \[g, 2, n\] with g >= 1"):
-    op(jnp.ones((4, 2)), jnp.ones((0, 2, 3)), jnp.zeros((0,), jnp.int32))
-  with pytest.raises(ValueError, match=r"group_sizes: got shape \(2,\), expected \[1\]"):
+  with pytest.raises(TypeError, match=r"group_sizes: got shape \(2,\), expected \[1\]"):
     op(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4, 0], jnp.int32))
-  with pytest.raises(TypeError, match=r"lhs, rhs: dtype int32 is not supported"):
-    op(jnp.ones((4, 2), jnp.int32), jnp.ones((1, 2, 3), jnp.int32), jnp.asarray([4], jnp.int32))
+  with pytest.raises(TypeError, match=r"group_sizes: expected an integer array"):
+    op(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.asarray([4.0]))
+  for lhs, rhs, sizes in (((4,), (1, 3, 3), [4]), ((4, 2), (1, 3, 3), [4]), ((4, 2), (1, 2, 3), [4, 0])):
+    with pytest.raises(TypeError):  # jax.lax's own type for the same mistakes
+      jax.lax.ragged_dot(jnp.ones(lhs), jnp.ones(rhs), jnp.asarray(sizes, jnp.int32))
 
 
-@pytest.mark.parametrize("lhs, rhs, match", [
-    ((2**31, 2), (1, 2, 3), r"lhs: got shape \(2147483648, 2\), m = 2147483648 must be below 2\^31"),
-    ((4, 2**31), (1, 2**31, 3), r"lhs: got shape \(4, 2147483648\), k = 2147483648 must be below 2\^31"),
-    ((4, 2), (1, 2, 2**31), r"rhs: got shape \(1, 2, 2147483648\), n = 2147483648 must be below 2\^31"),
-    ((4, 2), (2**30, 2, 3), r"rhs: got shape \(1073741824, 2, 3\), 1073741824 groups; at most 2\^30 - 1"),
-])
-def test_extents_the_kernels_cannot_index_fail_at_trace_time(lhs, rhs, match):
-  """Abstract operands (nothing that large is allocated): the error comes when the call is traced."""
+# jax's own ragged_dot test cases (tests/lax_test.py testRaggedDot: (m, k, n, groups) in every floating dtype,
+# float64 under jax_enable_x64) and the integer product jax.lax computes: the dtypes jaxmlp's grouped GEMM
+# does not take run on jax.lax.ragged_dot itself, so the values and gradients are jax.lax's.
+@pytest.mark.parametrize("m, k, n, num_groups", [(64, 4, 3, 1), (64, 9, 8, 2)])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+def test_jax_ragged_dot_cases_in_every_floating_dtype(rng, m, k, n, num_groups, dtype):
+  with jax.enable_x64(dtype == "float64"):
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((num_groups, k, n)), dtype)
+    gs = jnp.asarray(np.diff(np.sort(np.r_[0, rng.integers(0, m + 1, num_groups - 1), m])), jnp.int32)
+    got, got_vjp = jax.vjp(lambda a, b: jaxmlp.ragged_dot(a, b, gs), lhs, rhs)
+    want, want_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), lhs, rhs)
+    dout = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    assert got.dtype == want.dtype == jnp.dtype(dtype)
+    tol = 1e-12 if dtype == "float64" else TOLERANCE[dtype]
+    check_close(got, want, tol, "out")
+    for g, w, name in zip(got_vjp(dout), want_vjp(dout), ("dlhs", "drhs")):
+      assert g.dtype == w.dtype
+      check_close(g, w, tol, name)
+
+
+# tokamax's ragged_dot test cases (ops/ragged_dot/test_base.py: 8 groups of a 1024 x 128 x 256 product,
+# uint32 group sizes, padding rows, zero groups, preferred_element_type, the VJP under a precision preset),
+# against jax.lax.ragged_dot with float32 output at full precision, as tokamax checks them. Its quantized
+# (qwix) operands and its own GroupSizes type are tokamax's, not jax.lax's.
+@pytest.mark.parametrize("case", ["simple-bfloat16", "simple-float32", "padded", "zero-groups", "preferred-none",
+                                  "preferred-bfloat16", "preferred-float32", "vjp"])
+def test_tokamax_ragged_dot_cases(case):
+  rng = np.random.default_rng(7)
+  dtype = jnp.float32 if case == "simple-float32" else jnp.bfloat16
+  a = jnp.asarray(rng.standard_normal((1024, 128)), dtype)
+  b = jnp.asarray(rng.standard_normal((8, 128, 256)), dtype)
+  sizes = jnp.full((8,), 128, jnp.uint32)
+  if case in ("padded", "zero-groups"):
+    sizes = jnp.asarray(rng.integers(0, 128, 8), jnp.int32)
+  f32 = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+  want = lambda a, b, sizes: jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), sizes, **f32)  # noqa
+  patterns = [np.unpackbits(np.uint8(i)).astype(bool) for i in (0, 1, 37, 128, 170, 255)] if case == "zero-groups" \
+      else [np.ones(8, bool)]
+  for keep in patterns:
+    gs = jnp.where(keep, sizes, 0)
+    count = int(np.sum(gs))
+    if case.startswith("preferred"):
+      out_type = {"none": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[case.split("-")[1]]
+      got = jaxmlp.ragged_dot(a, b, gs, preferred_element_type=out_type)
+      assert got.dtype == (out_type or jnp.bfloat16)
+    elif case == "vjp":
+      f = lambda a, b: jaxmlp.ragged_dot(a, b, gs, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32,  # noqa
+                                         preferred_element_type=jnp.float32)
+      got, vjp = jax.vjp(f, a, b)
+      expected, want_vjp = jax.vjp(lambda a, b: want(a, b, gs), a.astype(jnp.float32), b.astype(jnp.float32))
+      dout = jax.nn.standardize(expected).astype(jnp.bfloat16)
+      for g, w, name in zip(vjp(dout.astype(jnp.float32)), want_vjp(dout.astype(jnp.float32)), ("da", "db")):
+        check_close(g, w, TOLERANCE["bfloat16"], name)
+    else:
+      got = jaxmlp.ragged_dot(a, b, gs, **f32)
+    check_close(got[:count], want(a, b, gs)[:count], TOLERANCE[jnp.dtype(got.dtype).name], case)
+    assert not np.asarray(got[count:], np.float32).any()
+
+
+def test_integer_product_as_jax_lax():
+  """int8 x int8 -> int32, exactly jax.lax.ragged_dot's."""
+  rng = np.random.default_rng(0)
+  lhs = jnp.asarray(rng.integers(-128, 128, (40, 16)), jnp.int8)
+  rhs = jnp.asarray(rng.integers(-128, 128, (3, 16, 8)), jnp.int8)
+  gs = jnp.asarray([10, 0, 25], jnp.int32)
+  got = jaxmlp.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.int32)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.int32))
+  assert not np.asarray(got[35:]).any()  # rows past the groups
+
+
+@pytest.mark.parametrize("lhs, rhs", [((2**31, 2), (1, 2, 3)), ((4, 2**31), (1, 2**31, 3)), ((4, 2), (1, 2, 2**31)),
+                                      ((4, 2), (2**30, 2, 3))])
+def test_extents_past_the_kernels_run_on_jax_lax(lhs, rhs):
+  """Abstract operands (nothing that large is allocated): sizes jaxmlp's kernels cannot index with int32
+  are traced to jax.lax.ragged_dot, not to a custom call."""
   args = (jax.ShapeDtypeStruct(lhs, jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
           jax.ShapeDtypeStruct(rhs[:1], jnp.int32))
-  with pytest.raises(ValueError, match=match):
-    jax.eval_shape(jaxmlp.ragged_dot, *args)
+  assert jax.eval_shape(jaxmlp.ragged_dot, *args).shape == (lhs[0], rhs[2])
+  text = str(jax.make_jaxpr(jaxmlp.ragged_dot)(*args))
+  assert "ragged_dot_general" in text and "ffi_call" not in text
 
 
 @float32_backends
