@@ -6,12 +6,26 @@ import functools
 
 import jax
 import numpy as np
+from jax.interpreters import ad
 
 SECOND_ORDER_ERROR = (
-    "jaxmlp's custom calls have a first derivative only, in reverse mode: forward mode (jax.jvp, jax.jacfwd) "
-    "and derivatives of the gradient (grad of grad, jax.hessian) are not implemented. Use "
-    "jaxmlp.reference.grouped_mlp or jaxmlp.reference.ragged_dot: pure JAX, which differentiates them in "
-    "every mode (jax.jvp, grad of grad, Hessian-vector products), in float64 too under jax_enable_x64.")
+    "jaxmlp's custom calls have a first derivative only, in reverse mode: a derivative of the gradient "
+    "(grad of grad, jax.hessian) is not implemented. Use jaxmlp.reference.grouped_mlp or "
+    "jaxmlp.reference.ragged_dot: pure JAX, which differentiates them again (grad of grad, "
+    "Hessian-vector products, jax.jvp), in float64 too under jax_enable_x64.")
+FORWARD_MODE_ERROR = (
+    "jaxmlp's custom calls are differentiated in reverse mode only (grad, vjp, jacrev): forward mode "
+    "(jax.jvp, jax.jacfwd) is not implemented. Use jaxmlp.reference.grouped_mlp or "
+    "jaxmlp.reference.ragged_dot there: pure JAX, which JAX differentiates in every mode.")
+
+
+def refuse_forward_mode(*operands) -> None:
+  """Raises TypeError with FORWARD_MODE_ERROR where an operand is being differentiated in forward mode.
+
+  jax.jvp and jax.jacfwd reach an op as JVP tracers, and JAX would stop at the op's custom_vjp with its own
+  message, which names no way on; reverse mode (grad, vjp, linearize) reaches it as linearize tracers."""
+  if any(isinstance(leaf, ad.JVPTracer) for leaf in jax.tree.leaves(operands)):
+    raise TypeError(FORWARD_MODE_ERROR)
 
 
 def not_differentiable(call, *args):

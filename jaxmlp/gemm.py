@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _gemm_path, _groups, _library, reference
-from ._autodiff import integer_cotangent, not_differentiable, summed_like
+from ._autodiff import integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
@@ -40,6 +40,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     # XLA's own op: no custom call takes these dtypes, or sizes, and an empty product has nothing to run
     return reference.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, precision=precision,
                                 preferred_element_type=out_dtype)
+  refuse_forward_mode(lhs, rhs)
   group_sizes = _groups.host_sizes_as_int32(group_sizes, m)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
 
