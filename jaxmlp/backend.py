@@ -11,18 +11,23 @@ from .fp8.cuda import fp8_status
 def backend_info() -> dict:
   """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes: large
   problems (`gemm_path`), and small ones (`small_gemm_path`, e.g. E=8, M=256, d=256, f=512; the limits
-  are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product).
+  are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product); and
+  `summary`, one sentence on what runs where.
 
-  Example (H200, cuBLAS 13.10): {"cpu": {...}, "cuda": {"built": True, "gemm_path": "grouped",
-  "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled", "cublaslt_version": 131000,
-  "compute_capability": "9.0", "fp8_available": True, ...}}; FP8 (grouped_mlp(fp8=...)) runs on the CPU
-  emulation; on a GPU both recipes run on FP8 tensor cores where `fp8_available` says so (`fp8_blockwise`
-  says how the blockwise recipe runs).
+  Example (H200, cuBLAS 13.10): {"summary": "CUDA (NVIDIA H200): ...", "cpu": {...}, "cuda": {"built":
+  True, "gemm_path": "grouped", "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled",
+  "cublaslt_version": 131000, "compute_capability": "9.0", "fp8_available": True, ...}}.
   """
-  info = {"jax": jax.__version__,
-          "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group"}}
+  info = {"jax": jax.__version__, "default_backend": jax.default_backend(),
+          "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group",
+                  "fp8": "emulated: each recipe's definition in JAX around the CPU grouped GEMM, the values a GPU "
+                         "computes up to the order of float32 sums",
+                  "ragged_dot": RAGGED_DOT}}
   cuda = {"built": _library._cuda is not None, "devices": [str(d) for d in _library.cuda_devices()]}
-  if _library._cuda is None:
+  if _library._cuda is None and not cuda["devices"]:
+    cuda["why"] = (f"no CUDA device, and a CPU-only install: nothing is missing to run on the CPU "
+                   f"({_library.CUDA_BUILD_ERROR})")
+  elif _library._cuda is None:
     cuda["why"] = _library.CUDA_BUILD_ERROR
   elif cuda["devices"]:
     cuda.update(_library.cuda_status())
@@ -36,8 +41,25 @@ def backend_info() -> dict:
     cuda.update(tiled_max_weights=_gemm_path.TILED_MAX_WEIGHTS, tiled_max_macs=_gemm_path.TILED_MAX_MACS)
     fp8_ok, fp8_why = fp8_status()
     cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
-                fp8_blockwise="jaxmlp's CUDA quantizers, products on cuBLASLt's block-scaled FP8 grouped GEMM")
+                fp8_blockwise="jaxmlp's CUDA quantizers, products on cuBLASLt's block-scaled FP8 grouped GEMM",
+                ragged_dot=RAGGED_DOT)
   else:
-    cuda["why"] = "no CUDA device visible to JAX"
+    cuda["why"] = "the CUDA handlers are built, but no CUDA device is visible to JAX"
   info["cuda"] = cuda
+  info["summary"] = _summary(cuda)
   return info
+
+
+RAGGED_DOT = ("float32, bfloat16 and float16 on jaxmlp's grouped GEMM; other dtypes (float64, integers) and "
+              "extents past int32 on jax.lax.ragged_dot")
+
+
+def _summary(cuda: dict) -> str:
+  if not cuda["devices"]:
+    return ("CPU: jaxmlp's C++ handlers run every op, and the FP8 recipes are emulated; no CUDA device is "
+            "visible" + ("" if cuda["built"] else " and this install has no CUDA handlers (a CPU install)"))
+  if not cuda["built"]:
+    return f"CUDA devices are visible, but jaxmlp's CUDA handlers are not, so its ops raise on them: {cuda['why']}"
+  fp8 = "FP8 on FP8 tensor cores" if cuda["fp8_available"] else f"FP8 unavailable ({cuda['fp8_why']})"
+  return (f"CUDA ({cuda.get('device_name', 'unknown device')}): the grouped products on the {cuda['gemm_path']} "
+          f"path ({cuda['why']}), small ones on the {cuda.get('small_gemm_path')} path; {fp8}")

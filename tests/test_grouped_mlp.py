@@ -444,8 +444,12 @@ def test_extents_the_kernels_cannot_index_fail_at_trace_time(change, match):
 
 def test_backend_info_reports_each_platform():
   info = jaxmlp.backend_info()
-  assert {"jax", "cpu", "cuda"} <= set(info)
+  assert {"jax", "cpu", "cuda", "summary"} <= set(info)
   assert "built" in info["cuda"]
+  assert "emulated" in info["cpu"]["fp8"] and "jax.lax.ragged_dot" in info["cpu"]["ragged_dot"]
+  if not info["cuda"]["devices"]:  # a CPU machine: said plainly, not as a failure
+    assert info["summary"].startswith("CPU: jaxmlp's C++ handlers run every op, and the FP8 recipes are emulated")
+    assert "nothing is missing to run on the CPU" in info["cuda"]["why"] or info["cuda"]["built"]
   if info["cuda"]["devices"]:
     assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
     assert info["cuda"]["small_gemm_path"] in ("tiled", "grouped", "fallback") and info["cuda"]["small_why"]
