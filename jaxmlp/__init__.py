@@ -7,10 +7,12 @@
   jaxmlp.dispatch      the MoE layer's token dispatch and combine (dispatch, row_weights, combine), with
                        jaxmlp.reference_moe their pure-JAX definitions
   jaxmlp.backend_info  which backend and GEMM path are in use
+  jaxmlp.export_disabled_checks   what jax.export needs to serialize functions that call jaxmlp's ops
   jaxmlp.nnx, jaxmlp.linen   Flax modules (import separately; need flax)
 """
 from . import dispatch, reference, reference_moe
 from .activations import NAMES as ACTIVATIONS, Activation
+from ._library import export_disabled_checks
 from .backend import backend_info
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8.mlp import fp8_weights
@@ -18,5 +20,5 @@ from .gemm import ragged_dot
 from .mlp import grouped_mlp
 
 __version__ = "0.1.0"
-__all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "Fp8Weights", "backend_info", "dispatch", "fp8_weights",
-           "grouped_mlp", "ragged_dot", "reference", "reference_moe"]
+__all__ = ["ACTIVATIONS", "Activation", "Fp8Recipe", "Fp8Weights", "backend_info", "dispatch", "export_disabled_checks",
+           "fp8_weights", "grouped_mlp", "ragged_dot", "reference", "reference_moe"]

@@ -69,8 +69,6 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
 
 
 def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> str:
-  """gemm_path's choice inside a CUDA branch; "fallback" where no CUDA device is visible (the branch is
-  traced but never lowered there)."""
-  if cuda_module() is None:
-    return "fallback"
+  """gemm_path's choice inside a CUDA branch (RuntimeError where the CUDA handlers are unavailable)."""
+  cuda_module()
   return gemm_path(dtype, *row_lengths, problem=problem)[0]

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import is_static
+
 
 def host_sizes_as_int32(group_sizes, m: int):
   """NumPy group_sizes clamped to [0, m] and narrowed to int32 on the host, meaning the same under the
@@ -28,7 +30,8 @@ def sizes_as_int32(group_sizes: jax.Array, m: int) -> jax.Array:
   to [0, m] in its own dtype first (m capped at that dtype's largest value), so that no cast wraps (an
   int64 2**32 + 5 would become 5, a uint32 2**31 negative) and no bound wraps (m = 300 as an int8)."""
   dtype = jnp.result_type(group_sizes)
-  return jnp.clip(group_sizes, 0, min(m, jnp.iinfo(dtype).max)).astype(jnp.int32)
+  bound = min(m, jnp.iinfo(dtype).max) if is_static(m) else m  # a symbolic m (jax.export) is an int32 at run time
+  return jnp.clip(group_sizes, 0, bound).astype(jnp.int32)
 
 
 def handler_sizes(group_sizes, m: int) -> jax.Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy_openblas32
 
+from ._checks import is_static
 from .activations import Activation
 
 _openblas = ctypes.CDLL(  # the CPU handlers' sgemm: loaded here so that _cpu finds it by its soname
@@ -89,14 +90,34 @@ def cuda_status() -> dict:
 
 
 def cuda_module():
-  """The CUDA extension where a CUDA device is visible; None without one (jax.lax.platform_dependent
-  traces the CUDA branch everywhere, and without a device never lowers it). RuntimeError where a device
-  is visible but the extension is unavailable."""
-  if not cuda_devices():
-    return None
+  """The CUDA extension, for a CUDA branch (which on_platforms traces only where a CUDA device is visible);
+  RuntimeError where it is unavailable."""
   if _cuda is None:
     raise RuntimeError(f"jaxmlp's CUDA handlers are unavailable: {CUDA_BUILD_ERROR}")
   return _cuda
+
+
+def on_platforms(*args, cpu, cuda):
+  """jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda), the CUDA branch only where a CUDA device is
+  visible and the shapes are concrete: a CUDA branch sizes its scratch and picks its GEMM path from the
+  device's facts and the shapes at trace time, so without a device there is nothing it could be lowered
+  for, and a symbolic shape (jax.export) could not size it."""
+  concrete = all(is_static(n) for a in jax.tree.leaves(args) for n in np.shape(a))
+  return jax.lax.platform_dependent(*args, cpu=cpu, **(dict(cuda=cuda) if cuda_devices() and concrete else {}))
+
+
+def export_disabled_checks() -> list:
+  """jax.export's `disabled_checks` for every jaxmlp custom call target:
+
+      jax.export.export(jax.jit(f), disabled_checks=jaxmlp.export_disabled_checks())(*args)
+
+  JAX serializes only custom calls whose targets promise a stable ABI, and jaxmlp's targets promise none
+  across jaxmlp versions: an exported function runs in a process that has imported the same jaxmlp
+  (which registers the targets), on a platform this process could lower for (CUDA only where a CUDA
+  device is visible). Shapes may be symbolic (jax.export.symbolic_shape) on the CPU; the CUDA handlers
+  size their scratch at trace time and take concrete shapes."""
+  names = set(_cpu.registrations()) | (set(_cuda.registrations()) if _cuda is not None else set())
+  return [jax.export.DisabledSafetyCheck.custom_call(name) for name in sorted(names)]
 
 
 # The shape of an optional operand or result that is absent (no b1, b2 or scales; an unweighted combine):

@@ -108,10 +108,9 @@ def _call(target: str, outs: list, *args, workspace_bytes=None, **attrs) -> tupl
   def cuda(*a):
     if workspace_bytes is None:
       return _library.call(target, outs, *a, **attrs)
-    module = _library.cuda_module()
-    return _library.call(target, outs, *a, workspace=workspace_bytes(module) if module else 0, **attrs)
+    return _library.call(target, outs, *a, workspace=workspace_bytes(_library.cuda_module()), **attrs)
 
-  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+  return _library.on_platforms(*args, cpu=cpu, cuda=cuda)
 
 
 def _dispatch_call(x, experts, num_experts, capacity, pad_to):

@@ -94,11 +94,10 @@ def grouped_gemm(op: str, lhs, rhs, group_sizes, out_shape, out_dtype):
 
   def cuda(lhs, rhs, sizes):
     path = _gemm_path.cuda_path(lhs.dtype, K, N, problem=(E, lhs.shape[0], K, N))
-    cuda = _library.cuda_module()
-    ws = cuda.gemm_workspace_bytes(path, E) if cuda else 0
+    ws = _library.cuda_module().gemm_workspace_bytes(path, E)
     in_dtype, handler_out = _gemm_dtypes(path, lhs.dtype, out_dtype)
     out = _library.call(f"jaxmlp_gemm_{path}", [(out_shape, handler_out)], lhs.astype(in_dtype),
                         rhs.astype(in_dtype), sizes, workspace=ws, **attrs)[0]
     return out.astype(out_dtype)
 
-  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+  return _library.on_platforms(*args, cpu=cpu, cuda=cuda)

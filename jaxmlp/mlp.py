@@ -97,9 +97,8 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: bool) -> tuple[str, int]:
   path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
-  cuda = _library.cuda_module()
-  ws = cuda.mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dtype),
-                                biases) if cuda else 0
+  ws = _library.cuda_module().mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E,
+                                                  _library.dtype_code(dtype), biases)
   return path, ws
 
 
@@ -118,7 +117,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _che
     path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None)
     return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, **attrs)
 
-  return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+  return _library.on_platforms(*args, cpu=cpu, cuda=cuda)
 
 
 def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: _checks.MlpShape):
@@ -141,6 +140,6 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     return _library.call(f"jaxmlp_mlp_bwd_{path}", outs + [dh], *a, workspace=ws, input_output_aliases={7: 6},
                          **attrs)[:6]
 
-  dx, dw1, dw2, db1, db2, ds = jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+  dx, dw1, dw2, db1, db2, ds = _library.on_platforms(*args, cpu=cpu, cuda=cuda)
   return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
           ds if scales is not None else None)

@@ -47,7 +47,7 @@ def check_dispatch_args(x, experts, num_experts: int, capacity: int | None, pad_
   _checks.check_extents("x", (T, d), T=T, d=d)
   _checks.check_extents("experts", (T, k), k=k, **{"T * k": T * k})
   R = num_rows(T, k, num_experts, capacity, pad_to)
-  if R >= _checks.INDEX_LIMIT:
+  if _checks.is_static(R) and R >= _checks.INDEX_LIMIT:
     raise ValueError(f"num_experts, pad_to: the dispatched rows, R = {R} (every kept choice and each group's "
                      "padding), must be below 2^31")
 

@@ -41,10 +41,7 @@ def fp8_status() -> tuple[bool, str]:
 
 
 def _module_or_raise():
-  """The CUDA extension, where a CUDA device is visible and runs FP8 (RuntimeError otherwise); None without
-  a device, where the CUDA branch is traced but never lowered."""
-  if not _library.cuda_devices():
-    return None
+  """The CUDA extension, for a CUDA branch on a device that runs FP8 (RuntimeError otherwise)."""
   ok, why = fp8_status()
   if not ok:
     raise RuntimeError(f"fp8: this GPU cannot run the FP8 grouped MLP: {why}")
@@ -68,7 +65,7 @@ def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, r
   cuda = _module_or_raise()
   dt = x.dtype
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
-  ws = cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), False, False) if cuda else 0
+  ws = cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), False, False)
   xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals else ABSENT
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3)]
   y, h, amax, xt = _library.call(
@@ -85,7 +82,7 @@ def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, re
   h, amax, xt, w1q, w2q = residuals
   dt = h.dtype
   ws = (cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), b1 is not None,
-                                     b2 is not None) if cuda else 0)
+                                     b2 is not None))
   outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
           ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
           ((s.M,) if scales is not None else ABSENT, dt)]
@@ -119,7 +116,7 @@ def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtyp
   rows, E = groups.num_rows, groups.num_groups
   code = _library.gemm_op({"nt": "nt", "tn": "tn_padded"}[op])
   out_shape = (rows, rhs.shape[1]) if op == "nt" else (E, lhs.shape[0], rhs.shape[0])
-  ws = cuda.gemm_fp8_blocks_workspace_bytes(int(code), rows, E, lhs.shape[1]) if cuda else 0
+  ws = cuda.gemm_fp8_blocks_workspace_bytes(int(code), rows, E, lhs.shape[1])
   return _library.call("jaxmlp_gemm_fp8_blocks", [(out_shape, dtype)], lhs, lhs_scales, rhs, rhs_scales,
                        groups.given, workspace=ws, op=code, rows=np.int64(rows))[0]
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from .. import _checks
 from .._autodiff import integer_cotangent
 from .._groups import Groups
+from .._library import on_platforms
 from ..activations import Activation
 from ..gemm import grouped_gemm
 from . import cuda
@@ -74,13 +75,13 @@ def _bfloat16_gemm(op, lhs, rhs, sizes):
 
 
 def _platforms(recipe: Fp8Recipe) -> dict[str, Implementation]:
-  """The recipe's Implementation per platform, for jax.lax.platform_dependent."""
+  """The recipe's Implementation per platform, for _library.on_platforms."""
   return dict(cpu=recipe.scheme.emulation(_bfloat16_gemm), cuda=cuda.IMPLEMENTATIONS[recipe.name])
 
 
 def _quantize_weights(w, recipe: Fp8Recipe):
   """(q, scales, qt) of weights [E, K, N] for the recipe, on this platform's kernels."""
-  return jax.lax.platform_dependent(w, **{p: i.quantize_weights for p, i in _platforms(recipe).items()})
+  return on_platforms(w, **{p: i.quantize_weights for p, i in _platforms(recipe).items()})
 
 
 # w1q and w2q: the weights quantized by the caller (Fp8Weights), or None to quantize them here; they take no
@@ -104,8 +105,7 @@ def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shap
   def on(implementation):
     return lambda *a: implementation.forward(*a, act, recipe, shape, residuals)
 
-  y, res = jax.lax.platform_dependent(x, w1q, w2q, groups, b1, b2, scales,
-                                      **{p: on(i) for p, i in _platforms(recipe).items()})
+  y, res = on_platforms(x, w1q, w2q, groups, b1, b2, scales, **{p: on(i) for p, i in _platforms(recipe).items()})
   return y, (res, groups, b1, b2, scales)
 
 
@@ -117,7 +117,7 @@ def _mlp_bwd(act, recipe, shape, saved, dy):
         residuals, groups, b1, b2, scales, act, recipe, shape, dy)
 
   dy = dy.astype(residuals[0].dtype)
-  dx, dw1, dw2, db1, db2, dscales = jax.lax.platform_dependent(
+  dx, dw1, dw2, db1, db2, dscales = on_platforms(
       residuals, groups, b1, b2, scales, dy, **{p: on(i) for p, i in _platforms(recipe).items()})
   return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
 

@@ -120,7 +120,8 @@ def check_call(x, recipe: Fp8Recipe, shape: _checks.MlpShape, w1=None, w2=None) 
   # The weight gradients read transposed copies with every group's rows rounded up to the recipe's pad,
   # M + (pad - 1) E rows in all, indexed with int32.
   pad = recipe.scheme.pad
-  if recipe.scheme.padded_length(shape.M, shape.E) >= _checks.INDEX_LIMIT:
+  length = recipe.scheme.padded_length(shape.M, shape.E)
+  if _checks.is_static(length) and length >= _checks.INDEX_LIMIT:
     raise ValueError(f"fp8: x has M = {shape.M} rows and w1 E = {shape.E} experts; M + {pad - 1} E must stay "
                      f"below 2^31 (the weight gradients pad each group's rows to a multiple of {pad})")
 
