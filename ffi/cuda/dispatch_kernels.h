@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../common.h"
+#include "../checks.h"
 
 namespace jaxmlp {
 

@@ -13,7 +13,8 @@
 #include <algorithm>
 #include <atomic>
 
-#include "../common.h"
+#include "../checks.h"
+#include "../codes.h"
 #include "group_scan.cuh"
 #include "grouped_gemm.h"
 #include "launch.cuh"

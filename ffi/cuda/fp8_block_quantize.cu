@@ -21,7 +21,7 @@
 #include <atomic>
 
 #include "../activations.h"
-#include "../common.h"
+#include "../mlp_checks.h"
 #include "block_reduce.cuh"
 #include "elements.cuh"
 #include "grouped_gemm.h"

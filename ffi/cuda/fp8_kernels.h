@@ -10,7 +10,8 @@
 
 #include <cuda_runtime.h>
 
-#include "../common.h"
+#include "../checks.h"
+#include "../codes.h"
 
 namespace jaxmlp {
 

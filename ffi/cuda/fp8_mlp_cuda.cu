@@ -10,7 +10,7 @@
 
 #include <atomic>
 
-#include "../common.h"
+#include "../mlp_checks.h"
 #include "fp8_kernels.h"
 #include "grouped_gemm.h"
 #include "launch.cuh"

@@ -1,4 +1,4 @@
-// The group_sizes policy on the device (ffi/common.h's GroupOffsets is the host's): the one scan that
+// The group_sizes policy on the device (ffi/group_offsets.h's GroupOffsets is the host's): the one scan that
 // the setup kernel of the cuBLAS paths and every block of the tiled kernel run over group_sizes.
 #pragma once
 

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "../group_offsets.h"
 #include "group_scan.cuh"
 #include "launch.cuh"
 #include "tiled_gemm.h"

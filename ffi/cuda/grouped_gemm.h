@@ -1,7 +1,7 @@
 // Grouped GEMMs over expert-sorted rows, with the group sizes on the device.
 //
 // One call's products (up to kMaxGemms, all over the same group_sizes) share one setup kernel that reads
-// group_sizes, applies the policy of GroupOffsets (common.h) and writes the per-group dims and pointer
+// group_sizes, applies the policy of GroupOffsets (group_offsets.h) and writes the per-group dims and pointer
 // arrays that cuBLAS reads. Three paths:
 //   kGrouped  cuBLASLt grouped GEMM (CUBLASLT_BATCH_MODE_GROUPED): dims and pointers stay on the device,
 //             so the call never syncs and can be captured in a CUDA graph.
@@ -20,7 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "../common.h"
+#include "../checks.h"
+#include "../codes.h"
 #include "cublas_api.h"
 
 namespace jaxmlp {
@@ -88,7 +89,7 @@ __host__ __device__ inline int64_t Vec128Base(int64_t start, int64_t g, int64_t 
   return blocks * ((start + 3 * g + 3) / 4 * 4);
 }
 
-// One grouped product (GemmOp in common.h), row-major operands.
+// One grouped product (GemmOp in codes.h), row-major operands.
 struct GemmSpec {
   GemmOp op;
   int32_t K, N;

@@ -15,7 +15,8 @@
 #include <string>
 #include <utility>
 
-#include "../common.h"
+#include "../checks.h"
+#include "../poison.h"
 
 namespace jaxmlp {
 
@@ -27,7 +28,7 @@ inline ffi::Error CheckCuda(cudaError_t e, const char* what) {
   return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// JAXMLP_POISON_OUTPUTS (common.h): fills the handler's outputs and scratch with 0xFF bytes (NaN) on the
+// JAXMLP_POISON_OUTPUTS (poison.h): fills the handler's outputs and scratch with 0xFF bytes (NaN) on the
 // stream before its kernels run, so that an element no kernel writes fails the tests.
 inline ffi::Error Poison(cudaStream_t stream, std::initializer_list<ffi::AnyBuffer*> outs) {
   if (!PoisonOutputs()) return ffi::Error::Success();

@@ -6,7 +6,8 @@
 
 #include <atomic>
 
-#include "../common.h"
+#include "../gemm_checks.h"
+#include "../mlp_checks.h"
 #include "grouped_gemm.h"
 #include "launch.cuh"
 #include "mlp_kernels.h"

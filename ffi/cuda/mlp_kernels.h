@@ -8,7 +8,8 @@
 
 #include <cuda_runtime.h>
 
-#include "../common.h"
+#include "../checks.h"
+#include "../mlp_checks.h"
 
 namespace jaxmlp {
 

@@ -9,7 +9,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "../common.h"
+#include "../codes.h"
+#include "../mlp_checks.h"
 #include "cublas_api.h"
 #include "dispatch_kernels.h"
 #include "grouped_gemm.h"

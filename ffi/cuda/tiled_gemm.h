@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../common.h"
+#include "../checks.h"
 #include "grouped_gemm.h"
 
 namespace jaxmlp {

@@ -143,7 +143,7 @@ __device__ bool GatherSplits(Accumulators& acc, const TiledGroups& gr, const Spl
   return true;
 }
 
-// One output tile of product q (see GemmOp in common.h for the three products). In kBK-deep steps over
+// One output tile of product q (see GemmOp in codes.h for the three products). In kBK-deep steps over
 // the reduction: A is the kBM x kBK slice of the left factor, B the kBK x kBN slice of the right one,
 // each staged as it lies in memory, so K-major (the reduction along the staged tile's columns) or
 // MN-major (along its rows):
