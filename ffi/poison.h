@@ -1,4 +1,4 @@
-// The test switch that both backends' handlers honour (cpu/buffers.h and cuda/handler.h: Poison).
+// The test switch that both backends' handlers honour (Poison, in cpu/buffers.h and for the CUDA handlers).
 #pragma once
 
 #include <cstdlib>

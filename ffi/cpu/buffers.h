@@ -6,8 +6,8 @@
 #include <memory>
 #include <vector>
 
-#include "../checks.h"
-#include "../poison.h"
+#include "checks.h"
+#include "poison.h"
 
 namespace jaxmlp {
 

@@ -12,14 +12,14 @@
 #include <memory>
 #include <vector>
 
-#include "simd_math.h"  // first: declares expf SIMD before activations.h uses it
-#include "../activations.h"
+#include "cpu/simd_math.h"  // first: declares expf SIMD before activations.h uses it
+#include "activations.h"
 #include "cblas.h"  // OpenBLAS from the scipy-openblas32 wheel: its symbols carry the scipy_ prefix
-#include "../gemm_checks.h"
-#include "../group_offsets.h"
-#include "../mlp_checks.h"
-#include "buffers.h"
-#include "parallel.h"
+#include "gemm_checks.h"
+#include "group_offsets.h"
+#include "mlp_checks.h"
+#include "cpu/buffers.h"
+#include "cpu/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

@@ -15,8 +15,8 @@
 #include <string>
 #include <utility>
 
-#include "../checks.h"
-#include "../poison.h"
+#include "checks.h"
+#include "poison.h"
 
 namespace jaxmlp {
 

@@ -9,12 +9,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "../codes.h"
-#include "../mlp_checks.h"
-#include "cublas_api.h"
-#include "dispatch_kernels.h"
-#include "grouped_gemm.h"
-#include "tiled_gemm.h"
+#include "codes.h"
+#include "mlp_checks.h"
+#include "cuda/gemm/cublas_api.h"
+#include "cuda/moe/dispatch_kernels.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/tiled_gemm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -25,7 +25,7 @@ namespace nb = nanobind;
   extern "C" XLA_FFI_Error* fallback(XLA_FFI_CallFrame*);
 #define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cuda(XLA_FFI_CallFrame*);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
-#include "../targets.inc"
+#include "targets.inc"
 #undef JAXMLP_GEMM_TARGET
 #undef JAXMLP_TARGET
 #undef JAXMLP_CUDA_TARGET
@@ -82,7 +82,7 @@ NB_MODULE(_cuda, m) {
   d[name "_fallback"] = Capsule(fallback);
 #define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cuda);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
-#include "../targets.inc"
+#include "targets.inc"
 #undef JAXMLP_GEMM_TARGET
 #undef JAXMLP_TARGET
 #undef JAXMLP_CUDA_TARGET

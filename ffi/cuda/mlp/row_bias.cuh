@@ -1,9 +1,9 @@
 // The experts' biases on one row of a group, shared by the 16-bit (mlp_kernels.cu) and the FP8
-// (fp8_kernels.cu) activation kernels, so that both round alike. One block per row: each thread takes the
-// V-element chunks j = threadIdx.x * V, stepping by blockDim.x * V.
+// (fp8/fp8_mlp_kernels.cu) activation kernels, so that both round alike. One block per row: each thread
+// takes the V-element chunks j = threadIdx.x * V, stepping by blockDim.x * V.
 #pragma once
 
-#include "elements.cuh"
+#include "cuda/elements.cuh"
 
 namespace jaxmlp {
 

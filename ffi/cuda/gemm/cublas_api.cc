@@ -1,4 +1,4 @@
-#include "cublas_api.h"
+#include "cuda/gemm/cublas_api.h"
 
 #include <dlfcn.h>
 

@@ -1,13 +1,13 @@
 // The tiled grouped GEMM's dispatch (see tiled_gemm.h): whether the kernel (tiled_kernel.cuh) can run
 // here, and RunTiledGemms, which lays out a launch's products over the grid and picks the pipeline depth.
-#include "tiled_gemm.h"
+#include "cuda/gemm/tiled_gemm.h"
 
 #include <string>
 #include <type_traits>
 
-#include "elements.cuh"
-#include "launch.cuh"
-#include "tiled_kernel.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/gemm/tiled_kernel.cuh"
 
 namespace jaxmlp {
 namespace {

@@ -8,8 +8,8 @@
 
 #include <cuda_runtime.h>
 
-#include "../checks.h"
-#include "../mlp_checks.h"
+#include "checks.h"
+#include "mlp_checks.h"
 
 namespace jaxmlp {
 

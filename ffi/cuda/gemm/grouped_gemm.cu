@@ -1,16 +1,16 @@
 // GroupedGemms (grouped_gemm.h): the setup kernel that writes each group's dims and pointers, the kernels
 // that zero what cuBLAS leaves unwritten, and each product's dispatch to its path (the cuBLAS paths in
 // grouped_cublas.cu, the tiled one in tiled_gemm.cu).
-#include "grouped_gemm.h"
+#include "cuda/gemm/grouped_gemm.h"
 
 #include <algorithm>
 #include <optional>
 #include <vector>
 
-#include "../group_offsets.h"
-#include "group_scan.cuh"
-#include "launch.cuh"
-#include "tiled_gemm.h"
+#include "group_offsets.h"
+#include "cuda/group_scan.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/gemm/tiled_gemm.h"
 
 namespace jaxmlp {
 namespace {

@@ -1,16 +1,16 @@
-#include "fp8_kernels.h"
+#include "cuda/fp8/fp8_mlp_kernels.h"
 
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <type_traits>
 
-#include "../activations.h"
-#include "block_reduce.cuh"
-#include "elements.cuh"
-#include "group_scan.cuh"
-#include "launch.cuh"
-#include "row_bias.cuh"
+#include "activations.h"
+#include "cuda/block_reduce.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/group_scan.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/mlp/row_bias.cuh"
 
 namespace jaxmlp {
 namespace {
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) ActQuantizeKernel(ActParams p, const
   }
 }
 
-// Pass 1 of the backward (see fp8_kernels.h).
+// Pass 1 of the backward (see fp8_mlp_kernels.h).
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                     int64_t M, int64_t f, int64_t d, const T* h,

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../checks.h"
+#include "checks.h"
 
 namespace jaxmlp {
 

@@ -1,13 +1,13 @@
-#include "mlp_kernels.h"
+#include "cuda/mlp/mlp_kernels.h"
 
 #include <algorithm>
 
-#include "../activations.h"
-#include "block_reduce.cuh"
-#include "elements.cuh"
-#include "group_scan.cuh"
-#include "launch.cuh"
-#include "row_bias.cuh"
+#include "activations.h"
+#include "cuda/block_reduce.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/group_scan.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/mlp/row_bias.cuh"
 
 namespace jaxmlp {
 namespace {

@@ -10,18 +10,18 @@
 
 #include <cuda_pipeline.h>
 
-#include "elements.cuh"
-#include "group_scan.cuh"
-#include "launch.cuh"
-#include "tiled_gemm.h"
-#include "tiled_staging.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/group_scan.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/gemm/tiled_gemm.h"
+#include "cuda/gemm/tiled_staging.cuh"
 
 // A k-step on the tensor cores (FenceForTensorCores, MmaStep): wgmma where this is compiled for sm_90a,
 // mma.sync elsewhere.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#include "tiled_mma_wgmma.cuh"
+#include "cuda/gemm/tiled_mma_wgmma.cuh"
 #else
-#include "tiled_mma_sync.cuh"
+#include "cuda/gemm/tiled_mma_sync.cuh"
 #endif
 
 namespace jaxmlp {

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "tiled_gemm.h"
+#include "cuda/gemm/tiled_gemm.h"
 
 namespace jaxmlp {
 namespace {

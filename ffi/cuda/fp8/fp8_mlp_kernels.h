@@ -10,8 +10,8 @@
 
 #include <cuda_runtime.h>
 
-#include "../checks.h"
-#include "../codes.h"
+#include "checks.h"
+#include "codes.h"
 
 namespace jaxmlp {
 

@@ -4,9 +4,9 @@
 
 #include <atomic>
 
-#include "../dispatch_checks.h"
-#include "dispatch_kernels.h"
-#include "launch.cuh"
+#include "dispatch_checks.h"
+#include "cuda/moe/dispatch_kernels.h"
+#include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

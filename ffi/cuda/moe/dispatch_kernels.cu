@@ -7,16 +7,16 @@
 // per warp, scans over its warps, and each warp walks its choices in order, 32 at a time, ranking equal
 // experts among the lanes with __match_any_sync: every rank is that of a sequential pass. Only counts use
 // atomics (shared memory), so the positions are deterministic.
-#include "dispatch_kernels.h"
+#include "cuda/moe/dispatch_kernels.h"
 
 #include <algorithm>
 #include <climits>
 
-#include "block_reduce.cuh"
-#include "elements.cuh"
-#include "group_scan.cuh"
-#include "grouped_gemm.h"
-#include "launch.cuh"
+#include "cuda/block_reduce.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/group_scan.cuh"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/launch.cuh"
 
 namespace jaxmlp {
 namespace {

@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <string>
 
-#include "../checks.h"
-#include "grouped_gemm.h"
+#include "checks.h"
+#include "cuda/gemm/grouped_gemm.h"
 
 namespace jaxmlp {
 

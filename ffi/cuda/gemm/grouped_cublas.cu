@@ -1,7 +1,7 @@
 // The cuBLAS side of GroupedGemms (grouped_gemm.h): the cuBLASLt grouped GEMM (kGrouped), with its
 // handles and per-problem plans, and the cublasGemmGroupedBatchedEx fallback (kFallback). Both read the
 // per-group dims and pointers that GroupedGemms::Prepare's setup kernel writes (grouped_gemm.cu).
-#include "grouped_gemm.h"
+#include "cuda/gemm/grouped_gemm.h"
 
 #include <algorithm>
 #include <map>

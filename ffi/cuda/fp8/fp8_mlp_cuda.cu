@@ -10,11 +10,11 @@
 
 #include <atomic>
 
-#include "../mlp_checks.h"
-#include "fp8_kernels.h"
-#include "grouped_gemm.h"
-#include "launch.cuh"
-#include "mlp_kernels.h"
+#include "mlp_checks.h"
+#include "cuda/fp8/fp8_mlp_kernels.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/launch.cuh"
+#include "cuda/mlp/mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "../checks.h"
-#include "../codes.h"
-#include "cublas_api.h"
+#include "checks.h"
+#include "codes.h"
+#include "cuda/gemm/cublas_api.h"
 
 namespace jaxmlp {
 

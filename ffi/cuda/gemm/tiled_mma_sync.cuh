@@ -5,8 +5,8 @@
 
 #include <type_traits>
 
-#include "elements.cuh"
-#include "tiled_staging.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/gemm/tiled_staging.cuh"
 
 namespace jaxmlp {
 namespace {

@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <climits>
 
-#include "../top_k.h"
-#include "launch.cuh"
+#include "top_k.h"
+#include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

@@ -6,11 +6,11 @@
 
 #include <atomic>
 
-#include "../gemm_checks.h"
-#include "../mlp_checks.h"
-#include "grouped_gemm.h"
-#include "launch.cuh"
-#include "mlp_kernels.h"
+#include "gemm_checks.h"
+#include "mlp_checks.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/launch.cuh"
+#include "cuda/mlp/mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

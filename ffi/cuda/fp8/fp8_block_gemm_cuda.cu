@@ -13,11 +13,11 @@
 #include <algorithm>
 #include <atomic>
 
-#include "../checks.h"
-#include "../codes.h"
-#include "group_scan.cuh"
-#include "grouped_gemm.h"
-#include "launch.cuh"
+#include "checks.h"
+#include "codes.h"
+#include "cuda/group_scan.cuh"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

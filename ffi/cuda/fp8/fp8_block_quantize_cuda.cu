@@ -20,12 +20,12 @@
 #include <algorithm>
 #include <atomic>
 
-#include "../activations.h"
-#include "../mlp_checks.h"
-#include "block_reduce.cuh"
-#include "elements.cuh"
-#include "grouped_gemm.h"
-#include "launch.cuh"
+#include "activations.h"
+#include "mlp_checks.h"
+#include "cuda/block_reduce.cuh"
+#include "cuda/elements.cuh"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
