@@ -3,7 +3,6 @@
 // tiled paths can run).
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <stdexcept>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -12,6 +11,7 @@
 #include "codes.h"
 #include "mlp_checks.h"
 #include "cuda/gemm/cublas_api.h"
+#include "cuda/handler.h"
 #include "cuda/moe/dispatch_kernels.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/tiled_gemm.h"
@@ -29,13 +29,6 @@ namespace nb = nanobind;
 #undef JAXMLP_GEMM_TARGET
 #undef JAXMLP_TARGET
 #undef JAXMLP_CUDA_TARGET
-
-namespace jaxmlp {
-size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
-size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize);
-size_t GemmFp8BlocksWorkspaceBytes(int32_t op, int64_t M, int64_t E, int64_t N);
-extern std::atomic<int64_t> handler_host_calls;
-}
 
 namespace {
 

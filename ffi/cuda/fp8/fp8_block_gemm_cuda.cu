@@ -11,18 +11,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "checks.h"
 #include "codes.h"
 #include "cuda/group_scan.cuh"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/handler.h"
 #include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
-extern std::atomic<int64_t> handler_host_calls;
 
 namespace {
 
@@ -151,4 +149,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Blocks, jaxmlp::GemmFp8Blocks,
                                   .Attr<int64_t>("rows")
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);

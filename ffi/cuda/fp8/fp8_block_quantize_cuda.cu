@@ -18,19 +18,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "activations.h"
 #include "mlp_checks.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/elements.cuh"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/handler.h"
 #include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
-extern std::atomic<int64_t> handler_host_calls;
 
 namespace {
 
@@ -430,7 +428,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndCol
                                   .Ret<xla::ffi::AnyBuffer>()   // e
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
                                   .Ret<xla::ffi::AnyBuffer>(),  // ec
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockActivation, jaxmlp::Fp8BlockActivation,
                               jaxmlp::BindActivationAttrs(jaxmlp::BindStreamAndDevice()
@@ -444,7 +442,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockActivation, jaxmlp::Fp8BlockActivation,
                                   .Ret<xla::ffi::AnyBuffer>()   // e
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
                                   .Ret<xla::ffi::AnyBuffer>(),  // ec
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
                               xla::ffi::Ffi::Bind()
@@ -453,4 +451,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
                                   .Ret<xla::ffi::AnyBuffer>(),  // e
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);

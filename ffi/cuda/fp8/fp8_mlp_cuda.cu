@@ -8,18 +8,16 @@
 // stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
-#include <atomic>
 
 #include "mlp_checks.h"
 #include "cuda/fp8/fp8_mlp_kernels.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/handler.h"
 #include "cuda/launch.cuh"
 #include "cuda/mlp/mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
-extern std::atomic<int64_t> handler_host_calls;
 
 namespace {
 
@@ -275,7 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8TensorWeights, jaxmlp::Fp8TensorWeights,
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // amax
                                   .Ret<xla::ffi::AnyBuffer>(),  // qt
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                               jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
@@ -289,7 +287,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
                                   .Ret<xla::ffi::AnyBuffer>()   // xt, or absent
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                               jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
@@ -305,4 +303,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                   .Ret<xla::ffi::AnyBuffer>()                               // db2
                                   .Ret<xla::ffi::AnyBuffer>()                               // dscales
                                   .Ret<xla::ffi::AnyBuffer>(),                              // workspace
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxmlp::kGraphSafe);

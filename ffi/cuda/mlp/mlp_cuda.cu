@@ -4,20 +4,16 @@
 // cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
-#include <atomic>
 
 #include "gemm_checks.h"
 #include "mlp_checks.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/handler.h"
 #include "cuda/launch.cuh"
 #include "cuda/mlp/mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
-// Host-side executions of the handlers. A handler captured in an XLA command buffer runs its host code
-// once and is then replayed by the GPU alone, which this counter makes observable (tests/test_cuda.py).
-std::atomic<int64_t> handler_host_calls{0};
 
 namespace {
 
@@ -163,8 +159,6 @@ auto BindGemm() {
       .Ret<AnyBuffer>()   // out
       .Ret<AnyBuffer>();  // workspace
 }
-
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 }  // namespace
 

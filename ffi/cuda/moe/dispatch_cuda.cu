@@ -2,16 +2,14 @@
 // and backward. None syncs or allocates, so all are declared command-buffer compatible.
 #include <cuda_runtime.h>
 
-#include <atomic>
 
 #include "dispatch_checks.h"
 #include "cuda/moe/dispatch_kernels.h"
+#include "cuda/handler.h"
 #include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
-extern std::atomic<int64_t> handler_host_calls;
 
 namespace {
 
@@ -65,8 +63,6 @@ Error CombineBackward(cudaStream_t stream, int32_t device, AnyBuffer dy, AnyBuff
                              drows->untyped_data(),
                              m.weighted ? As<float>(*dweights) : nullptr);
 }
-
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 }  // namespace
 }  // namespace jaxmlp

@@ -4,17 +4,15 @@
 // No sync, no allocation: command-buffer compatible.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <algorithm>
 #include <climits>
 
 #include "top_k.h"
+#include "cuda/handler.h"
 #include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
-extern std::atomic<int64_t> handler_host_calls;
 
 namespace {
 
@@ -76,8 +74,6 @@ Error TopK(cudaStream_t stream, AnyBuffer scores, Result<AnyBuffer> values, Resu
                                              static_cast<int32_t*>(indices->untyped_data()));
   return CheckCuda(cudaGetLastError(), "launching the top-k kernel");
 }
-
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 }  // namespace
 }  // namespace jaxmlp
