@@ -10,14 +10,11 @@
 // Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "checks.h"
 #include "codes.h"
-#include "cuda/group_scan.cuh"
+#include "cuda/fp8/fp8_block_gemm_kernels.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/handler.h"
-#include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
@@ -28,18 +25,6 @@ using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
-
-// dst[Vec128Base(start, g, blocks) + b * round_up(rows, 4) + r - start] = src[r * blocks + b] for the rows r
-// of each group g (rows [offsets[g], offsets[g + 1])): kNT's lhs scales as cuBLASLt reads them.
-__global__ void Vec128ScalesKernel(const float* src, const int64_t* offsets, int64_t E, int64_t blocks,
-                                   float* dst) {
-  const int64_t total = offsets[E] * blocks;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / blocks, b = i % blocks;
-    const int64_t g = GroupOf(offsets, E, r), start = offsets[g], rows = offsets[g + 1] - start;
-    dst[Vec128Base(start, g, blocks) + b * ((rows + 3) / 4 * 4) + r - start] = src[i];
-  }
-}
 
 Error CheckFloat32(const char* name, const AnyBuffer& b, std::initializer_list<int64_t> want) {
   return CheckShapeAndType(name, b, want, DataType::F32, "dtype float32");
@@ -115,11 +100,8 @@ Error GemmFp8Blocks(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffe
   s.scaling = Fp8Scaling::kBlocks;
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({s}));
   if (op == GemmOp::kNT) {
-    const int64_t elems = m.M * ScaleBlocks(m.N);
-    const unsigned grid = unsigned(std::min<int64_t>((elems + 255) / 256, 4096));
-    Vec128ScalesKernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(lhs_scales.untyped_data()),
-                                                  gemms.offsets(), m.E, ScaleBlocks(m.N), vec128);
-    JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaGetLastError(), "launching the block-scale layout kernel"));
+    JAXMLP_RETURN_IF_ERROR(LayOutVec128Scales(stream, static_cast<const float*>(lhs_scales.untyped_data()),
+                                              gemms.offsets(), m.E, m.M, ScaleBlocks(m.N), vec128));
     JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
     return gemms.ZeroPaddingRows(0);
   }

@@ -1,280 +1,25 @@
 // CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8_blockwise.py defines them, and its JAX code
-// is the CPU's): one pass over each tensor, writing e4m3 data and the int32 exponent e of each block's
-// scale 2^e bit for bit as the JAX code computes them, in the layouts jaxmlp_gemm_fp8_blocks reads.
-//   rows_and_columns  v [M, C], first [B], count [B], total [1] -> both of
-//            rows     q [M, C], e [M, ceil(C / 128)]           1 x 128 blocks along the rows, and
-//            columns  qt [C, 128 B], ec [B, C]                 128 x 1 blocks: block b holds rows first[b] ..
-//                     first[b] + count[b] - 1 of v (zeros after), transposed into columns 128 b ..
-//            from one read (total: the rows in groups, those the blocks hold; the rows after them are
-//            quantized as rows only)
-//   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count, total -> as
-//            rows_and_columns of v = a = act(h) * scales [M, f] (da absent: the forward) or of
-//            v = dh = da * scales * act'(h) [M, F1] (the backward), zero past the groups, computed in float32
-//            on the way into the quantizer: no float32 tensor goes through memory
+// is the CPU's; the kernels and the layouts they write: fp8_block_quantize_kernels.h):
+//   rows_and_columns  v [M, C], first [B], count [B], total [1] -> q, e, qt, ec (RowsAndColumns)
+//   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count, total -> the same of
+//            a = act(h) * scales [M, f] (da absent: the forward) or of dh = da * scales * act'(h) [M, F1]
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
-// One difference: a block holding a NaN takes its exponent from its other values here (fmaxf passes NaN
-// over), from 0 in the JAX code (its maximum is NaN); the NaN itself stays NaN in both.
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
-#include "activations.h"
-#include "mlp_checks.h"
-#include "cuda/block_reduce.cuh"
-#include "cuda/elements.cuh"
+#include "codes.h"
+#include "cuda/fp8/fp8_block_quantize_kernels.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/handler.h"
-#include "cuda/launch.cuh"
+#include "mlp_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
-
 namespace {
 
 using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
-
-// The least e with amax / 448 <= 2^e (0 where amax is 0): fp8_blockwise.exponent.
-__device__ __forceinline__ int Exponent(float amax) {
-  if (!(amax > 0.0f)) return 0;
-  int e;
-  const float mantissa = frexpf(amax / 448.0f, &e);
-  return mantissa == 0.5f ? e - 1 : e;
-}
-
-// Division by a block's scale 2^e as multiplications by powers of two, exact where the quotient is a normal
-// float and else rounded once, as ldexpf(v, -e) (the JAX code's ldexp) rounds it: two multiplies a value,
-// where ldexpf takes ~14 instructions (its range handling, per call). Exponents are >= -149 and <= 120
-// (amax / 448 is a finite float): 2^-e is one normal float down to e = -126, the product of two past it.
-struct Unscale {
-  float first, second;
-  __device__ explicit Unscale(int e)
-      : first(Pow2(e >= -126 ? -e : 126)), second(Pow2(e >= -126 ? 0 : -e - 126)) {}
-  __device__ float operator()(float v) const { return v * first * second; }
-  static __device__ float Pow2(int n) { return __int_as_float((n + 127) << 23); }  // n in [-126, 127]
-};
-
-// e4m3 of v / 2^e for two and four values, round to nearest even, saturating, NaN kept (fp8.to_e4m3):
-// the packed conversions of two floats, little-endian as the bytes lie in memory.
-__device__ __forceinline__ uint16_t Quantize2(float a, float b, const Unscale& u) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(u(a), u(b)), __NV_SATFINITE, __NV_E4M3);
-}
-__device__ __forceinline__ uint32_t Quantize4(const float (&v)[4], const Unscale& u) {
-  return uint32_t(Quantize2(v[0], v[1], u)) | uint32_t(Quantize2(v[2], v[3], u)) << 16;
-}
-
-// A block per 128 x 128 tile of one expert, reading the tile twice (the second time from L2): its maximum,
-// then its quantized values as they lie (q) and, through shared memory, transposed (qt). Eight elements a
-// thread and access (K and N are multiples of 16). Holding the tile in registers instead took 8.6 ms for
-// dsv3's w1 on an H100 as 64 floats a thread (0.2 TB/s), and 2.32 ms as 8 bfloat16 vectors a thread (84
-// registers: 3 blocks an SM instead of 8) against this kernel's 1.8-1.9 ms (2026-11-26).
-template <typename T>
-__global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
-                                                          int32_t* e) {
-  __shared__ uint8_t tile[kScaleBlock][kScaleBlock + 4];
-  __shared__ float warp_max[8];
-  const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
-  const int64_t k0 = kb * kScaleBlock, n0 = nb * kScaleBlock;
-  const T* src = w + g * K * N;
-  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;  // 16 threads a row, 16 rows a pass
-  const bool in_columns = n0 + j < N;
-  float amax = 0.0f;
-  for (int i = first_row; i < kScaleBlock; i += 16) {
-    if (k0 + i >= K || !in_columns) continue;
-    const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
-    for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(x.v[u])));
-  }
-  amax = WarpMax(amax);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  const int exp = Exponent(amax);
-  const Unscale unscale(exp);
-  if (threadIdx.x == 0) e[(g * gridDim.y + kb) * gridDim.x + nb] = exp;
-  for (int i = first_row; i < kScaleBlock; i += 16) {
-    if (k0 + i >= K || !in_columns) continue;
-    const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; u += 2)
-      packed |= uint64_t(Quantize2(Conv<T>::To(x.v[u]), Conv<T>::To(x.v[u + 1]), unscale)) << (8 * u);
-    for (int u = 0; u < 8; ++u) tile[i][j + u] = uint8_t(packed >> (8 * u));
-    *reinterpret_cast<uint64_t*>(q + g * K * N + (k0 + i) * N + n0 + j) = packed;
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kScaleBlock * 16; idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
-    const int n = idx / 16, i = idx % 16 * 8;
-    if (n0 + n >= N || k0 + i >= K) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
-    *reinterpret_cast<uint64_t*>(qt + g * K * N + (n0 + n) * K + k0 + i) = packed;
-  }
-}
-
-// What RowsAndColumnsKernel quantizes, read eight consecutive elements of a row at a time into its tile of
-// Value: a tensor as it lies (its rows past the groups quantized too, as the JAX quantizer does), or an
-// activation of h computed on the way (zero past the groups, as jnp.where makes it in the JAX recipe).
-template <typename T>
-struct TensorSource {
-  using Value = T;
-  static constexpr bool kZeroPastGroups = false;
-  const T* v;
-  int64_t C;
-  __device__ Vec<T, 8> operator()(int64_t r, int64_t c) const { return Load<T, 8>(v + r * C + c); }
-  __device__ int64_t ColumnTile(int64_t t, int64_t) const { return t; }  // the t-th block's 128 columns
-};
-
-// Without da: a = act(h) * s [M, f], as fp8_blockwise.activation_rows_and_columns computes it (s: the
-// row's scale, 1 without scales). With da: dh = (da * s) * act'(h) [M, F1], the gate's derivatives in
-// columns [0, f) and (gated) the up half's in [f, 2f), as the vjp in activation_grad_rows_and_columns.
-template <typename T, Act kAct>
-struct ActivationSource {
-  using Value = float;
-  static constexpr bool kZeroPastGroups = true;
-  ActParams p;
-  const T *h, *da, *scales;
-  int64_t f;
-  __device__ Vec<float, 8> operator()(int64_t r, int64_t c) const {
-    constexpr bool kGated = IsGated(kAct);
-    const bool up_half = kGated && c >= f;  // f % 16 == 0: eight columns lie in one half
-    const int64_t j = up_half ? c - f : c;
-    const T* hr = h + r * (kGated ? 2 * f : f);
-    const Vec<T, 8> gate = Load<T, 8>(hr + j);
-    Vec<T, 8> up{}, g{};
-    if (kGated) up = Load<T, 8>(hr + f + j);
-    if (da) g = Load<T, 8>(da + r * f + j);
-    const float s = scales ? Conv<T>::To(scales[r]) : 1.0f;
-    Vec<float, 8> out;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const ActGrad a = ActivationGradOf<kAct>(p, Conv<T>::To(gate.v[k]), kGated ? Conv<T>::To(up.v[k]) : 0.0f);
-      out.v[k] = da ? Conv<T>::To(g.v[k]) * s * (up_half ? a.dup : a.dgate) : a.val * s;
-    }
-    return out;
-  }
-  // Gated with da, a gate tile of dh and the up tile of its columns read the same h and da: consecutive
-  // blocks take them (where f % 128 == 0, so that the tiles pair up), the second one's reads hit L2.
-  __device__ int64_t ColumnTile(int64_t t, int64_t tiles) const {
-    if (!IsGated(kAct) || !da || f % kScaleBlock) return t;
-    return t / 2 + (t % 2) * (tiles / 2);
-  }
-};
-
-// A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
-// columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
-// the rows past the groups, [total, M), rows only: every row of v is quantized once (the groups' rows each
-// lie in one block b).
-// The region is loaded into shared memory (rows 16-byte aligned: one 16-byte store per 16-byte load; all
-// eight of bf16's loads in flight at once). Rows: a warp per row, four values a lane from one 8-byte read,
-// its maximum by shuffles, and one 4-byte store a lane: a warp writes the row's 128 bytes at once. Columns:
-// a thread per pair of columns and quarter of the rows (32), its 64 values read into registers as 32 pairs,
-// the quarters' maxima met in shared memory, the quantized bytes packed four rows to a word into a
-// transposed tile (over the region's, read by then), which the block writes out a row of qt (128 bytes)
-// per warp store. Shared-memory instructions per element: under one, against four when each value was
-// stored, read for its row and twice for its column alone, which left the SMs issuing at 64% and DRAM at
-// 54% (Nsight Compute, dsv3's x on an H100). That change made the float tiles (the activations, float32
-// dh) 13-29% faster at dsv3 and left bf16 x's as it was (~0.75 ms on an H100). (The first version gave
-// each of two threads 64 values of a row and of a column, and each wrote 8 bytes into another row of q or
-// qt: 0.72 TB/s.) Three blocks an SM: the float tiles' 66 KB allow no more, and capped at 64 registers for
-// four, the 16-bit ones spilled and ran ~10% slower.
-template <typename T>
-constexpr int kTilePitch = kScaleBlock + int(16 / sizeof(T));  // a tile row, in T: 16-byte aligned
-constexpr int kQtPitch = kScaleBlock / 4 + 1;  // a transposed row, in words: 32 columns' same word in 32 banks
-template <typename T>
-constexpr int kTileBytes = kScaleBlock * kTilePitch<T> * int(sizeof(T));  // >= the transposed tile's
-static_assert(kTileBytes<uint16_t> >= kScaleBlock * kQtPitch * 4);
-template <typename Source>
-__global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t M, int64_t C, const int32_t* first,
-                                                            const int32_t* count, const int32_t* total, int64_t B,
-                                                            uint8_t* q, int32_t* e, uint8_t* qt, int32_t* ec) {
-  using T = typename Source::Value;
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kPitch = kTilePitch<T>, kRows = kScaleBlock;
-  T* tile = reinterpret_cast<T*>(smem);                    // [128][kPitch]
-  uint32_t* qtile = reinterpret_cast<uint32_t*>(smem);     // [128 columns][kQtPitch], once tile is read
-  __shared__ float quarter_max[4][kScaleBlock];
-  // Blocks in row-block-major order: those of one row block run together (their rows' DRAM pages, and
-  // the activations' shared reads, above).
-  const int64_t tiles = ScaleBlocks(C), b = blockIdx.x / tiles;
-  const int64_t column_tile = v.ColumnTile(blockIdx.x % tiles, tiles), c0 = column_tile * kScaleBlock;
-  const bool columns = b < B;
-  // Device data: the rows are clamped into [0, M) whatever first, count and total hold.
-  int64_t start, rows;
-  if (columns) {
-    start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
-    rows = std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), int64_t{kScaleBlock}), M - start);
-  } else {
-    start = std::min<int64_t>(std::max<int32_t>(*total, 0), M) + (b - B) * kScaleBlock;
-    rows = std::max<int64_t>(std::min<int64_t>(M - start, int64_t{kScaleBlock}), 0);
-    if (rows == 0) return;  // the whole block: no row of v left for it
-  }
-  {  // 16 threads a row, eight columns each (C is a multiple of 16: eight are all in the row or all past it)
-    constexpr int kPasses = kRows / 16, kBatch = 16 / sizeof(T);  // 256 threads: 16 rows a pass
-    const int j = threadIdx.x % 16 * 8, i0 = threadIdx.x / 16;
-#pragma unroll
-    for (int p0 = 0; p0 < kPasses; p0 += kBatch) {
-      Vec<T, 8> x[kBatch];
-#pragma unroll
-      for (int p = 0; p < kBatch; ++p) {
-        const int i = i0 + 16 * (p0 + p);
-        x[p] = Vec<T, 8>{};
-        if (i < rows && c0 + j < C && (columns || !Source::kZeroPastGroups)) x[p] = v(start + i, c0 + j);
-      }
-#pragma unroll
-      for (int p = 0; p < kBatch; ++p) Store<T, 8>(tile + (i0 + 16 * (p0 + p)) * kPitch + j, x[p]);
-    }
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool lane_in = c0 + 4 * lane < C;  // C is a multiple of 16: a lane's four columns all in or all past it
-  for (int i = warp; i < rows; i += 8) {  // rows: 1 x 128 blocks
-    const Vec<T, 4> xv = Load<T, 4>(tile + i * kPitch + 4 * lane);
-    float x[4], amax = 0.0f;
-    for (int u = 0; u < 4; ++u) {
-      x[u] = Conv<T>::To(xv.v[u]);
-      amax = fmaxf(amax, fabsf(x[u]));
-    }
-    const int exp = Exponent(WarpMax(amax));
-    const int64_t r = start + i;
-    if (lane == 0) e[r * tiles + column_tile] = exp;
-    if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = Quantize4(x, Unscale(exp));
-  }
-  if (!columns) return;
-  {  // columns: 128 x 1 blocks, zeros past the block's rows (the tile's rows past `rows` hold zeros)
-    constexpr int kQuarter = kScaleBlock / 4;
-    const int c = threadIdx.x % (kScaleBlock / 2) * 2, quarter = threadIdx.x / (kScaleBlock / 2);
-    Vec<T, 2> pair[kQuarter];
-    float amax0 = 0.0f, amax1 = 0.0f;
-#pragma unroll
-    for (int u = 0; u < kQuarter; ++u) {
-      pair[u] = Load<T, 2>(tile + (quarter * kQuarter + u) * kPitch + c);
-      amax0 = fmaxf(amax0, fabsf(Conv<T>::To(pair[u].v[0])));
-      amax1 = fmaxf(amax1, fabsf(Conv<T>::To(pair[u].v[1])));
-    }
-    quarter_max[quarter][c] = amax0;
-    quarter_max[quarter][c + 1] = amax1;
-    __syncthreads();  // also: every read of the tile is done, qtile may take its place
-    float max0 = 0.0f, max1 = 0.0f;
-    for (int k = 0; k < 4; ++k) max0 = fmaxf(max0, quarter_max[k][c]), max1 = fmaxf(max1, quarter_max[k][c + 1]);
-    const int exp0 = Exponent(max0), exp1 = Exponent(max1);
-    if (quarter == 0 && c0 + c < C) ec[b * C + c0 + c] = exp0, ec[b * C + c0 + c + 1] = exp1;  // C, c even
-    const Unscale unscale0(exp0), unscale1(exp1);
-#pragma unroll
-    for (int w = 0; w < kQuarter / 4; ++w) {  // four rows a word
-      float x0[4], x1[4];
-      for (int k = 0; k < 4; ++k) x0[k] = Conv<T>::To(pair[4 * w + k].v[0]), x1[k] = Conv<T>::To(pair[4 * w + k].v[1]);
-      qtile[c * kQtPitch + quarter * (kQuarter / 4) + w] = Quantize4(x0, unscale0);
-      qtile[(c + 1) * kQtPitch + quarter * (kQuarter / 4) + w] = Quantize4(x1, unscale1);
-    }
-  }
-  __syncthreads();
-  // qt's rows c0 .. c0 + 127, bytes 128 b .. 128 b + 127 of each: a warp per row, a word a lane.
-  const int64_t L = B * kScaleBlock;
-  for (int c = warp; c < kScaleBlock && c0 + c < C; c += 8)
-    *reinterpret_cast<uint32_t*>(qt + (c0 + c) * L + b * kScaleBlock + 4 * lane) = qtile[c * kQtPitch + lane];
-}
 
 Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
   const DataType t = v.element_type();
@@ -300,13 +45,21 @@ Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t*
 }
 
 // The outputs of a rows-and-columns quantization of [M, C] in B column blocks, checked and poisoned.
-struct RowsAndColumns {
+struct RowsAndColumnsBuffers {
   int64_t M, C, B;
   const AnyBuffer *first, *count, *total;
   AnyBuffer *q, *e, *qt, *ec;
 };
 
-Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumns& o) {
+// Their data, for the kernels.
+RowsAndColumns Pointers(const RowsAndColumnsBuffers& o) {
+  return {o.M, o.C, o.B, static_cast<const int32_t*>(o.first->untyped_data()),
+          static_cast<const int32_t*>(o.count->untyped_data()), static_cast<const int32_t*>(o.total->untyped_data()),
+          static_cast<uint8_t*>(o.q->untyped_data()), static_cast<int32_t*>(o.e->untyped_data()),
+          static_cast<uint8_t*>(o.qt->untyped_data()), static_cast<int32_t*>(o.ec->untyped_data())};
+}
+
+Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumnsBuffers& o) {
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("total", *o.total, {1}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *o.q, {o.M, o.C}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *o.e, {o.M, ScaleBlocks(o.C)}, DataType::S32, "dtype int32"));
@@ -317,47 +70,15 @@ Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumns& o) {
   return Poison(stream, {o.q, o.e, o.qt, o.ec});
 }
 
-// Launches RowsAndColumnsKernel<Source> over the rows' 128-row blocks: the B column blocks, then those of
-// the rows past the groups.
-template <typename Source>
-Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Source& v, const RowsAndColumns& o) {
-  if (o.C == 0 || o.B + o.M == 0) return Error::Success();
-  using T = typename Source::Value;
-  // The tiles' 34 KB (16-bit types) and 66 KB (float) of shared memory: the latter over the 48 KB a launch
-  // gets without asking, asked once per device and kernel, not in every call (launch.cuh).
-  const auto kernel = RowsAndColumnsKernel<Source>;
-  cudaError_t status = cudaSuccess;
-  const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
-                                              [&](int) -> std::optional<bool> {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>);
-    if (status == cudaSuccess) return true;
-    cudaGetLastError();   // reported below; leave no error for the launch check
-    return std::nullopt;  // the next call asks again
-  });
-  if (!allowed) return CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory");
-  const unsigned grid = unsigned((o.B + ScaleBlocks(o.M)) * ScaleBlocks(o.C));
-  kernel<<<grid, 256, kTileBytes<T>, stream>>>(
-      v, o.M, o.C, static_cast<const int32_t*>(o.first->untyped_data()),
-      static_cast<const int32_t*>(o.count->untyped_data()), static_cast<const int32_t*>(o.total->untyped_data()),
-      o.B, static_cast<uint8_t*>(o.q->untyped_data()), static_cast<int32_t*>(o.e->untyped_data()),
-      static_cast<uint8_t*>(o.qt->untyped_data()), static_cast<int32_t*>(o.ec->untyped_data()));
-  return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
-}
-
 Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, AnyBuffer first, AnyBuffer count,
                              AnyBuffer total, Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt,
                              Result<AnyBuffer> ec) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
-  RowsAndColumns o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
+  RowsAndColumnsBuffers o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
   JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
-  Error status = Error::Success();
-  ByType(v.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    status = LaunchRowsAndColumns(stream, device, TensorSource<T>{static_cast<const T*>(v.untyped_data()), o.C}, o);
-  });
-  return status;
+  return QuantizeRowsAndColumns(stream, device, v.element_type(), v.untyped_data(), Pointers(o));
 }
 
 // h [M, F1] and the optional da [M, f] and scales [M] (absent: a scalar) in one 16-bit dtype; the result
@@ -376,20 +97,11 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
     return Error::InvalidArgument("jaxmlp: h must be [M, F1] with F1 = 2 f (gated) or f, f a multiple of 16");
   if (Present(da)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("da", da, {M, f}, t, "h's dtype"));
   if (Present(scales)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("scales", scales, {M}, t, "h's dtype"));
-  RowsAndColumns o{M, Present(da) ? F1 : f, 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
+  RowsAndColumnsBuffers o{M, Present(da) ? F1 : f, 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
   JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
-  Error status = Error::Success();
-  By16BitType(t, [&](auto tag) {
-    using T = decltype(tag);
-    ByAct(p.act, [&](auto a) {
-      const ActivationSource<T, decltype(a)::value> v{p, static_cast<const T*>(h.untyped_data()),
-                                                      static_cast<const T*>(DataIfPresent(da)),
-                                                      static_cast<const T*>(DataIfPresent(scales)), f};
-      status = LaunchRowsAndColumns(stream, device, v, o);
-    });
-  });
-  return status;
+  return QuantizeActivationRowsAndColumns(stream, device, t, p, h.untyped_data(), DataIfPresent(da),
+                                          DataIfPresent(scales), f, Pointers(o));
 }
 
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
@@ -403,16 +115,9 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
       CheckShapeAndType("e", *e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
   if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
-  if (E == 0 || K == 0 || N == 0) return Error::Success();
-  const dim3 grid(unsigned(ScaleBlocks(N)), unsigned(ScaleBlocks(K)), unsigned(E));
-  ByType(w.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    WeightBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(w.untyped_data()), K, N,
-                                                    static_cast<uint8_t*>(q->untyped_data()),
-                                                    static_cast<uint8_t*>(qt->untyped_data()),
-                                                    static_cast<int32_t*>(e->untyped_data()));
-  });
-  return CheckCuda(cudaGetLastError(), "launching the 128x128 quantizer");
+  return QuantizeWeightBlocks(stream, w.element_type(), w.untyped_data(), E, K, N,
+                              static_cast<uint8_t*>(q->untyped_data()), static_cast<uint8_t*>(qt->untyped_data()),
+                              static_cast<int32_t*>(e->untyped_data()));
 }
 
 }  // namespace

@@ -1,15 +1,12 @@
-// CUDA handlers: the grouped MLP forward and backward, one custom call each, and the grouped GEMM behind
-// jaxmlp.ragged_dot. Each is registered once per GEMM path (grouped_gemm.h): the cuBLASLt grouped and
-// tiled paths never sync, so their handlers are declared command-buffer compatible; the
-// cublasGemmGroupedBatchedEx fallback syncs once per call.
+// CUDA handlers: the grouped MLP forward and backward, one custom call each. Each is registered once per
+// GEMM path (grouped_gemm.h): the cuBLASLt grouped and tiled paths never sync, so their handlers are
+// declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
 
-#include "gemm_checks.h"
 #include "mlp_checks.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/handler.h"
-#include "cuda/launch.cuh"
 #include "cuda/mlp/mlp_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -116,25 +113,6 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
                        s.bias_partials, db1->untyped_data(), db2->untyped_data());
 }
 
-template <GemmPath kPath>
-Error Gemm(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op,
-           Result<AnyBuffer> out, Result<AnyBuffer> workspace) {
-  ++handler_host_calls;
-  GemmDims g;
-  const GemmOp gop = static_cast<GemmOp>(op);
-  JAXMLP_RETURN_IF_ERROR(CheckGemm(gop, lhs, rhs, group_sizes, *out, &g));
-  Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(kPath, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), g.E, g.M,
-                     /*split_k=*/false, ws);  // one launch: nothing to split (see RunTiledGemms)
-  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*out, &*workspace}));
-  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({{gop, int32_t(g.K), int32_t(g.N), lhs.untyped_data(), rhs.untyped_data(),
-                                         out->untyped_data(), lhs.element_type(), out->element_type(), 0.0f,
-                                         true, true}}));
-  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
-  return gop == GemmOp::kTN ? gemms.ZeroEmptyGroups({0}) : gemms.ZeroPaddingRows(0);
-}
-
 auto BindForward() {
   return BindActivationAttrs(BindMlpOperands(BindStreamAndDevice()))
       .Ret<AnyBuffer>()   // y
@@ -148,16 +126,6 @@ auto BindBackward() {
                                                   .Arg<AnyBuffer>()))  // dy
       .Ret<AnyBuffer>()                                                // dh, aliased to h
       .Ret<AnyBuffer>();                                               // workspace
-}
-
-auto BindGemm() {
-  return BindStreamAndDevice()
-      .Arg<AnyBuffer>()  // lhs
-      .Arg<AnyBuffer>()  // rhs
-      .Arg<AnyBuffer>()  // group_sizes
-      .Attr<int32_t>("op")
-      .Ret<AnyBuffer>()   // out
-      .Ret<AnyBuffer>();  // workspace
 }
 
 }  // namespace
@@ -179,10 +147,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardFallback, jaxmlp::MlpForward<GemmPath::k
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardGrouped, jaxmlp::MlpBackward<GemmPath::kGrouped>, jaxmlp::BindBackward(),
                               jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFallback, jaxmlp::MlpBackward<GemmPath::kFallback>, jaxmlp::BindBackward());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmGrouped, jaxmlp::Gemm<GemmPath::kGrouped>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFallback, jaxmlp::Gemm<GemmPath::kFallback>, jaxmlp::BindGemm());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardTiled, jaxmlp::MlpForward<GemmPath::kTiled>, jaxmlp::BindForward(),
                               jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardTiled, jaxmlp::MlpBackward<GemmPath::kTiled>, jaxmlp::BindBackward(),
                               jaxmlp::kGraphSafe);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmTiled, jaxmlp::Gemm<GemmPath::kTiled>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);

@@ -6,7 +6,6 @@
 #include "dispatch_checks.h"
 #include "cuda/moe/dispatch_kernels.h"
 #include "cuda/handler.h"
-#include "cuda/launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
