@@ -1,5 +1,6 @@
-// The integer codes that cross the Python-C++ boundary: the activation (the "activation" attribute) and the
-// grouped product (the "op" attribute).
+// The integer codes that cross the Python-C++ boundary: the activation (the "activation" attribute), the
+// grouped product (the "op" attribute) and the dtype of the workspace-size queries. jaxmlp._cpu exports
+// them as Python enums (codes_binding.h), which the Python side reads instead of keeping its own tables.
 #pragma once
 
 #include <cstdint>
@@ -39,5 +40,11 @@ struct ActParams {
 //   kTNPadded: out[g] = lhsT[:, p_g : p_g+c_g] @ rhsT[:, p_g : p_g+c_g]^T   lhsT [K, ld], rhsT [N, ld]
 // where p_g is the running sum of the group sizes each rounded up to 16 (zeros in between).
 enum class GemmOp : int32_t { kNN = 0, kNT = 1, kTN = 2, kTNPadded = 3 };
+
+// The float dtypes of the workspace-size queries of jaxmlp._cuda (mlp_workspace_bytes,
+// mlp_fp8_workspace_bytes), and the bytes of one element of each.
+enum class DType : int32_t { kFloat32 = 0, kBfloat16 = 1, kFloat16 = 2 };
+
+constexpr int ElementBytes(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
 }  // namespace jaxmlp

@@ -1,7 +1,8 @@
 // Python module jaxmlp._cpu: the CPU handlers of ffi/targets.inc as capsules for
-// jax.ffi.register_ffi_target.
+// jax.ffi.register_ffi_target, and the codes of the Python-C++ contract (codes.h) as Python enums.
 #include <nanobind/nanobind.h>
 
+#include "codes_binding.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -19,6 +20,7 @@ nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) { return nb::capsu
 }  // namespace
 
 NB_MODULE(_cpu, m) {
+  jaxmlp::BindCodes(m);
   m.def("registrations", []() {
     nb::dict d;
 #define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) d[name] = Capsule(cpu);
