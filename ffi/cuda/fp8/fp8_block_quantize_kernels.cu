@@ -44,9 +44,9 @@ __device__ __forceinline__ uint32_t Quantize4(const float (&v)[4], const Unscale
 
 // A block per 128 x 128 tile of one expert, reading the tile twice (the second time from L2): its maximum,
 // then its quantized values as they lie (q) and, through shared memory, transposed (qt). Eight elements a
-// thread and access (K and N are multiples of 16). Holding the tile in registers instead took 8.6 ms for
-// dsv3's w1 on an H100 as 64 floats a thread (0.2 TB/s), and 2.32 ms as 8 bfloat16 vectors a thread (84
-// registers: 3 blocks an SM instead of 8) against this kernel's 1.8-1.9 ms (2026-11-26).
+// thread and access (K and N are multiples of 16). Reading the tile twice keeps a thread's registers few
+// (8 blocks an SM): holding it in registers instead, as floats or as 16-bit vectors, cost occupancy and
+// was slower (docs/performance.md, "Kernel measurements").
 template <typename T>
 __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
                                                           int32_t* e) {
@@ -148,13 +148,10 @@ struct ActivationSource {
 // a thread per pair of columns and quarter of the rows (32), its 64 values read into registers as 32 pairs,
 // the quarters' maxima met in shared memory, the quantized bytes packed four rows to a word into a
 // transposed tile (over the region's, read by then), which the block writes out a row of qt (128 bytes)
-// per warp store. Shared-memory instructions per element: under one, against four when each value was
-// stored, read for its row and twice for its column alone, which left the SMs issuing at 64% and DRAM at
-// 54% (Nsight Compute, dsv3's x on an H100). That change made the float tiles (the activations, float32
-// dh) 13-29% faster at dsv3 and left bf16 x's as it was (~0.75 ms on an H100). (The first version gave
-// each of two threads 64 values of a row and of a column, and each wrote 8 bytes into another row of q or
-// qt: 0.72 TB/s.) Three blocks an SM: the float tiles' 66 KB allow no more, and capped at 64 registers for
-// four, the 16-bit ones spilled and ran ~10% slower.
+// per warp store. Shared-memory instructions per element: under one, against four when each value is
+// stored, read for its row and twice for its column alone (which kept neither the SMs' issue nor DRAM
+// busy); and every store is a whole warp's row of q or qt, not 8 bytes a thread into another row. Three blocks an SM: the float tiles' 66 KB allow no more, and 64 registers (for four) make the
+// 16-bit ones spill. The measurements behind these choices: docs/performance.md, "Kernel measurements".
 template <typename T>
 constexpr int kTilePitch = kScaleBlock + int(16 / sizeof(T));  // a tile row, in T: 16-byte aligned
 constexpr int kQtPitch = kScaleBlock / 4 + 1;  // a transposed row, in words: 32 columns' same word in 32 banks

@@ -107,8 +107,8 @@ __global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, cons
 // contiguous bytes. C % V == 0.
 //
 // Why this size: with 64 x 64 tiles (4 KB of FP8 a block) each block waited on its rows' group lookups and
-// one load per thread before its stores. On an H100 at dsv3 (same machine, cuBLAS 13.10): the tensorwise
-// w1 quantizer 2.66 -> 2.30 ms (2.1 -> 2.4 TB/s with its amax pass), a step's four tile passes 867 -> 796 us.
+// one load per thread before its stores; a 128 x 128 tile spreads those waits over four times the data
+// (docs/performance.md, "Kernel measurements").
 //
 // Shared memory: row r's 16-byte chunk j lies at chunk j ^ (r / 16 % 8): the byte loads of a warp (4
 // columns by the 8 chunks of 16 rows) then touch 8 different banks, one per row (unswizzled, every row of a

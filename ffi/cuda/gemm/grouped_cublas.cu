@@ -247,9 +247,10 @@ ffi::Error GroupedGemms::RunGrouped(const GemmSpec& s, int i) {
     handle = h->second;
     auto it = lt_plans.find(key);
     if (it == lt_plans.end()) {
-      // First call with this problem signature: build the descriptor and ask the heuristic once. (Timing
-      // its top 8 on the first call instead was measured: -2% to +4% where later calls had the first
-      // call's group sizes, down to -19% where they had others; docs/performance.md.)
+      // First call with this problem signature: build the descriptor and ask the heuristic once. Timing
+      // its top candidates on the first call instead would tune the plan to that call's group sizes,
+      // which later calls with the same signature need not share (docs/performance.md, "Kernel
+      // measurements").
       Desc desc{api};
       JAXMLP_RETURN_IF_ERROR(MakeDesc(api, s, scale_a, scale_b, &desc));
       Preference pref{api};

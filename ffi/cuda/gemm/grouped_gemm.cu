@@ -216,8 +216,9 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool pad
   // Each tiled launch finds its groups itself (and RunTiledGemms checks its products).
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   // One warp walks 32 groups a pass; more groups take a block of 8 warps, 256 a pass. Each pass waits
-  // for a load of group_sizes: one warp took ~1 us per 32 groups, 8 warps 3.4-4.2 us per launch at
-  // E = 128 and 256 alike, and 32 warps (1024 a pass) ~2 us more (H100, docs/performance.md).
+  // for a load of group_sizes, so fewer passes are faster, while a larger block costs more to start and
+  // to synchronise: 8 warps take the most groups for their cost (docs/performance.md, "Kernel
+  // measurements").
   if (E_ <= 32)
     SetupKernel<1><<<1, 32, 0, stream_>>>(p);
   else
@@ -267,8 +268,8 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   }
   // Blocks enough for the largest group, at most one per SM and product, not blocks per group: nearly
   // always no group is empty, and then every block only reads the counts, so the launch costs what its
-  // blocks cost to schedule. On an H100 with no group empty, 2 x 528 blocks took 7-8 us, 2 x 132 took
-  // 3.5-5.5; where groups are empty, 132 blocks per product store as fast as 528 (docs/performance.md).
+  // blocks cost to schedule; where groups are empty, one block per SM already stores at full speed
+  // (docs/performance.md, "Kernel measurements").
   const int64_t sms = std::max<int64_t>(1, OncePerDeviceAndKernel(
       device_, reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
         int count = 0;

@@ -87,9 +87,10 @@ ffi::Error RunTiledGemms(cudaStream_t stream, int device, const TiledGroups& gro
     }
     // A long reduction over few tiles is the critical path of its launch (the FC1 dgrad, 16 k-steps at
     // the host-overhead layer). Split, its k-steps run in parallel blocks, and the last of them adds up
-    // the partial sums, which go through L2: ~2.9 us, about 7 k-steps (H200), hence a split per
-    // kStepsPerSplit steps. The arrival counters are zeroed by the call's first launch, so only the
-    // later launches split.
+    // the partial sums, which go through L2 and cost about as much as several k-steps; hence a split only
+    // per kStepsPerSplit steps, so that it saves more than it adds (docs/performance.md, "Kernel
+    // measurements"). The arrival counters are zeroed by the call's first launch, so only the later
+    // launches split.
     const int64_t tiles = p.row_tiles * q.tiles_j, steps = CeilDiv(s.op == GemmOp::kNN ? s.K : s.N, kBK);
     const int64_t splits = std::min<int64_t>(kMaxSplits, steps / kStepsPerSplit);
     if (follows_own_kernel && groups.split_partials && splits >= kMinSplits &&
@@ -123,9 +124,9 @@ ffi::Error RunTiledGemms(cudaStream_t stream, int device, const TiledGroups& gro
           });
         };
         // A launch of more blocks than fit on the GPU at once with 4 stages takes 3 where that fits more
-        // blocks per SM (on Hopper 4 instead of 3, at the wgmma kernel's 128 registers). Measured on an
-        // H200 (docs/performance.md), a stack of E=8, d=256, f=512 layers: fwd+bwd 2-4% faster for M from
-        // 256 to 4096; 3 stages for every launch lose in the forward, whose launches are one wave.
+        // blocks per SM (on Hopper 4 instead of 3, at the wgmma kernel's 128 registers): its later waves
+        // gain more from occupancy than from the deeper pipeline. A launch of one wave keeps 4 stages
+        // (docs/performance.md, "Kernel measurements").
         const int64_t resident_deep = resident_blocks(TiledGemmKernel<T, OutT, 4>, kSmemBytes<4>);
         if (blocks > resident_deep && resident_blocks(TiledGemmKernel<T, OutT, 3>, kSmemBytes<3>) > resident_deep)
           e = LaunchOverlapped(TiledGemmKernel<T, OutT, 3>, unsigned(blocks), kThreads, kSmemBytes<3>, stream, device,

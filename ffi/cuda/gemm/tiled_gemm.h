@@ -1,7 +1,7 @@
 // jaxmlp's own grouped GEMM, for problems too small for cuBLAS (the "tiled" GEMM path).
 //
-// A cuBLAS grouped GEMM costs ~7 us however small it is, and needs a setup kernel before it and, for
-// weight gradients, a zeroing kernel after it. At decode and small-model sizes those fixed costs are the
+// A cuBLAS grouped GEMM has a fixed cost per launch however small it is, and needs a setup kernel before
+// it and, for weight gradients, a zeroing kernel after it. At decode and small-model sizes those fixed costs are the
 // whole layer. This kernel needs neither: each thread block finds its group by scanning group_sizes
 // itself, every output element of a product is written (groups without rows get zero weight gradients,
 // rows past the groups zeros), and one launch runs several independent products. bfloat16 and float16

@@ -12,8 +12,8 @@ namespace jaxmlp {
 namespace {
 
 // mma.sync m16n8k16 with ldmatrix (compute capability 8.0+), where wgmma is not available, rather than
-// WMMA's fragments: the stack of small layers in benchmarks/overhead.py runs 10% faster with them
-// (docs/performance.md).
+// WMMA's fragments, which were slower on the small layers this kernel is for (docs/performance.md,
+// "Kernel measurements").
 
 // Four 8x8 matrices of 16-bit elements, lane l giving the shared address of row l % 8 of matrix l / 8;
 // kTrans transposes each. Register i of every lane holds its two elements of matrix i.

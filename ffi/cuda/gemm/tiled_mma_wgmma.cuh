@@ -11,8 +11,7 @@ namespace jaxmlp {
 namespace {
 
 // Hopper's warpgroup MMA (sm_90a): a k-step is 4 instructions for the warpgroup instead of 32 MMAs and
-// 20 ldmatrix per warp. Measured on an H200 (docs/performance.md, "The tiled path"), the MMAs take
-// about half of a k-step; the rest is issuing the next stage's copies and waiting for them.
+// 20 ldmatrix per warp (where a k-step's time goes: docs/performance.md, "Kernel measurements").
 
 // The shared-memory matrix descriptor of a staged operand tile (Swizzled's layout: 128-byte swizzling,
 // kSwizzleAtom bytes between groups of 8 rows; the leading offset is unused, as a tile row is one swizzle row).

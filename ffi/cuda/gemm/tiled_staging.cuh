@@ -13,9 +13,9 @@ namespace jaxmlp {
 namespace {
 
 // Small problems have few tiles, one block each, and a block's time is mostly its warps' instruction
-// latency (Nsight Compute: ~1 warp per scheduler). Measured on an H200 (docs/performance.md, "The tiled
-// path"): 64-deep steps with 4 stages (3 blocks per SM) beat 3 stages for launches of one wave, and
-// beat 6 stages, 32-deep steps, 128-deep steps with 2 stages, and 8 warps per tile.
+// latency, with few warps per scheduler to hide it. So the geometry favours a block's own pipeline:
+// 64-deep steps with 4 stages (3 blocks per SM) for launches of one wave; the alternatives measured
+// against it are in docs/performance.md ("The tiled path", "Kernel measurements").
 // A launch of more blocks than fit at once takes 3 stages where that fits more blocks per SM
 // (RunTiledGemms).
 constexpr int kBM = 64, kBN = 64, kBK = 64, kThreads = 128;

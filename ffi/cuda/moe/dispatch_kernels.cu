@@ -196,8 +196,8 @@ constexpr int kScatterThreads = 256;  // a 4 KiB row (d = 2048 in bfloat16) is o
 // not make leaves over, by slot_of_row), so every row is written exactly once and indices from the device
 // are range-checked before use. At most 32 registers, for 8 blocks an SM: a token block mostly waits (for
 // its lookups, then its row) before its k stores, so it takes many of them to keep the stores streaming.
-// Some variants then spill a few dozen bytes (nvcc 13, the layer's bfloat16 copy among them); six blocks an
-// SM at 40 registers, which spill less, copied the qwen3 layer's rows no faster (H200, 2026-11-26).
+// Some variants then spill a few dozen bytes; fewer blocks an SM at more registers, which spill less, were
+// no faster (docs/performance.md, "Kernel measurements").
 template <typename T, int V, bool kScaled>
 __global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
     const T* __restrict__ src, int64_t num_tokens, int64_t k, int64_t d, const int32_t* __restrict__ row_of_slot,
