@@ -8,7 +8,6 @@
 
 #include <cuda_runtime.h>
 
-#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
