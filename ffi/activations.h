@@ -6,7 +6,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "common.h"
+#include "codes.h"
 
 #ifdef __CUDACC__
 #define JAXMLP_HD __host__ __device__ __forceinline__

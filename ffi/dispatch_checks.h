@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common.h"
+#include "checks.h"
 
 namespace jaxmlp {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common.h"
+#include "checks.h"
 
 #if defined(__CUDACC__)
 #define JAXMLP_HOST_DEVICE __host__ __device__

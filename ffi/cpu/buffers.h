@@ -6,7 +6,8 @@
 #include <memory>
 #include <vector>
 
-#include "../common.h"
+#include "checks.h"
+#include "poison.h"
 
 namespace jaxmlp {
 

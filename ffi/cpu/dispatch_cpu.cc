@@ -4,8 +4,8 @@
 #include <cstring>
 #include <vector>
 
-#include "../dispatch_checks.h"
-#include "buffers.h"
+#include "dispatch_checks.h"
+#include "cpu/buffers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

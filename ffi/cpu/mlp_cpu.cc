@@ -12,12 +12,14 @@
 #include <memory>
 #include <vector>
 
-#include "simd_math.h"  // first: declares expf SIMD before activations.h uses it
-#include "../activations.h"
+#include "cpu/simd_math.h"  // first: declares expf SIMD before activations.h uses it
+#include "activations.h"
 #include "cblas.h"  // OpenBLAS from the scipy-openblas32 wheel: its symbols carry the scipy_ prefix
-#include "../common.h"
-#include "buffers.h"
-#include "parallel.h"
+#include "gemm_checks.h"
+#include "group_offsets.h"
+#include "mlp_checks.h"
+#include "cpu/buffers.h"
+#include "cpu/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
@@ -223,7 +225,7 @@ Error MlpBackward(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
   return Error::Success();
 }
 
-// out = the grouped product `op` (GemmOp, common.h): rows outside every group, and the weight gradients of
+// out = the grouped product `op` (GemmOp, codes.h): rows outside every group, and the weight gradients of
 // empty groups, are 0.
 Error Gemm(ffi::ThreadPool pool, AnyBuffer lhs, AnyBuffer rhs, AnyBuffer group_sizes, int32_t op,
            Result<AnyBuffer> out) {

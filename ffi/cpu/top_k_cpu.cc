@@ -4,8 +4,8 @@
 #include <functional>
 #include <vector>
 
-#include "../top_k.h"
-#include "buffers.h"
+#include "top_k.h"
+#include "cpu/buffers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {

@@ -5,7 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "../common.h"
+#include "checks.h"
 
 namespace jaxmlp {
 

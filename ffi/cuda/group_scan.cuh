@@ -1,4 +1,4 @@
-// The group_sizes policy on the device (ffi/common.h's GroupOffsets is the host's): the one scan that
+// The group_sizes policy on the device (ffi/group_offsets.h's GroupOffsets is the host's): the one scan that
 // the setup kernel of the cuBLAS paths and every block of the tiled kernel run over group_sizes.
 #pragma once
 
@@ -50,7 +50,8 @@ __device__ __forceinline__ int64_t BlockInclusiveSum(int64_t v, int64_t* total) 
 // warp collectives (and block ones where kWarps > 1). Where counts and offsets are given, it also writes the group arrays that the
 // other kernels of a call read: counts[g], offsets[g] = start, and offsets[E] = the rows in groups.
 // Returns the rows in groups (the rest of the M rows is padding). One warp's shuffles and no block-wide
-// barrier: 0.85 us per tiled block instead of 1.2 with cub's block scans (H200, E = 8). A whole block
+// barrier: cheaper than a block scan for the few groups that each tiled block scans before its first
+// k-step (docs/performance.md, "Kernel measurements"). A whole block
 // where there are many groups: each pass waits for one load of group_sizes.
 template <int kWarps = 1, typename Visit>
 __device__ __forceinline__ int64_t ScanGroups(const int32_t* sizes, int64_t E, int64_t M, int32_t* counts,

@@ -8,14 +8,13 @@
 
 #include <cuda_runtime.h>
 
-#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 
-#include "../common.h"
+#include "checks.h"
 
 namespace jaxmlp {
 
@@ -25,23 +24,6 @@ inline ffi::Error CheckCuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return ffi::Error::Success();
   cudaGetLastError();
   return ffi::Error::Internal(std::string("jaxmlp: ") + what + ": " + cudaGetErrorString(e));
-}
-
-// JAXMLP_POISON_OUTPUTS (common.h): fills the handler's outputs and scratch with 0xFF bytes (NaN) on the
-// stream before its kernels run, so that an element no kernel writes fails the tests.
-inline ffi::Error Poison(cudaStream_t stream, std::initializer_list<ffi::AnyBuffer*> outs) {
-  if (!PoisonOutputs()) return ffi::Error::Success();
-  for (ffi::AnyBuffer* b : outs)
-    if (b->size_bytes())
-      JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemsetAsync(b->untyped_data(), 0xFF, b->size_bytes(), stream),
-                                       "poisoning outputs"));
-  return ffi::Error::Success();
-}
-
-// The context every handler that launches through GroupedGemms or LaunchOverlapped binds: its stream, and
-// the device XLA runs the call on (the stream's), which keys the per-device caches.
-inline auto BindStreamAndDevice() {
-  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
 
 __device__ __forceinline__ void WaitForPrevious() {

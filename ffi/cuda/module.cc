@@ -3,17 +3,18 @@
 // tiled paths can run).
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <stdexcept>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "../common.h"
-#include "cublas_api.h"
-#include "dispatch_kernels.h"
-#include "grouped_gemm.h"
-#include "tiled_gemm.h"
+#include "codes.h"
+#include "mlp_checks.h"
+#include "cuda/gemm/cublas_api.h"
+#include "cuda/handler.h"
+#include "cuda/moe/dispatch_kernels.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/tiled_gemm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -24,17 +25,10 @@ namespace nb = nanobind;
   extern "C" XLA_FFI_Error* fallback(XLA_FFI_CallFrame*);
 #define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cuda(XLA_FFI_CallFrame*);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
-#include "../targets.inc"
+#include "targets.inc"
 #undef JAXMLP_GEMM_TARGET
 #undef JAXMLP_TARGET
 #undef JAXMLP_CUDA_TARGET
-
-namespace jaxmlp {
-size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
-size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize);
-size_t GemmFp8BlocksWorkspaceBytes(int32_t op, int64_t M, int64_t E, int64_t N);
-extern std::atomic<int64_t> handler_host_calls;
-}
 
 namespace {
 
@@ -81,7 +75,7 @@ NB_MODULE(_cuda, m) {
   d[name "_fallback"] = Capsule(fallback);
 #define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cuda);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
-#include "../targets.inc"
+#include "targets.inc"
 #undef JAXMLP_GEMM_TARGET
 #undef JAXMLP_TARGET
 #undef JAXMLP_CUDA_TARGET
@@ -96,23 +90,24 @@ NB_MODULE(_cuda, m) {
       [](const std::string& path, bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E,
          int dtype_code, bool biases) {
         jaxmlp::MlpDims dims{M, d, f, F1, E, biases, biases, false};
-        return jaxmlp::MlpWorkspaceBytes(PathOf(path), forward, dims, dtype_code == 0 ? 4 : 2);
+        return jaxmlp::MlpWorkspaceBytes(PathOf(path), forward, dims,
+                                         jaxmlp::ElementBytes(jaxmlp::DType(dtype_code)));
       },
-      "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: 0 float32, 1 bfloat16, 2 float16; "
-      "biases: b1 or b2 given).");
+      "Scratch bytes of one grouped-MLP call on a GEMM path (dtype_code: a jaxmlp._cpu.DType; biases: b1 or b2 "
+      "given).");
   m.def(
       "mlp_fp8_workspace_bytes",
       [](bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E, int dtype_code, bool has_b1,
          bool has_b2) {
         jaxmlp::MlpDims dims{M, d, f, F1, E, has_b1, has_b2, false};
-        return jaxmlp::MlpFp8WorkspaceBytes(forward, dims, dtype_code == 0 ? 4 : 2);
+        return jaxmlp::MlpFp8WorkspaceBytes(forward, dims, jaxmlp::ElementBytes(jaxmlp::DType(dtype_code)));
       },
-      "Scratch bytes of one FP8 grouped-MLP call (dtype_code: 1 bfloat16, 2 float16; has_b1, has_b2: the biases "
-      "given).");
+      "Scratch bytes of one FP8 grouped-MLP call (dtype_code: jaxmlp._cpu.DType bfloat16 or float16; has_b1, "
+      "has_b2: the biases given).");
   m.def("gemm_fp8_blocks_workspace_bytes", &jaxmlp::GemmFp8BlocksWorkspaceBytes, nb::arg("op"), nb::arg("M"),
         nb::arg("E"), nb::arg("N"),
-        "Scratch bytes of one block-scaled FP8 product (op 1: nt, 3: tn over padded columns) of M rows in E "
-        "groups and reduction N (nt).");
+        "Scratch bytes of one block-scaled FP8 product (op: jaxmlp._cpu.GemmOp nt, or tn_padded: tn over padded "
+        "columns) of M rows in E groups and reduction N (nt).");
   m.def(
       "gemm_workspace_bytes",
       [](const std::string& path, int64_t E) {

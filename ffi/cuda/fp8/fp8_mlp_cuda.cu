@@ -1,0 +1,306 @@
+// CUDA handlers of the FP8 grouped MLP (the recipe: jaxmlp/fp8.py), one custom call per direction, on the
+// cuBLASLt grouped GEMM with FP8 e4m3 operands, and its weight quantizer. cuBLAS takes FP8 only in the "TN"
+// layout (both operands contiguous along the reduction), so the weights are quantized in one pass into both
+// layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several calls):
+// transposed for the forward, as they lie for the backward's data gradients. The weight gradients read
+// transposed copies of the activations and gradients, each group's rows a 16-aligned column segment
+// (GemmOp::kTNPadded); x's is written by the forward's pass that quantizes x, beside its rows. Group sizes
+// stay on the device: no host sync, command-buffer compatible.
+#include <cuda_runtime.h>
+
+
+#include "mlp_checks.h"
+#include "cuda/fp8/fp8_mlp_kernels.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/handler.h"
+#include "cuda/launch.cuh"
+#include "cuda/mlp/mlp_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::DataType;
+using ffi::Error;
+using ffi::Result;
+
+// Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them); xq and aq:
+// FC1's and FC2's e4m3 operands.
+struct ForwardScratch {
+  float* scale;  // [4]
+  uint8_t* xq;   // [M, d]
+  uint8_t* aq;   // [M, f]
+};
+ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
+  ForwardScratch s;
+  s.scale = c.Take<float>(4);
+  s.xq = c.Take<uint8_t>(m.M * m.d);
+  s.aq = c.Take<uint8_t>(m.M * m.f);
+  return s;
+}
+
+// Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
+// operands in row layout (dyq, aq, dhq) and transposed (dyt, at, dht: [width, L]; x's came from the
+// forward), and da; with biases dh in x.dtype (b1) and BiasGradients' partial sums.
+struct BackwardScratch {
+  float *amax, *scale;  // [2], [6]
+  uint8_t *dyq, *aq, *dhq, *dyt, *at, *dht;
+  void* da;  // [M, f] in x.dtype
+  void* dh = nullptr;  // [M, F1] in x.dtype
+  float* bias_partials = nullptr;
+};
+BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
+  const int64_t L = PaddedRows(m.M, m.E);
+  BackwardScratch s;
+  s.amax = c.Take<float>(2);
+  s.scale = c.Take<float>(6);
+  s.dyq = c.Take<uint8_t>(m.M * m.d);
+  s.aq = c.Take<uint8_t>(m.M * m.f);
+  s.dhq = c.Take<uint8_t>(m.M * m.F1);
+  s.dyt = c.Take<uint8_t>(m.d * L);
+  s.at = c.Take<uint8_t>(m.f * L);
+  s.dht = c.Take<uint8_t>(m.F1 * L);
+  s.da = c.Take<char>(m.M * m.f * esize);
+  if (m.has_b1) s.dh = c.Take<char>(m.M * m.F1 * esize);
+  if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(BiasGradientsScratch(m));
+  return s;
+}
+
+// The e4m3 weights and x's e4m3 copy that the backward takes from the forward: w1q, w2q as they lie, and
+// xt, x transposed into the weight gradients' layout [d, L] (each group's rows from a multiple of 16).
+Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xt, const AnyBuffer& w1q, const AnyBuffer& w2q) {
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("xt", xt, {m.d, PaddedRows(m.M, m.E)}));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1q", w1q, {m.E, m.d, m.F1}));
+  return CheckFp8Buffer("w2q", w2q, {m.E, m.f, m.d});
+}
+
+Error CheckFp8(const MlpDims& m, DataType t) {
+  if (t != DataType::BF16 && t != DataType::F16)
+    return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP takes bfloat16 or float16 operands");
+  if (m.d % 16 || m.f % 16) return Error::InvalidArgument("jaxmlp: the FP8 grouped MLP needs d and f multiples of 16");
+  return Error::Success();
+}
+
+Error Zero(cudaStream_t stream, void* p, size_t bytes) {
+  return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
+}
+
+// An FP8 product: lhs and rhs e4m3 with their scales, out in `t`.
+GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const float* lhs_scale, const void* rhs,
+                    const float* rhs_scale, void* out, DataType t, bool fast_accumulation, float beta = 0.0f) {
+  GemmSpec s{op, int32_t(K), int32_t(N), lhs, rhs, out, kFp8, t, beta};
+  s.lhs_scale = lhs_scale, s.rhs_scale = rhs_scale, s.fast_accumulation = fast_accumulation;
+  return s;
+}
+
+// Quantization of weights w [E, rows, cols] of one expert after another, in one pass: as they lie
+// (`lying`) and transposed ([E, cols, rows]: `transposed`).
+Fp8Outputs Weights(void* lying, void* transposed, int64_t E, int64_t rows, int64_t cols) {
+  Fp8Outputs o;
+  o.rows_out = lying, o.cols_out = transposed, o.E = E, o.group_rows = rows, o.group_stride = rows * cols;
+  o.ld = rows;
+  return o;
+}
+
+// Quantization of activations [M, width]: rows (into rows_out, may be null) and/or the padded
+// transposed layout [width, L] of the weight gradients (cols_out, may be null).
+Fp8Outputs Activations(void* rows_out, void* cols_out, const GroupedGemms& gemms, const MlpDims& m) {
+  Fp8Outputs o;
+  o.rows_out = rows_out, o.cols_out = cols_out, o.row_offsets = gemms.offsets(), o.E = m.E;
+  o.col_offsets = gemms.padded_starts(), o.ld = PaddedRows(m.M, m.E);
+  return o;
+}
+
+// The tensorwise recipe's weights w [E, K, N] (bfloat16 or float16): q [E, K, N] and qt [E, N, K] in e4m3
+// with the scale of amax [1] = max |w|.
+Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> amax,
+                       Result<AnyBuffer> qt) {
+  ++handler_host_calls;
+  const DataType t = w.element_type();
+  if (w.dimensions().size() != 3)
+    return Error::InvalidArgument("jaxmlp: w must be [E, K, N], got " + Dims(w.dimensions()));
+  if (t != DataType::BF16 && t != DataType::F16)
+    return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16");
+  const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {E, K, N}));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("amax", *amax, {1}, DataType::F32, "dtype float32"));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {E, N, K}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*amax, &*qt}));
+  float* am = static_cast<float*>(amax->untyped_data());
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, am, sizeof(float)));
+  if (w.element_count() == 0) return Error::Success();
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, w.untyped_data(), nullptr, 1, E * K, N, am));
+  return QuantizeRows(stream, t, w.untyped_data(), E * K, N, am, nullptr,
+                      Weights(q->untyped_data(), qt->untyped_data(), E, K, N));
+}
+
+// w1 and w2 are the e4m3 weights of Fp8TensorWeights as they lie (for the shapes; the backward reads
+// them), w1t and w2t the same transposed, weight_amax [2] their absolute maxima. xt: x's e4m3 copy in the
+// weight gradients' layout, written by the pass that quantizes x for FC1 (its transposed tile besides its
+// rows), the backward's residual; absent (ABSENT, a scalar) where the call is not differentiated.
+Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                    AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
+                    int32_t act, float alpha, float limit, bool fast_accumulation, Result<AnyBuffer> y,
+                    Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xt, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  const DataType t = x.element_type();
+  JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
+  for (const AnyBuffer* b : {&b1, &b2, &scales})
+    if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have x's dtype");
+  const bool residual = Present(*xt);
+  if (residual) JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, *xt, w1, w2));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1t", w1t, {m.E, m.F1, m.d}));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w2t", w2t, {m.E, m.d, m.f}));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("weight_amax", weight_amax, {2}, DataType::F32, "dtype float32"));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+                     m.M, /*split_k=*/false, ws);
+  const ForwardScratch s = CarveForward(ws, m);
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xt, &*workspace}));
+  float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
+  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemcpyAsync(am + 1, weight_amax.untyped_data(), 2 * sizeof(float),
+                                                   cudaMemcpyDeviceToDevice, stream),
+                                   "copying the weights' amax"));
+  JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, am + 1, 2, s.scale + 1));
+
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      Fp8Product(GemmOp::kNT, m.F1, m.d, s.xq, s.scale + 0, w1t.untyped_data(), s.scale + 1,
+                 h->untyped_data(), t, fast_accumulation),
+      Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, w2t.untyped_data(), s.scale + 2, y->untyped_data(), t,
+                 fast_accumulation, m.has_b2 ? 1.0f : 0.0f),  // onto y = s * b2[g] where b2 is given
+  }, /*padded_layout=*/residual));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
+                                      Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m)));
+  if (residual)
+    JAXMLP_RETURN_IF_ERROR(
+        ZeroPaddedTail(stream, xt->untyped_data(), m.d, PaddedRows(m.M, m.E), gemms.padded_starts() + m.E));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
+  const ActParams p{Act(act), alpha, limit};
+  JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
+                                          DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
+                                          DataIfPresent(b2), am + 3));
+  JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
+                                            DataIfPresent(scales), am + 3, s.scale + 3, s.aq));
+  return gemms.Run(1);  // y = a w2
+}
+
+// x, w1 and w2 are the forward's e4m3 copies (xt, w1q, w2q; see CheckFp8Copies): dy gives M and d.
+Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
+                     AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
+                     AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation,
+                     Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
+                     Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(dy, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  const DataType t = h.element_type();
+  JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, x, w1, w2));
+  for (const AnyBuffer* b : {&b1, &b2, &scales})
+    if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have h's dtype");
+  // h stands in for x: the gradients take h's dtype, x's in the forward.
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, h, h, dy, *dx, *dw1, *dw2, *db1, *db2, *dscales));
+  JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
+  if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+                     m.M, /*split_k=*/false, ws);
+  const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
+  const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
+  // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
+  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
+  JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, fwd, 4, s.scale));
+
+  float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
+        *sdh = s.scale + 5;
+  const bool fast = fast_accumulation;
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, fast),                 // da
+      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, fast),          // dw2
+      Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast),  // dx
+      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, x.untyped_data(), sx, s.dht, sdh, dw1->untyped_data(), t,
+                 fast),  // dw1
+  }));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
+                                      Activations(s.dyq, s.dyt, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
+  const ActParams p{Act(act), alpha, limit};
+  JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d,
+                                                  h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
+                                                  dy.untyped_data(), DataIfPresent(b2), s.aq,
+                                                  m.has_scales ? dscales->untyped_data() : nullptr,
+                                                  dx->untyped_data(), s.amax + 1));
+  JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
+                                                    s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
+  // Transposed copies of the FP8 a and dh (exact copies: no scale).
+  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(
+      QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
+  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
+  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
+  return BiasGradients(stream, t, gemms.offsets(), m, s.dh, dy.untyped_data(), DataIfPresent(scales), s.bias_partials,
+                       db1->untyped_data(), db2->untyped_data());
+}
+
+}  // namespace
+
+size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
+  Carver c(nullptr);
+  GroupedGemms counted(GemmPath::kGrouped, nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
+  if (forward) CarveForward(c, m);
+  else CarveBackward(c, m, esize);
+  return c.used();
+}
+
+}  // namespace jaxmlp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8TensorWeights, jaxmlp::Fp8TensorWeights,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Ret<xla::ffi::AnyBuffer>()   // q
+                                  .Ret<xla::ffi::AnyBuffer>()   // amax
+                                  .Ret<xla::ffi::AnyBuffer>(),  // qt
+                              jaxmlp::kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
+                                                              // (w1, w2: the e4m3 weights as they lie)
+                                                              .Arg<xla::ffi::AnyBuffer>()   // w1t
+                                                              .Arg<xla::ffi::AnyBuffer>()   // w2t
+                                                              .Arg<xla::ffi::AnyBuffer>())  // weight_amax
+                                  .Attr<bool>("fast_accumulation")
+                                  .Ret<xla::ffi::AnyBuffer>()   // y
+                                  .Ret<xla::ffi::AnyBuffer>()   // h
+                                  .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
+                                  .Ret<xla::ffi::AnyBuffer>()   // xt, or absent
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace
+                              jaxmlp::kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
+                              jaxmlp::BindActivationAttrs(jaxmlp::BindMlpOperands(jaxmlp::BindStreamAndDevice())
+                                                              // (x, w1, w2: the forward's xt, w1q, w2q)
+                                                              .Arg<xla::ffi::AnyBuffer>()   // h
+                                                              .Arg<xla::ffi::AnyBuffer>()   // dy
+                                                              .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
+                                  .Attr<bool>("fast_accumulation")
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dx
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dw1
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dw2
+                                  .Ret<xla::ffi::AnyBuffer>()                               // db1
+                                  .Ret<xla::ffi::AnyBuffer>()                               // db2
+                                  .Ret<xla::ffi::AnyBuffer>()                               // dscales
+                                  .Ret<xla::ffi::AnyBuffer>(),                              // workspace
+                              jaxmlp::kGraphSafe);

@@ -1,0 +1,153 @@
+// CUDA handlers: the grouped MLP forward and backward, one custom call each. Each is registered once per
+// GEMM path (grouped_gemm.h): the cuBLASLt grouped and tiled paths never sync, so their handlers are
+// declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
+#include <cuda_runtime.h>
+
+
+#include "mlp_checks.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/handler.h"
+#include "cuda/mlp/mlp_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmlp {
+
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::Error;
+using ffi::Result;
+
+// Workspace of each call: the GroupedGemms arrays and cuBLAS workspace, then the intermediates that
+// never leave the call. Used both to size the request (module.cc) and to carve the buffer.
+struct ForwardScratch {
+  void* a;  // [M, f] activation output, FC2 input
+};
+ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
+  return {c.Take<char>(m.M * m.f * esize)};
+}
+
+// The backward needs less: the activation kernel writes a_s over da (each element is read, then
+// written, by one thread) and dh over h, whose buffer XLA donates to the dh result (see _ffi.py). On the
+// cuBLAS paths da itself lives in the dw1 result when that is large enough (E d F1 >= M f, true at MoE
+// shapes): dw1 is written by the last GEMM, after a_s has been consumed by the dw2 GEMM. The tiled path
+// computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is).
+struct BackwardScratch {
+  void* da;              // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
+  float* bias_partials;  // BiasGradients' scratch
+};
+BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int esize) {
+  BackwardScratch s;
+  const bool in_dw1 = path != GemmPath::kTiled && m.E * m.d * m.F1 >= m.M * m.f;
+  s.da = in_dw1 ? nullptr : c.Take<char>(m.M * m.f * esize);
+  s.bias_partials = (m.has_b1 || m.has_b2) ? c.Take<float>(BiasGradientsScratch(m)) : nullptr;
+  return s;
+}
+
+template <GemmPath kPath>
+Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                 AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
+                 Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
+  const ffi::DataType t = x.element_type();
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(kPath, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+                     /*split_k=*/true, ws);
+  ForwardScratch s = CarveForward(ws, m, int(ffi::ByteWidth(t)));
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*workspace}));
+
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      {GemmOp::kNN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), w1.untyped_data(), h->untyped_data(), t, t, 0.0f,
+       true, true},
+      {GemmOp::kNN, int32_t(m.f), int32_t(m.d), s.a, w2.untyped_data(), y->untyped_data(), t, t,
+       m.has_b2 ? 1.0f : 0.0f, false, true},
+  }));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
+  JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
+                                           m.M, m.f, m.d, h->untyped_data(), DataIfPresent(b1),
+                                           DataIfPresent(scales), s.a, y->untyped_data(), DataIfPresent(b2)));
+  return gemms.Run(1);  // y (+)= a @ w2
+}
+
+template <GemmPath kPath>
+Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                  AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, int32_t act, float alpha,
+                  float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
+                  Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> dh,
+                  Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpBackward(m, x, h, dy, *dx, *dw1, *dw2, *db1, *db2, *dscales));
+  JAXMLP_RETURN_IF_ERROR(CheckResult("dh", *dh, {m.M, m.F1}, x.element_type()));
+  const ffi::DataType t = x.element_type();
+  Carver ws(workspace->untyped_data());
+  GroupedGemms gemms(kPath, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E, m.M,
+                     /*split_k=*/true, ws);
+  BackwardScratch s = CarveBackward(ws, kPath, m, int(ffi::ByteWidth(t)));
+  JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  if (!s.da) s.da = dw1->untyped_data();
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
+
+  const int32_t d = int32_t(m.d), f = int32_t(m.f), F1 = int32_t(m.F1);
+  JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
+      {GemmOp::kNT, f, d, dy.untyped_data(), w2.untyped_data(), s.da, t, t, 0.0f, true, true},    // da = dy w2^T
+      {GemmOp::kTN, f, d, s.da, dy.untyped_data(), dw2->untyped_data(), t, t, 0.0f, false, true},  // dw2 = a_s^T dy
+      {GemmOp::kNT, d, F1, dh->untyped_data(), w1.untyped_data(), dx->untyped_data(), t, t, 0.0f, false, true},
+      {GemmOp::kTN, d, F1, x.untyped_data(), dh->untyped_data(), dw1->untyped_data(), t, t, 0.0f, true, false},
+  }));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
+  JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
+                                            m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), s.da,
+                                            dh->untyped_data(), m.has_scales ? dscales->untyped_data() : nullptr,
+                                            dx->untyped_data(), dy.untyped_data(), DataIfPresent(b2)));
+  // dx first: on the tiled path its blocks, the launch's longest (the reduction runs over F1), then start
+  // in the first wave.
+  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
+  JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
+  return BiasGradients(stream, t, gemms.offsets(), m, dh->untyped_data(), dy.untyped_data(), DataIfPresent(scales),
+                       s.bias_partials, db1->untyped_data(), db2->untyped_data());
+}
+
+auto BindForward() {
+  return BindActivationAttrs(BindMlpOperands(BindStreamAndDevice()))
+      .Ret<AnyBuffer>()   // y
+      .Ret<AnyBuffer>()   // h
+      .Ret<AnyBuffer>();  // workspace
+}
+
+auto BindBackward() {
+  return BindMlpGradients(BindActivationAttrs(BindMlpOperands(BindStreamAndDevice())
+                                                  .Arg<AnyBuffer>()    // h
+                                                  .Arg<AnyBuffer>()))  // dy
+      .Ret<AnyBuffer>()                                                // dh, aliased to h
+      .Ret<AnyBuffer>();                                               // workspace
+}
+
+}  // namespace
+
+size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize) {
+  Carver c(nullptr);
+  GroupedGemms counted(path, nullptr, 0, nullptr, m.E, m.M, /*split_k=*/true, c);
+  if (forward) CarveForward(c, m, esize);
+  else CarveBackward(c, path, m, esize);
+  return c.used();
+}
+
+}  // namespace jaxmlp
+
+using jaxmlp::GemmPath;
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardGrouped, jaxmlp::MlpForward<GemmPath::kGrouped>, jaxmlp::BindForward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardFallback, jaxmlp::MlpForward<GemmPath::kFallback>, jaxmlp::BindForward());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardGrouped, jaxmlp::MlpBackward<GemmPath::kGrouped>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFallback, jaxmlp::MlpBackward<GemmPath::kFallback>, jaxmlp::BindBackward());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardTiled, jaxmlp::MlpForward<GemmPath::kTiled>, jaxmlp::BindForward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardTiled, jaxmlp::MlpBackward<GemmPath::kTiled>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
