@@ -142,7 +142,8 @@ def check_ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
   if len(_shape(rhs)) != 3 or _shape(rhs)[1] != k:
     raise TypeError(f"rhs: got shape {_shape(rhs)}, expected [g, {k}, n] (k from lhs)")
   if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
-    raise TypeError(f"group_sizes: expected an integer array [g], got {getattr(group_sizes, 'dtype', type(group_sizes))}")
+    got = getattr(group_sizes, "dtype", type(group_sizes).__name__)
+    raise TypeError(f"group_sizes: expected an integer array [g], got {got}")
   if _shape(group_sizes) != _shape(rhs)[:1]:
     raise TypeError(f"group_sizes: got shape {_shape(group_sizes)}, expected [{_shape(rhs)[0]}] (g from rhs)")
   dtype = jnp.promote_types(jnp.result_type(lhs), jnp.result_type(rhs))

@@ -3,7 +3,7 @@ total is capped at m, the rows of the ragged operand; rows past the total are pa
 
 `Groups` is the policy applied once per call: the clamped sizes and the row facts derived from them, a
 small value that the FP8 recipes pass along instead of clamping again at each use. The handlers clamp the
-sizes themselves (ffi/group_sizes.h, ffi/cuda/group_scan.cuh), so they take the sizes as given.
+sizes themselves (ffi/group_offsets.h, ffi/cuda/group_scan.cuh), so they take the sizes as given.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ helper through which every op makes its custom calls.
 
 The targets (ffi/targets.inc) and their handlers live in two extensions: `_cpu` (always built) and `_cuda`
 (built where a CUDA compiler was found; see CUDA_BUILD_ERROR otherwise). The enums and codes the handlers
-take (activations, GEMM ops, dtypes) are read from `_cpu`, which exports the C++ definitions.
+take (activations, GEMM ops, dtypes) are read from `_cpu`, which exports the C++ definitions
+(ffi/codes.h): the two languages keep no table by hand.
 """
 from __future__ import annotations
 
@@ -52,23 +53,21 @@ if _cuda is not None:
   for _name, _capsule in _cuda.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
-GEMM_OPS = {"nn": 0, "nt": 1, "tn": 2}
-_DTYPE_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
-
-
 def gemm_op(op: str) -> np.int32:
-  """The handlers' code of a grouped product: "nn", "nt", "tn" or "tn_padded" (ffi GemmOp)."""
-  return np.int32({**GEMM_OPS, "tn_padded": 3}[op])
+  """The handlers' code of a grouped product: "nn", "nt", "tn" or "tn_padded" (ffi/codes.h GemmOp)."""
+  return np.int32(_cpu.GemmOp[op])
 
 
 def dtype_code(dtype) -> int:
-  """The code of a 16- or 32-bit float dtype that the CUDA module's workspace functions take."""
-  return _DTYPE_CODE[jnp.dtype(dtype)]
+  """The code of a float dtype (float32, bfloat16, float16) that the CUDA module's workspace functions
+  take (ffi/codes.h DType)."""
+  return int(_cpu.DType[jnp.dtype(dtype).name])
 
 
 def activation_attrs(act: Activation) -> dict:
-  """The attributes of an activation that the MLP handlers take."""
-  return dict(activation=np.int32(act.id), alpha=np.float32(act.alpha), limit=np.float32(act.limit))
+  """The attributes of an activation that the MLP handlers take: its code by name (ffi/codes.h Act, whose
+  members the extension exports under the activations' names) and its parameters."""
+  return dict(activation=np.int32(_cpu.Act[act.name]), alpha=np.float32(act.alpha), limit=np.float32(act.limit))
 
 
 @functools.cache
@@ -121,9 +120,9 @@ def export_disabled_checks() -> list:
 
 
 # The shape of an optional operand or result that is absent (no b1, b2 or scales; an unweighted combine):
-# a scalar, which the handlers leave alone (ffi Present). Not a 0-element array: jax 0.11.2's partitioner
-# crashed (segmentation fault) compiling those inside a loop under shard_map (gradient accumulation over
-# the expert-parallel layer).
+# a scalar, which the handlers leave alone (ffi/checks.h Present). Not a 0-element array: jax 0.11.2's
+# partitioner crashed (segmentation fault) compiling those inside a loop under shard_map (gradient
+# accumulation over the expert-parallel layer).
 ABSENT = ()
 
 

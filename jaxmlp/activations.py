@@ -1,8 +1,8 @@
 """The activation functions of the grouped MLP.
 
-Each activation has an integer id shared with the C++ handlers (`ffi/common.h`, `enum class Act`): keep
-the two lists in the same order. The JAX functions here define the semantics; `jaxmlp.reference` uses
-them and the CUDA and CPU kernels implement the same formulas with hand-written derivatives.
+The handlers know each activation by its name: the extension exports their C++ enum (`ffi/codes.h`, `Act`)
+with members of these names. The JAX functions here define the semantics; `jaxmlp.reference` uses them
+and the CUDA and CPU kernels implement the same formulas with hand-written derivatives.
 
 Gated activations read the FC1 output `h` of width 2f: the first f columns are the gate, the last f
 the linear ("up") part.
@@ -15,7 +15,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Order matters: index == C++ enum value.
 NAMES = ("swiglu", "geglu", "reglu", "gelu", "relu", "silu", "squared_relu", "clamped_swiglu")
 GATED = frozenset({"swiglu", "geglu", "reglu", "clamped_swiglu"})
 
@@ -43,10 +42,6 @@ class Activation:
   @property
   def gated(self) -> bool:
     return self.name in GATED
-
-  @property
-  def id(self) -> int:
-    return NAMES.index(self.name)
 
   def __call__(self, h: jax.Array) -> jax.Array:
     """Applies the activation to the FC1 output h ([..., 2f] if gated, else [..., f])."""

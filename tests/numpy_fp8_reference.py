@@ -1,5 +1,5 @@
-"""The FP8 recipes (the docstrings of jaxmlp/fp8/tensorwise.py and jaxmlp/fp8/blockwise.py) in float64 NumPy, independent of
-jaxmlp's code.
+"""The FP8 recipes (the docstrings of jaxmlp/fp8/tensorwise.py and jaxmlp/fp8/blockwise.py) in float64 NumPy,
+independent of jaxmlp's code.
 
 Quantization to e4m3 through ml_dtypes; products in float64; rounding to the 16-bit dtype where the
 recipe rounds (the FC1 output h, the FC2 input gradient da, every result).
