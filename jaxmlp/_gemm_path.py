@@ -10,7 +10,9 @@ CUDA targets of the grouped products come in three variants (ffi/targets.inc):
 """
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 
 import jax.numpy as jnp
 
@@ -69,6 +71,20 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
 
 
 def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> str:
-  """gemm_path's choice inside a CUDA branch (RuntimeError where the CUDA handlers are unavailable)."""
+  """gemm_path's choice inside a CUDA branch (RuntimeError where the CUDA handlers are unavailable). The
+  fallback taken for a call the fast paths cannot serve, without JAXMLP_GEMM_PATH asking for it, is
+  warned of once per reason: it copies the group sizes to the host and syncs on every call."""
   cuda_module()
-  return gemm_path(dtype, *row_lengths, problem=problem)[0]
+  path, why = gemm_path(dtype, *row_lengths, problem=problem)
+  unserved = unservable(dtype, *row_lengths)
+  if path == "fallback" and unserved and os.environ.get("JAXMLP_GEMM_PATH", "auto") == "auto":
+    _warn_once(unserved)
+  return path
+
+
+@functools.cache
+def _warn_once(unserved: str) -> None:
+  warnings.warn(f"jaxmlp: {unserved}: the call runs on the fallback GEMM path, which copies group_sizes to the "
+                "host and syncs the stream on every call (cast to bfloat16 or float16, with row lengths that "
+                "are multiples of 8, for the sync-free paths; JAXMLP_GEMM_PATH=fallback silences this)",
+                RuntimeWarning, stacklevel=2)

@@ -1,4 +1,6 @@
 """jaxmlp.ragged_dot as a drop-in for jax.lax.ragged_dot, and fuzzing of both ops with hypothesis."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,3 +261,37 @@ def test_fuzz_bfloat16(backend, m, d, f, sizes, seed):
                      (drhs, ref.ragged_dot_rhs_grad(f64(x), f64(dout), sizes), "drhs")):
     check_close(a, w, TOLERANCE["bfloat16"], name)
   check_padding_rows_zero(m, sizes, y, got[0], dot, dlhs)
+
+
+def test_the_implicit_fallback_is_warned_of_once(monkeypatch):
+  """A call the sync-free GEMM paths cannot serve (float32, or rows not a multiple of 8) takes the fallback,
+  which syncs with the host on every call: traced for a CUDA device (a stand-in on a CPU machine), it warns,
+  once per reason; asked for by JAXMLP_GEMM_PATH=fallback, it does not."""
+  from jaxmlp import _gemm_path, _library
+
+  class Cuda:  # what a CUDA branch asks the extension at trace time
+    @staticmethod
+    def gemm_workspace_bytes(path, E):
+      return 256
+
+  monkeypatch.setattr(_library, "cuda_devices", lambda: ("cuda:0",))
+  monkeypatch.setattr(_library, "_cuda", Cuda)
+  monkeypatch.setattr(_gemm_path, "cuda_status", lambda: {"grouped_available": True, "tiled_available": True})
+  _gemm_path._warn_once.cache_clear()
+  gs = jnp.asarray([3, 5], jnp.int32)
+  f32 = (jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((2, 16, 8), jnp.float32))
+  unaligned = (jax.ShapeDtypeStruct((8, 12), jnp.bfloat16), jax.ShapeDtypeStruct((2, 12, 8), jnp.bfloat16))
+  aligned = (jax.ShapeDtypeStruct((8, 16), jnp.bfloat16), jax.ShapeDtypeStruct((2, 16, 8), jnp.bfloat16))
+  trace = lambda lhs, rhs: jax.make_jaxpr(lambda a, b: jaxmlp.ragged_dot(a, b, gs))(lhs, rhs)  # noqa: E731
+  with pytest.warns(RuntimeWarning, match="float32 inputs: the call runs on the fallback GEMM path"):
+    trace(*f32)
+  with pytest.warns(RuntimeWarning, match=r"row lengths \(12, 8\) not all multiples of 8"):
+    trace(*unaligned)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    trace(*f32)  # once per reason
+    trace(*aligned)  # the grouped path: nothing to say
+    _gemm_path._warn_once.cache_clear()
+    monkeypatch.setenv("JAXMLP_GEMM_PATH", "fallback")
+    trace(*f32)
+  _gemm_path._warn_once.cache_clear()
