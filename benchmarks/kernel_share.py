@@ -27,11 +27,11 @@ import cases
 
 OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroupsKernel", "ColumnSumKernel",
         "GroupSumKernel", "ZeroRowsKernel",
-        # the FP8 path's (ffi/cuda/fp8_kernels.cu, fp8_block_quantize.cu, fp8_block_gemm_cuda.cu)
+        # the FP8 path's (ffi/cuda/fp8/*_kernels.cu)
         "AbsMaxKernel", "QuantizeElementwiseKernel", "QuantizeTileKernel", "ActAbsMaxKernel", "ActQuantizeKernel",
         "ActBackwardAbsMaxKernel", "ActBackwardQuantizeKernel", "ScalesKernel",
         "RowsAndColumnsKernel", "WeightBlocksKernel", "Vec128ScalesKernel",
-        # the MoE layer's (ffi/cuda/dispatch_kernels.cu, top_k_cuda.cu)
+        # the MoE layer's (ffi/cuda/moe/*_kernels.cu)
         "TopKKernel", "CountKernel", "ScanKernel", "RankKernel", "ScatterRowsKernel", "CombineKernel")
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
          "jaxmlp_fp8_cached_fast_bwd", "moe_layer")
