@@ -12,9 +12,9 @@ own tokens; then one of two exchanges:
     the rows routed to it (jax.lax.ragged_all_to_all, NCCL through XLA; XLA:CPU lacks it), which sorts
     them a second time by local expert; the results travel back and are combined where the tokens are.
     It moves (P-1)/P * T/P * k rows a device each way where the gather moves (P-1) * T/P tokens (fewer
-    bytes only where k < P), but measured far slower on GPUs with jax 0.11.2 (docs/performance.md: 2.6 GB/s over
-    NVLink; 82 with XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true, which
-    also works around a fault in its gradient, marin-community/marin#8077; openxla/xla#33386).
+    bytes only where k < P), but XLA's exchange measured far slower over NVLink with jax 0.11.2
+    (docs/expert-parallel.md; XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true
+    speeds it up and works around a fault in its gradient, marin-community/marin#8077, openxla/xla#33386).
 
 Both give the single-device layer's results (jaxmlp.moe.moe) on all T tokens, up to float rounding:
   - capacity: C = ceil(cf * T * k / E) per expert over the global batch, served in the single-device
