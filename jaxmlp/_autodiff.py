@@ -53,13 +53,20 @@ def _is_operand(a) -> bool:
 
 
 def summed_like(grad, primal):
-  """Inside jax.shard_map, the gradient of an operand that is the same on every device along a mesh axis
-  (weights replicated over a data-parallel axis) is the sum of the devices' gradients, as JAX makes it
-  for its own ops; the custom calls' gradients vary over every axis any operand varies over."""
+  """The gradient of `primal` as JAX types it for its own ops: inside jax.shard_map, the gradient of an
+  operand that is the same on every device along a mesh axis (weights replicated over a data-parallel
+  axis) is the sum of the devices' gradients, where the custom calls' gradients vary over every axis any
+  operand varies over; and under Explicit mesh axes it is sharded as its primal, where a custom call's
+  result is not sharded at all."""
   if grad is None:
     return None
   axes = tuple(jax.typeof(grad).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying)
-  return jax.lax.psum(grad, axes) if axes else grad
+  if axes:
+    grad = jax.lax.psum(grad, axes)
+  spec = jax.typeof(primal).sharding.spec
+  if any(p is not None for p in spec) and spec != jax.typeof(grad).sharding.spec:
+    grad = jax.sharding.reshard(grad, spec)
+  return grad
 
 
 def integer_cotangent(a):

@@ -129,3 +129,31 @@ def test_gradient_accumulated_in_a_loop_over_a_shard_map(backend, rng, optional)
   looped = jax.jit(jax.grad(lambda w1: jax.lax.map(lambda x: loss(w1, x), x).sum()))(w1)
   parts = [jax.jit(jax.grad(loss))(w1, x[i]) for i in range(2)]
   check_close(looped, np.float64(parts[0]) + np.float64(parts[1]), TOLERANCE[jnp.dtype(dtype).name])
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_explicitly_sharded_operands_outside_shard_map(rng, devices, dtype):
+  """Under an Explicit mesh axis, without shard_map: the experts' weights sharded over it (as the MoE layer
+  stores them with P = 1, or a user's model does), the ops run on the gathered operands and each gradient
+  is sharded as its operand (JAX requires the cotangent's type to be its primal's; a custom call's result
+  is not sharded); the values are those of unsharded operands, up to the order of the loss's sums."""
+  mesh = jax.make_mesh((devices,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices("cpu")[:devices])
+  E = 2
+  x, w1, w2 = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((M, d), (E, d, 2 * f), (E, f, d)))
+  gs = jnp.asarray([15, 20], jnp.int32)
+
+  def loss(x, w1, w2):
+    y = jaxmlp.grouped_mlp(x, w1, w2, gs) + jaxmlp.ragged_dot(x, w1, gs)[:, :d]
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+  with jax.set_mesh(mesh):
+    w1s, w2s = (jax.sharding.reshard(w, P("e")) for w in (w1, w2))
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w1s, w2s)
+    assert [g.sharding.spec for g in grads] == [P(None, None), P("e", None, None), P("e", None, None)]
+  tol = TOLERANCE[dtype]  # XLA may reduce the sharded loss in another order
+  np.testing.assert_allclose(value, want[0], rtol=tol)
+  for g, w, name in zip(grads, want[1], ("dx", "dw1", "dw2")):
+    check_close(g, w, tol, name)
