@@ -26,6 +26,7 @@ CASES = [
 ]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("m, k, n, sizes", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_matches_lax_ragged_dot_and_its_gradients(backend, rng, m, k, n, sizes, dtype):
