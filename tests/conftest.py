@@ -1,4 +1,6 @@
-"""Shared fixtures: every backend the machine has, outputs poisoned, fresh random inputs."""
+"""Shared fixtures: every backend the machine has, outputs poisoned, fresh random inputs; the default run's
+subset and `--full`."""
+import collections
 import os
 
 # Handlers fill outputs and scratch with NaN before computing: an unwritten element fails the tests.
@@ -15,10 +17,103 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 
 import numpy_reference as ref
 from jaxmlp import _gemm_path, _library
+
+# ---- The default run and --full ------------------------------------------------------------------------
+# Plain `pytest` runs a representative subset, in a few minutes on a 2-CPU machine: every op, module,
+# dtype, activation, recipe and error message at least once. `pytest --full` (CI) runs everything:
+#  - tests marked `full` (the slowest end-to-end runs, and parameter cases that repeat what another case
+#    covers), skipped otherwise with a reason that says so;
+#  - every combination of a parameter matrix marked `matrix`, where the default run takes a subset in which
+#    each parameter's every value appears at least once (`one_of_each`);
+#  - hypothesis at each test's own max_examples, where the default run caps them at FAST_EXAMPLES.
+# GPU tests (marker `gpu`) are left as they are: they run wherever a GPU is, with or without --full.
+FAST_EXAMPLES = 8
+FULL_ONLY = "not in the default subset: run with --full (pytest --full runs every test)"
+settings.register_profile("full", settings.get_profile("default"))
+settings.register_profile("fast", settings.get_profile("default"), max_examples=FAST_EXAMPLES)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--full", action="store_true", default=False,
+                   help="run every test: the whole parameter matrices, hypothesis at its full example counts, "
+                        "the slow end-to-end runs (what CI runs); without it, a representative subset")
+
+
+def pytest_configure(config):
+  if not config.getoption("--hypothesis-profile", None):
+    settings.load_profile("full" if config.getoption("--full") else "fast")
+
+
+def pytest_report_header(config):
+  if config.getoption("--full"):
+    return "jaxmlp: --full: every test, every case, hypothesis at its full example counts"
+  return "jaxmlp: the default subset (every feature, each parameter value once); pytest --full runs everything"
+
+
+def one_of_each(items):
+  """A subset of one test's parametrized items in which each parameter's every value appears at least once:
+  greedily the item with the most values not yet seen (ties: the first collected)."""
+  values = lambda item: {(k, repr(v)) for k, v in item.callspec.params.items()}
+  unseen, chosen = set().union(*map(values, items)), []
+  while unseen:
+    best = max(items, key=lambda item: len(values(item) & unseen))
+    chosen.append(best)
+    unseen -= values(best)
+  return chosen
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--full"):
+    return
+  skip = pytest.mark.skip(reason=FULL_ONLY)
+  matrices = collections.defaultdict(list)
+  for item in items:
+    if item.get_closest_marker("gpu"):
+      continue  # as they are: the GPU machines run them
+    if item.get_closest_marker("full"):
+      item.add_marker(skip)
+    elif item.get_closest_marker("matrix") and hasattr(item, "callspec"):
+      matrices[(item.path, item.originalname)].append(item)
+  for group in matrices.values():
+    kept = one_of_each(group)
+    for item in group:
+      if item not in kept:
+        item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  """Without --full, a hypothesis test runs at most FAST_EXAMPLES examples, also where its @settings gives
+  max_examples itself: for this item only (a GPU case keeps its count), through the attribute that @settings
+  sets and hypothesis's own pytest plugin rewrites."""
+  fn = getattr(item.obj, "__func__", item.obj)
+  own = getattr(fn, "_hypothesis_internal_use_settings", None)
+  if (item.config.getoption("--full") or item.get_closest_marker("gpu") or own is None
+      or not getattr(fn, "is_hypothesis_test", False) or own.max_examples <= FAST_EXAMPLES):
+    return (yield)
+  fn._hypothesis_internal_use_settings = settings(own, max_examples=FAST_EXAMPLES)
+  try:
+    return (yield)
+  finally:
+    fn._hypothesis_internal_use_settings = own
+
+
+def pytest_terminal_summary(terminalreporter):
+  """The skipped tests counted by reason, so that a reader sees why at a glance."""
+  reasons = collections.Counter()
+  for report in terminalreporter.stats.get("skipped", []):
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reasons[reason.removeprefix("Skipped: ")] += 1
+  if reasons:
+    terminalreporter.section("skipped, by reason")
+    for reason, n in reasons.most_common():
+      terminalreporter.line(f"{n:5d}  {reason}")
+
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative Frobenius error
 

@@ -10,6 +10,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 
+@pytest.mark.full
 def test_benchmark_runs_on_the_cpu(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   # A shape of the user's own, written ExdxfxM.
@@ -103,6 +104,7 @@ def test_benchmark_compiles_programs_that_fit(monkeypatch):
     np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.full
 def test_benchmark_fp8_impls_with_weights_quantized_before_the_step(monkeypatch):
   """The FP8 implementations in bfloat16 (the CPU mode's float32 skips them): each checked against the
   reference, and those that take jaxmlp.fp8_weights as inputs give the errors of those that quantize in
@@ -331,6 +333,7 @@ def test_kernel_share_reports_the_idle_time_of_a_traced_step(capsys, monkeypatch
                                                      ["2.0", "gemm_d"]]
 
 
+@pytest.mark.full
 def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, and the
   tensorwise weights' at a shape of the user's own (the JAX quantizers alone without a GPU)."""
@@ -344,6 +347,7 @@ def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
 
 
+@pytest.mark.full
 def test_fp8_biases_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_biases.py times bf16 and both recipes with and without biases at a shape of the user's
   own."""
@@ -356,6 +360,7 @@ def test_fp8_biases_benchmark_runs_on_the_cpu(tmp_path):
   assert all(float(r[3]) > 0 and float(r[7]) > 0 for r in rows), rows  # ms without and with biases
 
 
+@pytest.mark.full
 def test_fp8_in_turn_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_in_turn.py times bf16 and FP8 steps in turn at a shape of the user's own (the emulation
   without a GPU) and reports each one's speedup over the first."""

@@ -22,16 +22,17 @@ from jaxmlp import reference_moe
 backends = pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] in ("cpu", "cuda-fallback")],
                                    indirect=True)
 
-# (T, k, E, capacity, pad_to): drops, k > 1, one token, one expert, padding multiples.
+# (T, k, E, capacity, pad_to): drops, k > 1, one token, one expert, padding multiples (those marked full
+# only with --full: the others cover drops, padding, one token and one expert too).
 CASES = [
-    (37, 2, 5, None, 1),
+    pytest.param(37, 2, 5, None, 1, marks=pytest.mark.full),
     (37, 3, 4, 6, 1),
-    (50, 8, 16, None, 16),
+    pytest.param(50, 8, 16, None, 16, marks=pytest.mark.full),
     (64, 2, 8, 10, 128),
-    (300, 4, 3, 250, 1),  # long runs of one expert, drops in every choice round
+    pytest.param(300, 4, 3, 250, 1, marks=pytest.mark.full),  # long runs of one expert, drops in every choice round
     (1, 1, 1, None, 1),
-    (1, 2, 1, None, 4),
-    (20, 2, 1, 5, 1),
+    pytest.param(1, 2, 1, None, 4, marks=pytest.mark.full),
+    pytest.param(20, 2, 1, 5, 1, marks=pytest.mark.full),
     (9, 2, 3, 0, 1),  # capacity 0: every choice dropped
 ]
 
@@ -104,6 +105,7 @@ def test_dispatch_drops_every_out_of_range_id(backend, rng):
   assert (np.asarray(plan.row_of_slot) >= 0).sum() == 2 and not np.asarray(rows)[2:].any()
 
 
+@pytest.mark.matrix
 @backends
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("weighted", [False, True])
@@ -159,7 +161,7 @@ def test_combine_and_gradients_match_numpy(backend, rng, dtype, weighted, T, k, 
 
 
 @backends
-@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("weighted", [pytest.param(False, marks=pytest.mark.full), True])
 def test_combine_matches_the_argsort_reference(backend, rng, weighted):
   """Results and gradients equal jaxmlp.reference_moe's (argsort, gather, scatter-add) through jax.vjp."""
   T, k, E, d = 45, 3, 6, 32

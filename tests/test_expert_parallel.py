@@ -74,6 +74,9 @@ OPTIONS = [
 RAGGED = dict(expert_exchange="ragged_all_to_all")
 CASES = ([(8, options) for options in OPTIONS] + [(2, OPTIONS[0]), (4, OPTIONS[1])]  # (devices, options)
          + [(8, {**OPTIONS[1], **RAGGED}), (4, {**OPTIONS[3], **RAGGED})])
+# Cases 1, 3 and 5 (options 1 and 3 on 8 devices, option 1 on 4) only with --full: the other cases run
+# those options and device counts.
+CASES = [pytest.param(*case, marks=pytest.mark.full) if i in (1, 3, 5) else case for i, case in enumerate(CASES)]
 
 
 @pytest.mark.parametrize("devices, options", CASES,
@@ -117,6 +120,7 @@ def test_nnx_moe_expert_parallel_with_explicit_axes_and_sharded_params(rng):
   check_same(nnx_run(module, x_split, dy, mesh), want)
 
 
+@pytest.mark.matrix  # the default run: each dtype, axis type and device count once
 @pytest.mark.parametrize("devices", [2, 4])
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -137,6 +141,7 @@ def test_nnx_moe_expert_parallel_in_every_dtype_and_axis_type(rng, dtype, axis_t
   check_same(got, want, TOLERANCE[dtype])
 
 
+@pytest.mark.full  # the default run: Linen expert-parallel in test_expert_parallel_outside_jit and the fp8 test
 @pytest.mark.parametrize("capacity_factor, exchange", [(None, "all_gather"), (0.5, "all_gather"),
                                                        (0.5, "ragged_all_to_all")])
 def test_linen_moe_expert_parallel_equals_one_device(rng, monkeypatch, capacity_factor, exchange):
@@ -220,7 +225,7 @@ def value_and_grads(f, tokens, logits, params, dy):
   return y, aux, grads
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.7])
+@pytest.mark.parametrize("capacity_factor", [pytest.param(None, marks=pytest.mark.full), 0.7])
 def test_ragged_exchange_equals_one_device(rng, monkeypatch, capacity_factor):
   monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
   options = dict(top_k=TOP_K, capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
@@ -318,6 +323,7 @@ def test_unknown_exchange_names_the_argument():
     jaxmlp.linen.MoE(E, D, F, TOP_K, expert_exchange="nccl").init(jax.random.key(0), jnp.zeros((8, D)))
 
 
+@pytest.mark.full  # the default run: test_fp8_weights_quantized_before_the_call_expert_parallel
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_fp8_expert_parallel_is_as_accurate_as_one_device(rng, recipe):
   """With FP8 the expert-parallel layer quantizes other numbers than the layer on one device (each device's
@@ -349,7 +355,7 @@ def test_expert_parallel_outside_jit(rng):
   np.testing.assert_allclose(aux["aux_loss"], want_aux["aux_loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", [pytest.param("tensorwise", marks=pytest.mark.full), "blockwise"])
 def test_fp8_weights_quantized_before_the_call_expert_parallel(rng, recipe):
   """fp8_weights() quantized once, outside the layer, split over the axis with the experts: blockwise gives
   the numbers of the layer that quantizes its own share (a block never spans two experts), bit for bit;
@@ -394,6 +400,7 @@ def test_fp8_weights_quantized_before_the_call_expert_parallel(rng, recipe):
   assert all(np.abs(expert_grads[k]).max() > 0 for k in ("w1", "w2"))
 
 
+@pytest.mark.full  # the example's slowest runs; the default run trains it once (test_flax.py)
 @pytest.mark.parametrize("flags", [[], ["--fp8", "tensorwise", "--micro-batches", "2"]], ids=["bf16", "fp8"])
 def test_train_example_expert_parallel_matches_one_device(flags):
   """With --fp8 and --micro-batches the experts' weights are quantized once per step, split over the axis."""

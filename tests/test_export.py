@@ -51,6 +51,7 @@ def values(rng, rows, dtype):
       jnp.asarray([10, 0, 17, 9], jnp.int32)]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 @pytest.mark.parametrize("batch", ["concrete", "symbolic"])
 def test_exported_function_runs_with_the_same_results(rng, name, batch):

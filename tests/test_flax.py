@@ -150,7 +150,7 @@ def test_grouped_mlp_bfloat16_matches_reference():
   assert_close(outputs[0], outputs[1], 2e-2, "bfloat16 y")
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.full)])
 def test_modules_run_their_experts_in_fp8(recipe):
   """fp8= on the modules: GroupedMLP (nnx and linen) computes jaxmlp.grouped_mlp(..., fp8=) of its
   parameters, and MoE passes it on (its output moves away from the bfloat16 one by FP8's error)."""
@@ -172,6 +172,8 @@ def test_modules_run_their_experts_in_fp8(recipe):
   assert 5e-3 < err < 0.2, err
 
 
+# The default run checks the modules' fp8_weights in test_fp8_weights_quantized_before_the_call_expert_parallel.
+@pytest.mark.full
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_modules_take_their_fp8_weights_quantized_once(recipe):
   """MoE.fp8_weights() (nnx, and linen's apply(method="fp8_weights")): the experts' float32 parameters
@@ -288,9 +290,9 @@ def dense_moe(params, x, *, activation, top_k, score_func, renormalize, capacity
 MOE_CASES = [
   # activation, top_k, score_func, renormalize, capacity_factor, use_bias, impl
   ("swiglu", 2, "softmax", True, None, False, "jaxmlp"),
-  ("swiglu", 2, "sigmoid", True, None, True, "jaxmlp"),
-  ("gelu", 2, "softmax", False, 0.5, True, "jaxmlp"),
-  ("swiglu", 3, "sigmoid", False, 0.75, False, "jaxmlp"),
+  pytest.param("swiglu", 2, "sigmoid", True, None, True, "jaxmlp", marks=pytest.mark.full),
+  pytest.param("gelu", 2, "softmax", False, 0.5, True, "jaxmlp", marks=pytest.mark.full),
+  pytest.param("swiglu", 3, "sigmoid", False, 0.75, False, "jaxmlp", marks=pytest.mark.full),
   ("geglu", 1, "softmax", False, 1.0, True, "jaxmlp"),
   ("swiglu", 2, "sigmoid", True, 0.5, True, "reference"),
 ]
@@ -505,6 +507,7 @@ def test_train_example_runs_and_both_paths_agree(capsys):
   assert out.splitlines()[-1] == "OK: gradients and losses match (jaxmlp against the ragged_dot reference)"
 
 
+@pytest.mark.full  # the example's slowest runs; the default run trains it in the test above
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_train_example_fp8_ends_near_bfloat16(capsys, recipe):
   """--fp8: the same model, seed and batches trained in FP8 ends within 2% of the bfloat16 run's loss."""
@@ -518,6 +521,7 @@ def test_train_example_fp8_ends_near_bfloat16(capsys, recipe):
   assert capsys.readouterr().out.splitlines()[-1].startswith("OK")
 
 
+@pytest.mark.full
 def test_train_example_fp8_over_micro_batches(capsys):
   """--micro-batches with --fp8: each step's gradient accumulated over two halves of its batch, the experts'
   weights quantized once per step (MoETransformer.fp8_weights): FP8 still ends near the bfloat16 run (same
@@ -580,6 +584,7 @@ def test_a_missing_extra_is_named(missing, module, says):
   assert out.stdout.strip() == says
 
 
+@pytest.mark.full
 def test_train_example_gradient_check_sees_a_wrong_gradient():
   cfg = train_moe.CONFIGS["tiny"]
   batch = train_moe.MarkovChain(cfg.vocab_size, 0).sample(cfg.batch_size, cfg.seq_len + 1)

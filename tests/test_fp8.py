@@ -87,7 +87,12 @@ def check_recipe(got, want, platform, name):
     check_close(got, want, 1e-2, name)
 
 
-@pytest.mark.parametrize("recipe, case", [("tensorwise", c) for c in CASES] + [("blockwise", c) for c in BLOCK_CASES])
+# Without --full, the "uneven" shape with each recipe, dtype and activation once (`matrix`); the other shapes,
+# each a new compilation of every op of the recipe, only with --full.
+@pytest.mark.matrix
+@pytest.mark.parametrize("recipe, case", [pytest.param(r, c, marks=() if c == "uneven" else pytest.mark.full)
+                                          for r, cases in (("tensorwise", CASES), ("blockwise", BLOCK_CASES))
+                                          for c in cases])
 @pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fp8_follows_the_recipe(platform, rng, recipe, case, act, dtype):
@@ -108,7 +113,10 @@ def test_fp8_follows_the_recipe(platform, rng, recipe, case, act, dtype):
   check_padding_rows_zero(M, sizes, y, grads["x"])
 
 
-@pytest.mark.parametrize("recipe, case", [("tensorwise", "uneven"), ("tensorwise", "skewed"), ("blockwise", "blocks"),
+@pytest.mark.matrix
+@pytest.mark.parametrize("recipe, case", [("tensorwise", "uneven"),
+                                          pytest.param("tensorwise", "skewed", marks=pytest.mark.full),
+                                          pytest.param("blockwise", "blocks", marks=pytest.mark.full),
                                           ("blockwise", "uneven")])
 @pytest.mark.parametrize("biases, act, with_scales", [("both", "clamped_swiglu", True), ("both", "gelu", False),
                                                       ("b1", "swiglu", True), ("b2", "swiglu", True)])
@@ -131,7 +139,7 @@ def test_fp8_biases_follow_the_recipe(platform, rng, recipe, case, biases, act, 
   check_padding_rows_zero(M, sizes, y, grads["x"])
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.full)])
 def test_fp8_quantizes(rng, recipe):
   """FP8's error against the exact MLP lies in a band: above the bfloat16 path's (the products were
   quantized) and below FP8's bound (a few e4m3 ulps of 2^-3)."""
@@ -218,6 +226,7 @@ def test_cuda_fp8_forward_keeps_the_emulations_copy_of_x(rng, case):
   np.testing.assert_array_equal(xts["cuda"], xts["cpu"])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("cached", ["w1", "w2", "both"])
 def test_fp8_weights_give_the_results_of_quantizing_in_the_call(platform, rng, recipe, cached):
@@ -242,7 +251,7 @@ def test_fp8_weights_give_the_results_of_quantizing_in_the_call(platform, rng, r
   assert rel_error(got[0], run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")[0]) > 1e-2
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.full)])
 def test_fp8_weights_quantized_once_over_micro_batches(rng, recipe):
   """Gradient accumulation with float32 master weights: quantized once (from bfloat16), then a scan over
   micro-batches; the accumulated float32 weight gradients equal the sum of the micro-batches' gradients of

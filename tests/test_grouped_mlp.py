@@ -69,6 +69,7 @@ def check_forward_and_grads(args, act, dtype, rng, alpha=1.702, limit=7.0):
   check_padding_rows_zero(n["x"].shape[0], n["group_sizes"], y, grads["x"])
 
 
+@pytest.mark.matrix
 @float32_backends
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("act", jaxmlp.ACTIVATIONS)
@@ -81,6 +82,7 @@ def test_every_activation_float32(backend, rng, case, act):
 # derivative jumps at 0, where 16-bit rounding of h moves a few elements across, each an O(1) error
 # (seen in a trial on the tiled path: 0.011 for reglu in float16, 0.039 for relu in bfloat16, over
 # this test's tolerances).
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("act", [a for a in jaxmlp.ACTIVATIONS if a not in ("relu", "reglu")])
 def test_dtypes_with_biases_and_scales(backend, rng, dtype, act):
@@ -122,6 +124,7 @@ def test_group_sizes_of_other_integer_dtypes(backend, rng, dtype, sizes):
 
 # A NaN in a row reaches that row's output on every path, as in the reference (jax.nn.relu(nan) is nan):
 # the activations' comparisons must not turn it into a finite value that a check on the loss cannot see.
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("act", jaxmlp.ACTIVATIONS)
 def test_nan_rows_stay_nan(backend, rng, dtype, act):
@@ -190,6 +193,7 @@ def test_saved_fc1_output_is_written_in_every_row(backend, rng):
   check_padding_rows_zero(M, sizes, h)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("sizes", [[-5, 40, 100], [70, 70], [2**31 - 1, 3], [-(2**31), 2**31 - 1, 5]])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_adversarial_group_sizes_are_clamped(backend, rng, sizes, dtype):

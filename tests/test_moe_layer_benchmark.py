@@ -6,10 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_layer.py"
 EXPERT_PARALLEL_BENCH = BENCH.parent / "moe_expert_parallel.py"
 
 
+@pytest.mark.full
 def test_moe_layer_benchmark_runs_on_the_cpu(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, str(BENCH), "--no-torch", "--repeats", "1", "--budget-s", "0.1", "--out", str(tmp_path)]
@@ -36,6 +39,7 @@ def test_moe_layer_benchmark_rejects_unknown_shapes(tmp_path):
   assert proc.returncode != 0 and "--shapes: 'nope'" in proc.stderr
 
 
+@pytest.mark.full
 def test_expert_parallel_benchmark_runs_on_host_devices(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   cmd = [sys.executable, str(EXPERT_PARALLEL_BENCH), "--repeats", "1", "--budget-s", "0.1", "--out", str(tmp_path)]

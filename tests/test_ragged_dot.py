@@ -28,6 +28,7 @@ CASES = [
 ]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("m, k, n, sizes", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_matches_lax_ragged_dot_and_its_gradients(backend, rng, m, k, n, sizes, dtype):
@@ -106,6 +107,7 @@ def test_bad_shapes_raise_type_error_naming_the_argument(op):
 # jax's own ragged_dot test cases (tests/lax_test.py testRaggedDot: (m, k, n, groups) in every floating dtype,
 # float64 under jax_enable_x64) and the integer product jax.lax computes: the dtypes jaxmlp's grouped GEMM
 # does not take run on jax.lax.ragged_dot itself, so the values and gradients are jax.lax's.
+@pytest.mark.matrix
 @pytest.mark.parametrize("m, k, n, num_groups", [(64, 4, 3, 1), (64, 9, 8, 2)])
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
 def test_jax_ragged_dot_cases_in_every_floating_dtype(rng, m, k, n, num_groups, dtype):

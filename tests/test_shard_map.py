@@ -131,6 +131,7 @@ def test_gradient_accumulated_in_a_loop_over_a_shard_map(backend, rng, optional)
   check_close(looped, np.float64(parts[0]) + np.float64(parts[1]), TOLERANCE[jnp.dtype(dtype).name])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_explicitly_sharded_operands_outside_shard_map(rng, devices, dtype):
