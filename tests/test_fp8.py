@@ -346,8 +346,8 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   v[:5, 128:256] = 0
   w = rng.standard_normal((3, C, 144)) * 2.0 ** rng.integers(-12, 13, (3, 1, 1))
   v, w, gs = jnp.asarray(v, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)
-  quantize = _blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
-  quantizers = {"rows and columns": lambda v, w, gs: jax.tree.leaves(quantize(v, Groups.of(gs, M))),
+  rows_and_columns = _blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
+  quantizers = {"rows and columns": lambda v, w, gs: jax.tree.leaves(rows_and_columns(v, Groups.of(gs, M))),
                 "weights": lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("blockwise"))}
   if dtype != "float32":  # and the tensorwise recipe's weights (16-bit only), one scale for the whole tensor
     quantizers["tensorwise weights"] = lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("tensorwise"))
