@@ -182,7 +182,8 @@ class GroupedGemms {
 // Bytes GroupedGemms takes from a Carver.
 size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k);
 
-// Whether the cuBLASLt grouped GEMM can run on the current device, and if not, why.
-bool GroupedPathAvailable(std::string* reason);
+// Whether the cuBLASLt grouped GEMM can run on CUDA device `device` (an ordinal, as ffi::DeviceOrdinal: not
+// the calling thread's current device, which on a host with mixed GPUs may be another), and if not, why.
+bool GroupedPathAvailable(int device, std::string* reason);
 
 }  // namespace jaxmlp
