@@ -5,6 +5,7 @@
 // outside [0, E), and treat a row index outside [0, R) or a slot index outside [0, T*k) as "none".
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -19,8 +20,12 @@ struct DispatchDims {
 };
 
 // The rows the choices need at most: every kept choice, plus each group's padding (reference_moe.num_rows).
+// The capacity (an attribute: any int64 a direct caller passes) is clamped to T * k before the product,
+// which would overflow for a huge one and let too few rows pass; with the extents checked (each below 2^31,
+// pad_to at most 4096), no term overflows.
 inline int64_t DispatchRowBound(const DispatchDims& m) {
-  const int64_t kept = m.capacity < 0 ? m.T * m.k : std::min(m.T * m.k, m.E * m.capacity);
+  const int64_t choices = m.T * m.k;
+  const int64_t kept = m.capacity < 0 ? choices : std::min(choices, m.E * std::min(m.capacity, choices));
   return kept + m.E * (m.pad_to - 1);
 }
 

@@ -14,15 +14,27 @@ E4M3_MAX = 448.0
 
 # The recipe scales in float32: 16-bit data puts many v * 448 / amax exactly on an e4m3 rounding tie, which
 # the float32 rounding of the inverse scale then decides (float64 arithmetic would decide them otherwise).
+# Where 448 / amax overflows float32 (amax < 448 / FLOAT32_MAX), the inverse is clamped to the float32
+# maximum (as TransformerEngine does) and the scale is its float32 reciprocal, 2^-128.
+def _inverse(amax):
+  with np.errstate(over="ignore"):
+    inverse = np.float32(E4M3_MAX) / np.float32(amax)
+  return np.float32(np.finfo(np.float32).max) if np.isinf(inverse) else inverse
+
+
 def _quantize(v, amax):
   amax = np.float32(amax)
-  inverse = np.float32(E4M3_MAX) / amax if amax > 0 else np.float32(1.0)
+  inverse = _inverse(amax) if amax > 0 else np.float32(1.0)
   q = np.clip(np.asarray(v, np.float32) * inverse, -E4M3_MAX, E4M3_MAX)
   return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
 def _scale(amax):
-  return float(np.float32(amax) / np.float32(E4M3_MAX)) if amax > 0 else 1.0
+  if not amax > 0:
+    return 1.0
+  if _inverse(amax) == np.finfo(np.float32).max:
+    return 2.0**-128
+  return float(np.float32(amax) / np.float32(E4M3_MAX))
 
 
 def _bias_grads(grads, off, s, dh, dy, value, da, valid, b1, b2, rnd):
@@ -98,9 +110,10 @@ BLOCK = 128
 
 
 def _block_scale(amax):
-  """The least power of two >= amax / 448 (amax / 448 in float32), 1 where amax is 0."""
+  """The least power of two >= amax / 448 (amax / 448 in float32), 1 where amax is 0 or amax / 448 rounds to 0
+  (frexp of 0 gives the exponent 0 in the JAX code and the CUDA kernels)."""
   ratio = float(np.float32(amax) / np.float32(E4M3_MAX))
-  return 2.0 ** int(np.ceil(np.log2(ratio))) if amax > 0 else 1.0
+  return 2.0 ** int(np.ceil(np.log2(ratio))) if ratio > 0 else 1.0
 
 
 def _quantize_block(v):

@@ -258,6 +258,36 @@ def test_rejects_bad_arguments():
     D.combine(rows, plan, jnp.zeros((4, 3)))
 
 
+HUGE_CAPACITY_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxmlp  # registers the targets
+    T, k, E, d, R = 8, 2, 4, 4, 1
+    x = jnp.ones((T, d), jnp.float32)
+    experts = jnp.asarray(np.arange(T * k).reshape(T, k) % E, jnp.int32)
+    outs = [jax.ShapeDtypeStruct(s, t) for s, t in (((R, d), x.dtype), ((E,), jnp.int32), ((E,), jnp.int32),
+                                                    ((T, k), jnp.int32), ((R,), jnp.int32))]
+    call = jax.ffi.ffi_call("jaxmlp_dispatch", outs, vmap_method="sequential")
+    f = jax.jit(lambda x, e: call(x, e, num_experts=np.int64(E), capacity=np.int64(2**62), pad_to=np.int64(1)))
+    try:
+      jax.block_until_ready(f(x, experts))
+      print("no error")
+    except Exception as e:
+      print("error:", e)
+""")
+
+
+def test_cpu_dispatch_target_rejects_rows_too_few_for_a_huge_capacity():
+  """The CPU target called directly (no Python checks) with a capacity so large that E * capacity overflows
+  int64 (4 * 2**62 wraps to 0) and rows too few for the kept choices: the handler must reject the call (its
+  row bound clamps the capacity to T * k first), not write slot_of_row out of bounds. In a subprocess, since
+  the out-of-bounds write it guards against can abort the process (heap corruption)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-P", "-c", HUGE_CAPACITY_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "dispatch's rows has 1 rows, need 16" in out.stdout, out.stdout[-3000:]
+
+
 def router_scores(rng, T, E):
   """Softmax-like scores with the cases a top-k must order as jax.lax.top_k does: ties (lowest index
   first), +0 against -0, infinities and NaNs of both signs."""

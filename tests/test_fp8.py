@@ -480,3 +480,39 @@ def test_fp8_reference_is_the_emulation(rng, recipe, case):
   # 2^-8 of itself (max_error 2.9e-3 was seen on dw1), and an e4m3 rounding of a or dh that follows moves more.
   for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in got[1]]:
     assert rel_error(g, w) < 1e-3 and max_error(g, w) < 1e-2, k
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("tiny", [1e-37, 1e-40])
+def test_fp8_tiny_amax_gives_finite_results(platform, rng, recipe, tiny):
+  """An output gradient whose amax is tiny: 1e-37 (a normal float, but 448 / amax overflows float32) or 1e-40
+  (a denormal). The tensorwise inverse scale 448 / amax would be infinite and 0 x inf = NaN (the padding rows'
+  zeros, every element of the gradients after); it is clamped to the float32 maximum, as TransformerEngine
+  does, with the dequantization scale its reciprocal. Every output is finite and equals the NumPy model (the
+  gradients are tiny: where the CPU flushes denormal intermediates to zero, within check_close's floor).
+  The blockwise recipe's power-of-two scales cannot overflow: it is checked alike."""
+  M, d, f, sizes = CASES["uneven"]
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  dy = jnp.asarray((np.asarray(dy, np.float32) * np.float32(tiny)).astype(ml_dtypes.bfloat16))  # XLA's CPU would flush
+  assert 0 < np.abs(np.asarray(dy, np.float32)).max() < 448 / np.finfo(np.float32).max
+  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu", fp8=EXACT[recipe])
+  n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
+  want_y, want = NUMPY_MODEL[recipe](n["x"], n["w1"], n["w2"], sizes, "swiglu", n.get("scales"),
+                                     np.asarray(dy, np.float64), ml_dtypes.bfloat16)
+  for k, got, w in [("y", y, want_y)] + [(k, grads[k], want[k]) for k in grads]:
+    assert np.isfinite(np.asarray(got, np.float64)).all() and np.isfinite(w).all(), k
+    check_recipe(got, w, platform, k)
+
+
+def test_tensorwise_quantizer_clamps_the_inverse_scale():
+  """quantize_e4m3 and scale_of at an amax below 448 / FLT_MAX (normal values, which no platform flushes):
+  the inverse scale is the float32 maximum, the dequantization scale 2^-128 (its float32 reciprocal), zeros
+  stay zero, as in the NumPy model."""
+  v = np.array([0.0, 1e-37, -3e-37, 2e-38, 0.0], np.float32)
+  a = np.float32(3e-37)
+  q = np.asarray(tensorwise.quantize_e4m3(jnp.asarray(v), jnp.asarray(a)).astype(jnp.float32), np.float64)
+  np.testing.assert_array_equal(q, fp8_ref._quantize(v, a))
+  assert np.isfinite(q).all() and q[0] == 0 and q[2] < 0 and np.abs(q).max() > 1
+  assert float(tensorwise.scale_of(jnp.asarray(a))) == 2.0**-128 == fp8_ref._scale(a)
+  # Above the clamp, the scales are as before: amax / 448 and 448 / amax.
+  assert float(tensorwise.scale_of(jnp.float32(2.0))) == np.float32(2.0) / np.float32(448)

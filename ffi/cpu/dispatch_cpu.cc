@@ -48,6 +48,7 @@ Error Dispatch(AnyBuffer x, AnyBuffer experts, int64_t num_experts, int64_t capa
       row_of[s] = -1;
       if (!valid(e) || rank[e] >= cap) continue;
       const int64_t r = offset[e] + rank[e]++;
+      if (r >= m.R) continue;  // never with R checked (CheckDispatch), but no data may make this write out of bounds
       row_of[s] = int32_t(r);
       slot_of[r] = int32_t(s);
     }

@@ -34,6 +34,35 @@ __device__ __forceinline__ void WaitForPrevious() {
 #endif
 }
 
+// Makes `device` the calling thread's current device for the guard's lifetime, then restores the previous
+// one: the per-kernel queries and settings (cudaFuncGetAttributes, cudaFuncSetAttribute, occupancy) act on
+// the current device, and on a host with mixed GPUs they must act on the call's (ffi::DeviceOrdinal) or
+// the one asked about, whichever the thread has current. Inside a handler XLA has already made the call's
+// device current, so the guard changes nothing there.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    ok_ = previous_ == device || cudaSetDevice(device) == cudaSuccess;
+    if (!ok_) cudaGetLastError();
+  }
+  ~ScopedDevice() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_ && cudaSetDevice(previous_) != cudaSuccess)
+      cudaGetLastError();
+  }
+  bool ok() const { return ok_; }  // whether `device` is current
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+  bool ok_ = false;
+};
+
 // Facts about a kernel on a device (the architecture its running code was compiled for, how many of its
 // blocks fit at once) do not change while the process runs, and asking the runtime for them costs host
 // time on every call where XLA launches the handlers itself (no command buffers). So `query(device)` runs
@@ -60,13 +89,14 @@ auto OncePerDeviceAndKernel(int device, const void* kernel, Query query) ->
 // capability 9.0 and newer) and the kernel's code that runs there was compiled for 9.0 or newer, so that
 // it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on Hopper, and
 // must wait for the kernel ahead as a plain launch does). cudaFuncGetAttributes asks about the current
-// device, which XLA makes the call's device before it runs a handler (a launch on the stream fails
-// otherwise).
+// device: `device` is made current for the query (ScopedDevice; XLA has already made the call's device
+// current before it runs a handler, so this changes nothing there).
 inline bool OverlapLaunches(int device, const void* kernel) {
   return OncePerDeviceAndKernel(device, kernel, [kernel](int device) -> std::optional<bool> {
     int major = 0;
     cudaFuncAttributes attrs{};
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+    ScopedDevice on(device);
+    if (!on.ok() || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
         cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
       cudaGetLastError();  // a query: leave no error behind for the launch to report
       return std::nullopt;  // a plain launch, this time

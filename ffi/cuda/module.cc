@@ -41,25 +41,31 @@ jaxmlp::GemmPath PathOf(const std::string& path) {
   throw std::invalid_argument("jaxmlp: unknown GEMM path '" + path + "': expected grouped, tiled or fallback");
 }
 
-nb::dict Status(const std::vector<std::string>& lib_dirs) {
+// What backend_info() and the trace-time path choice read, about CUDA device `device` (an ordinal, as JAX's
+// device.id on a one-process host; 0 by default): not the thread's current device, which on a host with
+// mixed GPUs need not be the one a call runs on.
+nb::dict Status(const std::vector<std::string>& lib_dirs, int device) {
   const jaxmlp::CublasApi& api = jaxmlp::LoadCublas(lib_dirs);
   nb::dict d;
-  int device = 0, major = 0, minor = 0;
+  int major = 0, minor = 0;
   cudaDeviceProp prop{};
-  if (cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+  if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
     major = prop.major, minor = prop.minor;
     d["device_name"] = std::string(prop.name);
+  } else {
+    cudaGetLastError();  // a query: leave no error behind
   }
+  d["device"] = device;
   d["compute_capability"] = std::to_string(major) + "." + std::to_string(minor);
   d["cuda_architectures"] = JAXMLP_CUDA_ARCHITECTURES;  // those this module was compiled for
   d["cublaslt_version"] = api.lt_version;
   d["cublaslt_library"] = api.lt_path;
   if (!api.error.empty()) d["cublas_error"] = api.error;
   std::string reason;
-  bool ok = api.error.empty() && jaxmlp::GroupedPathAvailable(&reason);
+  bool ok = api.error.empty() && jaxmlp::GroupedPathAvailable(device, &reason);
   d["grouped_available"] = ok;
   d["grouped_reason"] = api.error.empty() ? reason : api.error;
-  d["tiled_available"] = jaxmlp::TiledPathAvailable(&reason);
+  d["tiled_available"] = jaxmlp::TiledPathAvailable(device, &reason);
   d["tiled_reason"] = reason;
   return d;
 }
@@ -83,8 +89,9 @@ NB_MODULE(_cuda, m) {
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
         "How often the CUDA handlers' host code ran (a command-buffer replay does not run it).");
-  m.def("status", &Status, nb::arg("lib_dirs"),
-        "Loads cuBLAS (a copy already in the process first, then lib_dirs) and reports versions and paths.");
+  m.def("status", &Status, nb::arg("lib_dirs"), nb::arg("device") = 0,
+        "Loads cuBLAS (a copy already in the process first, then lib_dirs) and reports versions and paths, and "
+        "the facts and GEMM paths of CUDA device `device` (an ordinal; default 0).");
   m.def(
       "mlp_workspace_bytes",
       [](const std::string& path, bool forward, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E,

@@ -7,6 +7,9 @@ amax history): its scale is computed from its own absolute maximum in the same c
     scale = amax / 448      (1 where amax is 0: an all-zero tensor)
     q     = e4m3(v * (448 / amax))      round to nearest even, saturating at +-448, NaN kept
 
+    where 448 / amax overflows float32 (amax < 448 / FLOAT32_MAX, 1.3e-36): 448 / amax is clamped to the
+    float32 maximum, as TransformerEngine does, and scale is its float32 reciprocal 2^-128
+
 in float32 arithmetic (16-bit data puts many v * 448 / amax exactly on an e4m3 rounding tie, which the
 float32 rounding of 448 / amax decides: it is part of the definition),
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._groups import Groups
 from ..activations import Activation
@@ -54,15 +58,33 @@ from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, amax, bias_and_sc
 PAD = 16
 
 
+# An amax below 448 / FLOAT32_MAX (1.3e-36: denormals, and the smallest normal floats) makes 448 / amax
+# infinite, and 0 x inf = NaN: the inverse scale is then clamped to the float32 maximum, as TransformerEngine
+# does (compute_scale_from_amax), and the dequantization scale is its float32 reciprocal, 2^-128 (a / 448
+# would no longer undo it). Every larger amax keeps a / 448 and 448 / amax bit for bit.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+SCALE_AT_CLAMP = 2.0**-128  # float32(1 / FLOAT32_MAX)
+
+
 def scale_of(a: jax.Array) -> jax.Array:
-  """The dequantization scale of a tensor with absolute maximum a: a / 448, or 1 where a is 0."""
-  return jnp.where(a > 0, a / E4M3_MAX, 1.0).astype(jnp.float32)
+  """The dequantization scale of a tensor with absolute maximum a: a / 448, 2^-128 where 448 / a overflows
+  (the inverse clamped), or 1 where a is 0."""
+  a = jnp.asarray(a, jnp.float32)
+  clamped = jnp.isinf(jnp.float32(E4M3_MAX) / a)
+  return jnp.where(a > 0, jnp.where(clamped, jnp.float32(SCALE_AT_CLAMP), a / E4M3_MAX), 1.0).astype(jnp.float32)
+
+
+def inverse_scale(a: jax.Array) -> jax.Array:
+  """What quantization multiplies by at absolute maximum a: 448 / a, clamped to the float32 maximum, or 1
+  where a is 0."""
+  a = jnp.asarray(a, jnp.float32)
+  inverse = jnp.float32(E4M3_MAX) / a
+  return jnp.where(a > 0, jnp.minimum(inverse, jnp.float32(FLOAT32_MAX)), 1.0).astype(jnp.float32)
 
 
 def quantize_e4m3(v: jax.Array, a: jax.Array) -> jax.Array:
   """v quantized to e4m3 (float8_e4m3fn) with the scale of amax a."""
-  inverse = jnp.where(a > 0, E4M3_MAX / a, 1.0).astype(jnp.float32)
-  return to_e4m3(v.astype(jnp.float32) * inverse)
+  return to_e4m3(v.astype(jnp.float32) * inverse_scale(a))
 
 
 def quantize(v: jax.Array, a: jax.Array) -> jax.Array:

@@ -260,8 +260,10 @@ ffi::Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Sourc
   const auto kernel = RowsAndColumnsKernel<Source>;
   cudaError_t status = cudaSuccess;
   const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
-                                              [&](int) -> std::optional<bool> {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>);
+                                              [&](int device) -> std::optional<bool> {
+    ScopedDevice on(device);  // the attribute is set for the current device
+    status = on.ok() ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>)
+                     : cudaErrorInvalidDevice;
     if (status == cudaSuccess) return true;
     cudaGetLastError();   // reported below; leave no error for the launch check
     return std::nullopt;  // the next call asks again

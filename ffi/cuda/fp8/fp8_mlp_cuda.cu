@@ -248,6 +248,9 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
   JAXMLP_RETURN_IF_ERROR(
       QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
+  // RunIndependent's promise: none of its products reads another's output. dx (2), dw2 (1) and dw1 (3) read
+  // dhq, w1, at, dyt, x and dht, all scratch or operands, and write dx, dw2 and dw1; da has its own scratch
+  // here (CarveBackward), unlike the 16-bit backward's cuBLAS paths, which put it in dw1's buffer.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   return BiasGradients(stream, t, gemms.offsets(), m, s.dh, dy.untyped_data(), DataIfPresent(scales), s.bias_partials,

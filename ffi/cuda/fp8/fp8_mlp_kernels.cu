@@ -3,6 +3,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <type_traits>
 
 #include "activations.h"
@@ -27,12 +28,18 @@ __device__ __forceinline__ float ToFloat(Fp8 v) { return float(v); }
 // Round to nearest even, saturating at +-448; NaN stays NaN (jnp.clip then astype in jaxmlp/fp8.py).
 __device__ __forceinline__ uint8_t ToE4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 
-// 448 / amax (1 where amax is 0 or absent): IEEE division, as the emulation's float32 jnp division.
+// 448 / amax (1 where amax is 0 or absent): IEEE division, as the emulation's float32 jnp division. Where it
+// overflows (amax < 448 / FLT_MAX: denormals and the smallest normals), 0 x inf would be NaN: it is clamped
+// to FLT_MAX, as TransformerEngine does, and the dequantization scale is then FLT_MAX's float32 reciprocal
+// 2^-128 (tensorwise.inverse_scale and scale_of; every larger amax gives 448 / a and a / 448 as before).
+constexpr float kScaleAtClamp = 0x1p-128f;
 __device__ __forceinline__ float InverseScale(const float* amax) {
   const float a = amax ? *amax : 0.0f;
-  return a > 0.0f ? kE4m3Max / a : 1.0f;
+  return a > 0.0f ? fminf(kE4m3Max / a, FLT_MAX) : 1.0f;
 }
-__device__ __forceinline__ float DequantScale(float a) { return a > 0.0f ? a / kE4m3Max : 1.0f; }
+__device__ __forceinline__ float DequantScale(float a) {
+  return a > 0.0f ? (isinf(kE4m3Max / a) ? kScaleAtClamp : a / kE4m3Max) : 1.0f;
+}
 
 // Non-negative floats order as their bit patterns: one integer atomicMax is a float max.
 __device__ __forceinline__ void AtomicMaxNonNegative(float* amax, float v) {

@@ -3,8 +3,9 @@
 // forward and backward emitting FP8.
 //
 // Scales: `amax` points at a float absolute maximum (written by AbsMax); a kernel that quantizes with it
-// multiplies by 448 / amax (1 where amax is 0) and, where `scale_out` is given, stores the dequantization
-// scale amax / 448 (1 where amax is 0) there for cuBLAS. Rows past offsets[E] are padding: they count for
+// multiplies by 448 / amax (1 where amax is 0; FLT_MAX where 448 / amax overflows) and, where `scale_out` is
+// given, stores the dequantization scale amax / 448 (1 where amax is 0; 2^-128 where the inverse was clamped)
+// there for cuBLAS. Rows past offsets[E] are padding: they count for
 // no amax and are quantized nowhere.
 #pragma once
 

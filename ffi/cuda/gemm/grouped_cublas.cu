@@ -161,14 +161,13 @@ ffi::Error MakeDesc(const CublasApi& api, const GemmSpec& s, const void* scale_a
 
 }  // namespace
 
-bool GroupedPathAvailable(std::string* reason) {
+bool GroupedPathAvailable(int device, std::string* reason) {
   const CublasApi& api = LoadCublas();
-  int device = 0, major = 0, minor = 0;
+  int major = 0, minor = 0;
   if (!api.error.empty()) return *reason = api.error, false;
   if (!api.LtGroupedMatrixLayoutCreate)
     return *reason = "cuBLASLt " + std::to_string(api.lt_version) + " has no grouped GEMM API", false;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
     cudaGetLastError();  // a query: leave no error behind for the next launch to report
     return *reason = "no CUDA device", false;

@@ -142,7 +142,10 @@ class GroupedGemms {
   ffi::Error Prepare(std::initializer_list<GemmSpec> specs, bool padded_layout = false);
   // Enqueues product i of Prepare's list.
   ffi::Error Run(int i);
-  // Enqueues products none of which reads another's output: one launch on the tiled path.
+  // Enqueues products none of which reads another's output (nor writes memory another reads or writes):
+  // one launch on the tiled path, in no order between them. The cuBLAS paths enqueue them one by one in
+  // the list's order, which must not be relied on: a caller whose products depend on each other calls Run
+  // for each in turn.
   ffi::Error RunIndependent(std::initializer_list<int> products);
   // Writes zeros to out[g] of the given kTN products for every group with no rows (cuBLAS may leave them
   // unwritten), in one launch. Nothing to do on the tiled path, which writes them itself.
@@ -179,7 +182,8 @@ class GroupedGemms {
 // Bytes GroupedGemms takes from a Carver.
 size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k);
 
-// Whether the cuBLASLt grouped GEMM can run on the current device, and if not, why.
-bool GroupedPathAvailable(std::string* reason);
+// Whether the cuBLASLt grouped GEMM can run on CUDA device `device` (an ordinal, as ffi::DeviceOrdinal: not
+// the calling thread's current device, which on a host with mixed GPUs may be another), and if not, why.
+bool GroupedPathAvailable(int device, std::string* reason);
 
 }  // namespace jaxmlp

@@ -31,10 +31,11 @@ bool TiledGemmSupports(const GemmSpec& s) {
 
 }  // namespace
 
-bool TiledPathAvailable(std::string* reason) {
-  int device = 0, major = 0, minor = 0;
+bool TiledPathAvailable(int device, std::string* reason) {
+  int major = 0, minor = 0;
   cudaFuncAttributes attrs{};
-  if (cudaGetDevice(&device) != cudaSuccess ||
+  ScopedDevice on(device);  // cudaFuncGetAttributes and the symbol copy below ask about the current device
+  if (!on.ok() ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
       cudaFuncGetAttributes(&attrs, TiledGemmKernel<__nv_bfloat16, __nv_bfloat16, 4>) != cudaSuccess) {
@@ -114,7 +115,8 @@ ffi::Error RunTiledGemms(cudaStream_t stream, int device, const TiledGroups& gro
           return OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
                                         [&](int device) -> std::optional<int64_t> {
             int sms = 0, per_sm = 0;
-            if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            ScopedDevice on(device);  // the attribute and the occupancy are the current device's
+            if (!on.ok() || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess) {
               cudaGetLastError();   // the launch reports its own failure; leave no error for a later check

@@ -36,7 +36,7 @@ struct TiledGroups {
 };
 
 // Whether the tiled kernel can run on the current device, and if not, why.
-bool TiledPathAvailable(std::string* reason);
+bool TiledPathAvailable(int device, std::string* reason);
 
 // Runs products specs[0..n) (no one reading another's output; 16-bit inputs, one input and one output
 // dtype for all, K and N multiples of 8, else an InvalidArgument error) in one launch. The rows of a kNN/kNT product's output

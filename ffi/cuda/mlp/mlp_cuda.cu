@@ -31,7 +31,8 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
 // written, by one thread) and dh over h, whose buffer XLA donates to the dh result (see _ffi.py). On the
 // cuBLAS paths da itself lives in the dw1 result when that is large enough (E d F1 >= M f, true at MoE
 // shapes): dw1 is written by the last GEMM, after a_s has been consumed by the dw2 GEMM. The tiled path
-// computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is).
+// computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is); on the
+// cuBLAS paths the dw1 product is enqueued after dw2's (MlpBackward), not in one RunIndependent list.
 struct BackwardScratch {
   void* da;              // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
   float* bias_partials;  // BiasGradients' scratch
@@ -90,7 +91,8 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
                      /*split_k=*/true, ws);
   BackwardScratch s = CarveBackward(ws, kPath, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  if (!s.da) s.da = dw1->untyped_data();
+  const bool da_in_dw1 = !s.da;
+  if (da_in_dw1) s.da = dw1->untyped_data();
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
 
   const int32_t d = int32_t(m.d), f = int32_t(m.f), F1 = int32_t(m.F1);
@@ -105,9 +107,20 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
                                             m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), s.da,
                                             dh->untyped_data(), m.has_scales ? dscales->untyped_data() : nullptr,
                                             dx->untyped_data(), dy.untyped_data(), DataIfPresent(b2)));
+  // RunIndependent's promise: none of its products reads another's output (the tiled path runs them in one
+  // launch, in no order). dx (2), dw2 (1) and dw1 (3) read dh, w1, a_s (in da), dy and x, and write dx, dw2
+  // and dw1, except where da lives in dw1's buffer (the cuBLAS paths at MoE shapes, CarveBackward): then dw1's
+  // product overwrites the a_s that dw2's reads, so it is enqueued after it, on its own. That split costs
+  // nothing: the cuBLAS paths enqueue a list's products one by one, in order, anyway; the tiled path, the one
+  // that fuses them, gives da its own buffer and keeps the single launch.
   // dx first: on the tiled path its blocks, the launch's longest (the reduction runs over F1), then start
   // in the first wave.
-  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
+  if (da_in_dw1) {
+    JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1}));
+    JAXMLP_RETURN_IF_ERROR(gemms.Run(3));  // dw1 = x^T dh, over da: after dw2's product has read a_s
+  } else {
+    JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
+  }
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   return BiasGradients(stream, t, gemms.offsets(), m, dh->untyped_data(), dy.untyped_data(), DataIfPresent(scales),
                        s.bias_partials, db1->untyped_data(), db2->untyped_data());
