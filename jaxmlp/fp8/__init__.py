@@ -10,6 +10,6 @@
 
 docs/fp8.md has the recipes' rationale and measurements.
 """
-from .recipe import RECIPES, Fp8Recipe, Fp8Weights, resolve
+from .recipe import RECIPES, Fp8Recipe, Fp8Weights, resolve, weights_of
 
-__all__ = ["RECIPES", "Fp8Recipe", "Fp8Weights", "resolve"]
+__all__ = ["RECIPES", "Fp8Recipe", "Fp8Weights", "resolve", "weights_of"]
