@@ -75,7 +75,7 @@ def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> s
   fallback taken for a call the fast paths cannot serve, without JAXMLP_GEMM_PATH asking for it, is
   warned of once per reason: it copies the group sizes to the host and syncs on every call."""
   cuda_module()
-  path, why = gemm_path(dtype, *row_lengths, problem=problem)
+  path = gemm_path(dtype, *row_lengths, problem=problem)[0]
   unserved = unservable(dtype, *row_lengths)
   if path == "fallback" and unserved and os.environ.get("JAXMLP_GEMM_PATH", "auto") == "auto":
     _warn_once(unserved)
