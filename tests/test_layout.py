@@ -46,3 +46,12 @@ def test_the_check_sees_imports():
   """It finds what the implementations import (it would pass on a parser that finds nothing)."""
   assert {"_library", "reference", "fp8.mlp"} <= reachable("mlp")
   assert "fp8.cuda" in reachable("fp8.mlp") and "_groups" in reachable("reference")
+
+
+def test_the_extension_names_every_activation_and_code():
+  """The handlers' codes come from the extension by name (ffi/codes.h): every activation jaxmlp defines, and
+  every GEMM op and dtype the calls pass, has its member there."""
+  from jaxmlp import _cpu, activations
+  assert list(_cpu.Act.__members__) == list(activations.NAMES)
+  assert set(_cpu.GemmOp.__members__) == {"nn", "nt", "tn", "tn_padded"}
+  assert set(_cpu.DType.__members__) == {"float32", "bfloat16", "float16"}
