@@ -53,20 +53,25 @@ def _is_operand(a) -> bool:
 
 
 def summed_like(grad, primal):
-  """The gradient of `primal` as JAX types it for its own ops: inside jax.shard_map, the gradient of an
-  operand that is the same on every device along a mesh axis (weights replicated over a data-parallel
-  axis) is the sum of the devices' gradients, where the custom calls' gradients vary over every axis any
-  operand varies over; and under Explicit mesh axes it is sharded as its primal, where a custom call's
-  result is not sharded at all."""
+  """Inside jax.shard_map, the gradient of an operand that is the same on every device along a mesh axis
+  (weights replicated over a data-parallel axis) is the sum of the devices' gradients, as JAX makes it
+  for its own ops; the custom calls' gradients vary over every axis any operand varies over."""
   if grad is None:
     return None
   axes = tuple(jax.typeof(grad).manual_axis_type.varying - jax.typeof(primal).manual_axis_type.varying)
-  if axes:
-    grad = jax.lax.psum(grad, axes)
-  spec = jax.typeof(primal).sharding.spec
-  if any(p is not None for p in spec) and spec != jax.typeof(grad).sharding.spec:
-    grad = jax.sharding.reshard(grad, spec)
-  return grad
+  return jax.lax.psum(grad, axes) if axes else grad
+
+
+def gathered(*operands):
+  """The operands, those sharded over Explicit mesh axes (outside jax.shard_map) gathered whole onto every
+  device: a custom call takes whole operands, and JAX requires a custom_vjp's gradients to have its
+  operands' types, which a custom call's unsharded results have only for unsharded operands. The gather is
+  jax.sharding.reshard, which JAX differentiates back to each operand's own sharding. None passes."""
+  def whole(a):
+    if a is None or all(p is None for p in jax.typeof(a).sharding.spec):
+      return a
+    return jax.sharding.reshard(a, jax.P())
+  return tuple(whole(a) for a in operands)
 
 
 def integer_cotangent(a):

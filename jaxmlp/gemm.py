@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _gemm_path, _groups, _library, reference
-from ._autodiff import integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
+from ._autodiff import gathered, integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
@@ -42,7 +42,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
                                 preferred_element_type=out_dtype)
   refuse_forward_mode(lhs, rhs)
   group_sizes = _groups.host_sizes_as_int32(group_sizes, m)
-  return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, out_dtype)
+  return _ragged_dot(*gathered(lhs.astype(dtype), rhs.astype(dtype)), group_sizes, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

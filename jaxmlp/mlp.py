@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks, _gemm_path, _groups, _library, reference
-from ._autodiff import integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
+from ._autodiff import gathered, integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
 from ._library import ABSENT, optional
 from .activations import Activation, resolve
 from .fp8 import mlp as fp8_mlp
@@ -67,9 +67,10 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   refuse_forward_mode(x, w1, w2, b1, b2, scales)
+  x, b1, b2, scales = gathered(x, b1, b2, scales)
   if recipe is not None:
     return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape)
-  return _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape)
+  return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape)
 
 
 # The operands were checked once, in grouped_mlp: the rules get their sizes (`shape`, static and

@@ -158,3 +158,18 @@ def test_explicitly_sharded_operands_outside_shard_map(rng, devices, dtype):
   np.testing.assert_allclose(value, want[0], rtol=tol)
   for g, w, name in zip(grads, want[1], ("dx", "dw1", "dw2")):
     check_close(g, w, tol, name)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_explicitly_sharded_weights_with_fp8(rng, recipe):
+  """The same for an FP8 call: gradients sharded as the weights, values those of unsharded weights."""
+  mesh = jax.make_mesh((2,), ("e",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices("cpu")[:2])
+  x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((40, 16), (2, 16, 64), (2, 32, 16)))
+  gs = jnp.asarray([15, 20], jnp.int32)
+  loss = lambda x, w1, w2: jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=recipe).astype(jnp.float32) ** 2)  # noqa
+  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, *(jax.sharding.reshard(w, P("e")) for w in (w1, w2)))
+    assert [g.sharding.spec for g in got] == [P(None, None), P("e", None, None), P("e", None, None)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _checks
-from .._autodiff import integer_cotangent
+from .._autodiff import gathered, integer_cotangent
 from .._groups import Groups
 from .._library import on_platforms
 from ..activations import Activation
@@ -31,7 +31,7 @@ def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe:
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp). w1 and w2: arrays, or Fp8Weights
   of this recipe."""
   (w1, w1q), (w2, w2q) = split_weights(w1, x.dtype), split_weights(w2, x.dtype)
-  return _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)
+  return _mlp(x, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)
 
 
 def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weights:
