@@ -1,5 +1,5 @@
-"""What the ops' custom_vjp rules share: the guard against differentiating a custom call again, and the
-gradients' types inside jax.shard_map."""
+"""What the ops' custom_vjp rules share: the guards against differentiating a custom call in forward mode or
+again, and the operands' and gradients' types inside jax.shard_map and under Explicit mesh axes."""
 from __future__ import annotations
 
 import functools

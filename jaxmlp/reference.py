@@ -11,9 +11,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _checks, _groups
+from ._autodiff import integer_cotangent
 from .activations import Activation, resolve
 from .fp8 import recipe as fp8_recipe
 
@@ -35,7 +35,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     s = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes, act,
                           b1, b2, scales)
     fp8_recipe.check_call(x, recipe, s, w1, w2)
-    (w1, w1q), (w2, w2q) = (_split(w, dtype) for w in (w1, w2))
+    (w1, w1q), (w2, w2q) = (fp8_recipe.split_weights(w, dtype) for w in (w1, w2))
     return _fp8_mlp(x, w1, w2, w1q, w2q, _groups.host_sizes_as_int32(group_sizes, s.M), b1, b2, scales, act, recipe)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=True)
   acc = jnp.promote_types(x.dtype, jnp.float32)  # the accumulation dtype: float32, or float64
@@ -69,11 +69,6 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 
 
 # ---- FP8: the recipe's definition around jax.lax.ragged_dot, with the recipe's own backward ----------------
-def _split(w, dtype):
-  """(weights in the call's dtype, their quantized form or None): as jaxmlp.fp8.mlp.split_weights."""
-  return (w.weights.astype(dtype), w.quantized) if isinstance(w, fp8_recipe.Fp8Weights) else (w, None)
-
-
 def _ragged_dot_gemm(op, lhs, rhs, sizes):
   """The float32 grouped products of the recipes (jaxmlp.fp8.quantize.Gemm) on jax.lax.ragged_dot."""
   hi = jax.lax.Precision.HIGHEST
@@ -105,7 +100,7 @@ def _fp8_mlp_bwd(act, recipe, saved, dy):
   emulation = recipe.scheme.emulation(_ragged_dot_gemm)
   dx, dw1, dw2, db1, db2, dscales = emulation.backward(residuals, groups, b1, b2, scales, act, recipe, None,
                                                        dy.astype(residuals[0].dtype))
-  return dx, dw1, dw2, None, None, np.zeros(np.shape(groups.given), jax.dtypes.float0), db1, db2, dscales
+  return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
 
 
 _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)

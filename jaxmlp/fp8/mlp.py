@@ -23,7 +23,7 @@ from ..activations import Activation
 from ..gemm import grouped_gemm
 from . import cuda
 from .quantize import Implementation
-from .recipe import Fp8Recipe, Fp8Weights, check_weights_args
+from .recipe import Fp8Recipe, Fp8Weights, check_weights_args, split_weights
 
 
 def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: Fp8Recipe,
@@ -53,13 +53,6 @@ def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weight
   recipe, dtype = check_weights_args(w, fp8, dtype)
   quantized = _quantize_weights(jax.lax.stop_gradient(w).astype(dtype), recipe)
   return Fp8Weights(w, *quantized, recipe=recipe.name)
-
-
-def split_weights(w, dtype):
-  """(weights in the call's dtype, their quantized form (q, scales, qt) or None where the call quantizes
-  them). Fp8Weights' weights are cast (read by nothing when quantized: the cast is there for its
-  transpose, which hands the gradient to the weights in their own dtype, float32 master weights too)."""
-  return (w.weights.astype(dtype), w.quantized) if isinstance(w, Fp8Weights) else (w, None)
 
 
 def _bfloat16_gemm(op, lhs, rhs, sizes):

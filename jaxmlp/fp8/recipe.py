@@ -100,6 +100,13 @@ def weights_of(w):
   return w.weights if isinstance(w, Fp8Weights) else w
 
 
+def split_weights(w, dtype):
+  """(weights in the call's dtype, their quantized form (q, scales, qt) or None where the call quantizes
+  them). Fp8Weights' weights are cast (read by nothing when quantized: the cast is there for its
+  transpose, which hands the gradient to the weights in their own dtype, float32 master weights too)."""
+  return (w.weights.astype(dtype), w.quantized) if isinstance(w, Fp8Weights) else (w, None)
+
+
 def checked_as(w, dtype):
   """What grouped_mlp's operand checks see of w: an Fp8Weights as its weights' shape in the call's dtype
   (its weights may be wider: the products read only the quantized fields)."""
