@@ -1,5 +1,6 @@
 """jaxmlp's PEP 517 build backend: scikit-build-core's, plus NVIDIA's CUDA 13 toolchain wheels as build
-requirements when JAXMLP_CUDA=pip.
+requirements when JAXMLP_CUDA=pip, and CUTLASS's headers (the nvidia-cutlass wheel, for the CUTLASS engine)
+when JAXMLP_CUDA=pip or ON.
 
 Build requirements are static in pyproject.toml, and a CPU-only install must not download 130 MB of
 compiler and 440 MB of cuBLAS (whose headers the build needs); so they are added here, on request only.
@@ -18,8 +19,13 @@ CUDA_TOOLCHAIN = ["nvidia-cuda-nvcc>=13,<14", "nvidia-nvvm>=13,<14", "nvidia-cud
                   "nvidia-cuda-runtime>=13,<14", "nvidia-cuda-cccl>=13,<14", "nvidia-cublas>=13,<14"]
 
 
+# Headers only (cutlass_library/source/include); its Python dependencies come along, unused.
+CUTLASS = ["nvidia-cutlass==4.2.*"]
+
+
 def _toolchain() -> list[str]:
-  return CUDA_TOOLCHAIN if os.environ.get("JAXMLP_CUDA", "").lower() == "pip" else []
+  mode = os.environ.get("JAXMLP_CUDA", "").lower()
+  return (CUDA_TOOLCHAIN if mode == "pip" else []) + (CUTLASS if mode in ("pip", "on") else [])
 
 
 def get_requires_for_build_wheel(config_settings=None):

@@ -1,8 +1,10 @@
 """The GEMM-path policy: which CUDA engine serves a call, chosen at trace time, and why.
 
-CUDA targets of the grouped products come in three variants (ffi/targets.inc):
+CUDA targets of the grouped products come in four variants (ffi/targets.inc):
   *_grouped   cuBLASLt grouped GEMM, group sizes read on the device: no host sync, and the handlers are
               declared command-buffer compatible, so XLA may capture them in CUDA graphs;
+  *_cutlass   jaxmlp's CUTLASS grouped GEMM engine on Hopper (sm_90a), also sync-free, for the 16-bit
+              products whose output dtype is the input's (cuBLASLt's grouped GEMM runs the others);
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
@@ -26,24 +28,27 @@ TILED_MAX_MACS = 1 << 30
 
 
 def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None) -> tuple[str, str]:
-  """Which CUDA GEMM path a call takes, and why: ("grouped" | "tiled" | "fallback", reason).
+  """Which CUDA GEMM path a call takes, and why: ("grouped" | "cutlass" | "tiled" | "fallback", reason).
 
-  row_lengths: the K and N of the call's products (the tiled and grouped paths need multiples of 8);
-  problem: (E, M, K, N) of its largest product (None: a large one). JAXMLP_GEMM_PATH=grouped|tiled
+  row_lengths: the K and N of the call's products (the sync-free paths need multiples of 8);
+  problem: (E, M, K, N) of its largest product (None: a large one). JAXMLP_GEMM_PATH=grouped|cutlass|tiled
   forces that path for every call it can serve (`unservable`); the others take the fallback.
   """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
-  if forced not in ("auto", "grouped", "tiled", "fallback"):
-    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, tiled or fallback")
+  if forced not in ("auto", "grouped", "cutlass", "tiled", "fallback"):
+    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, cutlass, tiled or fallback")
   status = cuda_status()  # first, even for the fallback: it loads cuBLAS, searching the wheel's folder
   if forced == "fallback":
     return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
   if forced == "tiled" and not status.get("tiled_available"):
     raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: "
                        f"{status.get('tiled_reason', 'no CUDA device')}")
-  if forced == "grouped" and not status.get("grouped_available"):
-    raise RuntimeError("JAXMLP_GEMM_PATH=grouped, but the cuBLASLt grouped GEMM is unavailable: "
+  if forced in ("grouped", "cutlass") and not status.get("grouped_available"):
+    raise RuntimeError(f"JAXMLP_GEMM_PATH={forced}, but the cuBLASLt grouped GEMM is unavailable: "
                        f"{status.get('grouped_reason', 'no CUDA device')}")
+  if forced == "cutlass" and not status.get("cutlass_available"):
+    raise RuntimeError("JAXMLP_GEMM_PATH=cutlass, but jaxmlp's CUTLASS engine cannot run: "
+                       f"{status.get('cutlass_reason', 'no CUDA device')}")
   why_not = unservable(dtype, *row_lengths)
   if why_not:
     return "fallback", f"{why_not}: cublasGemmGroupedBatchedEx serves it"

@@ -105,10 +105,10 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("path, fp8", [("grouped", None), ("tiled", None), ("grouped", "tensorwise"),
+@pytest.mark.parametrize("path, fp8", [("grouped", None), ("cutlass", None), ("tiled", None), ("grouped", "tensorwise"),
                                        ("grouped", "blockwise")])
 def test_sync_free_paths_inside_command_buffers(path, fp8):
-  """The grouped- and tiled-path handlers, and the FP8 recipes' (quantizers and products), are captured
+  """The grouped-, CUTLASS- and tiled-path handlers, and the FP8 recipes' (quantizers and products), are captured
   into an XLA command buffer and give identical results."""
   reason = cuda_reason(path) or (fp8 and not fp8_status()[0] and fp8_status()[1])
   if reason:

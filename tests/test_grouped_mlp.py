@@ -268,7 +268,7 @@ def test_vmap_over_a_batch_of_calls(backend, rng, dtype):
       check_close(g[i], want[k], tol, k)
 
 
-@pytest.mark.parametrize("path", ["grouped", "tiled"])
+@pytest.mark.parametrize("path", ["grouped", "cutlass", "tiled"])
 def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
   """The CUDA branch is traced on every machine. Forcing its GEMM path leaves CPU calls alone, except
   where CUDA devices cannot run the forced path: there the setting is an error, for every call, at trace

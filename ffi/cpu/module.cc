@@ -7,7 +7,7 @@
 
 namespace nb = nanobind;
 
-#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) extern "C" XLA_FFI_Error* cpu(XLA_FFI_CallFrame*);
+#define JAXMLP_GEMM_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cpu(XLA_FFI_CallFrame*);
 #define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cpu(XLA_FFI_CallFrame*);
 #define JAXMLP_CUDA_TARGET(name, cuda)  // none on the CPU
 #include "targets.inc"
@@ -23,7 +23,7 @@ NB_MODULE(_cpu, m) {
   jaxmlp::BindCodes(m);
   m.def("registrations", []() {
     nb::dict d;
-#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) d[name] = Capsule(cpu);
+#define JAXMLP_GEMM_TARGET(name, cpu, cuda) d[name] = Capsule(cpu);
 #define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cpu);
 #define JAXMLP_CUDA_TARGET(name, cuda)
 #include "targets.inc"

@@ -13,16 +13,18 @@
 #include "cuda/gemm/cublas_api.h"
 #include "cuda/handler.h"
 #include "cuda/moe/dispatch_kernels.h"
+#include "cuda/gemm/cutlass_grouped.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/tiled_gemm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
-#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) \
-  extern "C" XLA_FFI_Error* grouped(XLA_FFI_CallFrame*);       \
-  extern "C" XLA_FFI_Error* tiled(XLA_FFI_CallFrame*);         \
-  extern "C" XLA_FFI_Error* fallback(XLA_FFI_CallFrame*);
+#define JAXMLP_GEMM_TARGET(name, cpu, cuda)                \
+  extern "C" XLA_FFI_Error* cuda##Grouped(XLA_FFI_CallFrame*);  \
+  extern "C" XLA_FFI_Error* cuda##Tiled(XLA_FFI_CallFrame*);    \
+  extern "C" XLA_FFI_Error* cuda##Fallback(XLA_FFI_CallFrame*); \
+  extern "C" XLA_FFI_Error* cuda##Cutlass(XLA_FFI_CallFrame*);
 #define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cuda(XLA_FFI_CallFrame*);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
 #include "targets.inc"
@@ -38,7 +40,8 @@ jaxmlp::GemmPath PathOf(const std::string& path) {
   if (path == "grouped") return jaxmlp::GemmPath::kGrouped;
   if (path == "tiled") return jaxmlp::GemmPath::kTiled;
   if (path == "fallback") return jaxmlp::GemmPath::kFallback;
-  throw std::invalid_argument("jaxmlp: unknown GEMM path '" + path + "': expected grouped, tiled or fallback");
+  if (path == "cutlass") return jaxmlp::GemmPath::kCutlass;
+  throw std::invalid_argument("jaxmlp: unknown GEMM path '" + path + "': expected grouped, tiled, fallback or cutlass");
 }
 
 // What backend_info() and the trace-time path choice read, about CUDA device `device` (an ordinal, as JAX's
@@ -67,6 +70,8 @@ nb::dict Status(const std::vector<std::string>& lib_dirs, int device) {
   d["grouped_reason"] = api.error.empty() ? reason : api.error;
   d["tiled_available"] = jaxmlp::TiledPathAvailable(device, &reason);
   d["tiled_reason"] = reason;
+  d["cutlass_available"] = jaxmlp::CutlassPathAvailable(device, &reason);
+  d["cutlass_reason"] = reason;
   return d;
 }
 
@@ -75,10 +80,11 @@ nb::dict Status(const std::vector<std::string>& lib_dirs, int device) {
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
-#define JAXMLP_GEMM_TARGET(name, cpu, grouped, tiled, fallback) \
-  d[name "_grouped"] = Capsule(grouped);                       \
-  d[name "_tiled"] = Capsule(tiled);                           \
-  d[name "_fallback"] = Capsule(fallback);
+#define JAXMLP_GEMM_TARGET(name, cpu, cuda)    \
+  d[name "_grouped"] = Capsule(cuda##Grouped);   \
+  d[name "_tiled"] = Capsule(cuda##Tiled);       \
+  d[name "_fallback"] = Capsule(cuda##Fallback); \
+  d[name "_cutlass"] = Capsule(cuda##Cutlass);
 #define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cuda);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
 #include "targets.inc"

@@ -1,5 +1,5 @@
 // CUDA handler: the grouped GEMM behind jaxmlp.ragged_dot, one product per call. It is registered once per
-// GEMM path (grouped_gemm.h): the cuBLASLt grouped and tiled paths never sync, so their handlers are
+// GEMM path (grouped_gemm.h): the cuBLASLt grouped, CUTLASS and tiled paths never sync, so their handlers are
 // declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
@@ -51,3 +51,4 @@ using jaxmlp::GemmPath;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmGrouped, jaxmlp::Gemm<GemmPath::kGrouped>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFallback, jaxmlp::Gemm<GemmPath::kFallback>, jaxmlp::BindGemm());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmTiled, jaxmlp::Gemm<GemmPath::kTiled>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCutlass, jaxmlp::Gemm<GemmPath::kCutlass>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);

@@ -95,6 +95,9 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       p.out.scale_ptrs[(i * 2 + 0) * E + slot] = const_cast<void*>(scale_a);
       p.out.scale_ptrs[(i * 2 + 1) * E + slot] = const_cast<void*>(scale_b);
     }
+    for (int i = 0; i < p.num_gemms; ++i)
+      if (p.out.cutlass[i].shapes) WriteCutlassProblem(p.out.cutlass[i], p.E, g, count, p.gemms[i].op, p.gemms[i].K,
+                                                       p.gemms[i].N);
   });
 }
 
@@ -156,7 +159,8 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   if (path == GemmPath::kTiled) {  // needs no cuBLAS arrays or workspace
     arrays_.dims = nullptr, arrays_.ptrs = nullptr, arrays_.scale_ptrs = nullptr;
     arrays_.padded = nullptr, arrays_.padded_starts = nullptr;
-    cublas_ws_ = nullptr;
+    for (CutlassProblems& c : arrays_.cutlass) c = {nullptr, nullptr};
+    cublas_ws_ = cutlass_ws_ = nullptr;
     if (split_k) {
       split_arrivals_ = ws.Take<int32_t>(kTiledSplitSlots);
       split_partials_ = ws.Take<float>(int64_t(kTiledSplitSlots) * kTiledTileElems);
@@ -169,6 +173,12 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   arrays_.padded = ws.Take<int32_t>(2 * E);
   arrays_.padded_starts = ws.Take<int64_t>(E + 1);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
+  for (CutlassProblems& c : arrays_.cutlass) {
+    const bool engine = path == GemmPath::kCutlass;
+    c.shapes = engine ? ws.Take<int32_t>(3 * E) : nullptr;
+    c.lds = engine ? ws.Take<int64_t>(3 * E) : nullptr;
+  }
+  cutlass_ws_ = path == GemmPath::kCutlass ? ws.Take<char>(CutlassWorkspaceBytes()) : nullptr;
 }
 
 size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
@@ -183,8 +193,9 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool pad
   bool padded = padded_layout;
   int64_t pad = 16;
   for (const GemmSpec& s : specs) {
-    if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) && path_ != GemmPath::kGrouped)
-      return ffi::Error::Internal("jaxmlp: FP8 products run on the cuBLASLt grouped path only");
+    if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) && path_ != GemmPath::kGrouped &&
+        path_ != GemmPath::kCutlass)
+      return ffi::Error::Internal("jaxmlp: FP8 products run on cuBLASLt's grouped GEMM only");
     if (s.scaling == Fp8Scaling::kBlocks && s.op != GemmOp::kNT && s.op != GemmOp::kTNPadded)
       return ffi::Error::Internal("jaxmlp: block-scaled FP8 products are kNT or kTNPadded");
     padded |= s.op == GemmOp::kTNPadded;
@@ -204,6 +215,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool pad
   p.num_gemms = int32_t(specs.size());
   p.out = arrays_;
   if (!padded) p.out.padded = nullptr;  // nothing reads them; and a size near 2^31 would not round up in int32
+  for (int i = 0; i < kMaxGemms; ++i)  // only the products the engine runs
+    if (i >= int(specs.size()) || !CutlassSupports(specs.begin()[i])) p.out.cutlass[i] = {nullptr, nullptr};
   p.pad = pad;
   p.padded_ld = PaddedRows(M_, E_, pad);
   num_specs_ = 0;
@@ -245,6 +258,7 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
     if (i < 0 || i >= num_specs_ || n == kMaxGemms) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
     specs[n++] = &specs_[i];
     if (path_ == GemmPath::kGrouped) JAXMLP_RETURN_IF_ERROR(RunGrouped(specs_[i], i));
+    if (path_ == GemmPath::kCutlass) JAXMLP_RETURN_IF_ERROR(RunCutlassOrGrouped(specs_[i], i));
     if (path_ == GemmPath::kFallback) JAXMLP_RETURN_IF_ERROR(RunFallback(specs_[i], i));
   }
   if (path_ != GemmPath::kTiled) return ffi::Error::Success();
@@ -252,6 +266,11 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
   const bool follows_own_kernel = tiled_launches_++ > 0;
   const TiledGroups groups{group_sizes_, E_, M_, arrays_.counts, arrays_.offsets, split_arrivals_, split_partials_};
   return RunTiledGemms(stream_, device_, groups, specs, n, follows_own_kernel);
+}
+
+ffi::Error GroupedGemms::RunCutlassOrGrouped(const GemmSpec& s, int i) {
+  if (!CutlassSupports(s)) return RunGrouped(s, i);
+  return RunCutlass(stream_, device_, s, E_, arrays_.cutlass[i], arrays_.ptrs + i * 3 * E_, cutlass_ws_);
 }
 
 ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {

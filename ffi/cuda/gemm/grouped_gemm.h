@@ -8,6 +8,8 @@
 //   kFallback cublasGemmGroupedBatchedEx: dims come from host arrays, so the group sizes are copied to
 //             the host (one sync per call). For a cuBLAS without the grouped GEMM (before 13.4 on Hopper,
 //             13.3 on Blackwell; any on other GPUs), float32, and row lengths not multiples of 8.
+//   kCutlass  jaxmlp's CUTLASS engine on Hopper (cutlass_grouped.h): dims and pointers on the device as for
+//             kGrouped; the products it does not serve (FP8, a float32 output) run on cuBLASLt's.
 //   kTiled    jaxmlp's own kernel (tiled_gemm.h) for small problems, where cuBLAS's fixed cost per
 //             product dominates: no setup kernel, no sync, no zeroing kernel, independent products in
 //             one launch.
@@ -23,12 +25,13 @@
 #include "checks.h"
 #include "codes.h"
 #include "cuda/gemm/cublas_api.h"
+#include "cuda/gemm/cutlass_grouped.h"
 
 namespace jaxmlp {
 
 constexpr int kMaxGemms = 4;
 
-enum class GemmPath { kGrouped, kFallback, kTiled };
+enum class GemmPath { kGrouped, kFallback, kTiled, kCutlass };
 
 // Carves aligned sub-buffers out of the workspace XLA passes as a result buffer. With a null base it only
 // counts, so the same code computes the size Python must request (module.cc) and the layout in a call.
@@ -124,6 +127,7 @@ struct GroupArrays {
   int32_t* padded;   // [2][E]: kTNPadded's group sizes rounded up to 16, and its leading dimension
   int64_t* padded_starts;  // [E + 1]: kTNPadded's first column of each group (group sizes rounded up to the
                            // pad); padded_starts[E]: the end of the last one
+  CutlassProblems cutlass[kMaxGemms];  // kCutlass: each product's problems; null elsewhere
 };
 
 // The grouped products of one FFI call, on one stream.
@@ -163,6 +167,7 @@ class GroupedGemms {
  private:
   ffi::Error RunGrouped(const GemmSpec& s, int i);
   ffi::Error RunFallback(const GemmSpec& s, int i);
+  ffi::Error RunCutlassOrGrouped(const GemmSpec& s, int i);
 
   GemmPath path_;
   cudaStream_t stream_;
@@ -171,6 +176,7 @@ class GroupedGemms {
   int64_t E_, M_;
   GroupArrays arrays_;
   void* cublas_ws_;
+  void* cutlass_ws_;  // kCutlass: the engine's workspace (CutlassWorkspaceBytes), else null
   int32_t* split_arrivals_;  // tiled path with split_k: the split-K scratch (TiledGroups), else null
   float* split_partials_;
   GemmSpec specs_[kMaxGemms];

@@ -1,5 +1,5 @@
 // CUDA handlers: the grouped MLP forward and backward, one custom call each. Each is registered once per
-// GEMM path (grouped_gemm.h): the cuBLASLt grouped and tiled paths never sync, so their handlers are
+// GEMM path (grouped_gemm.h): the cuBLASLt grouped, CUTLASS and tiled paths never sync, so their handlers are
 // declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
@@ -163,4 +163,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFallback, jaxmlp::MlpBackward<GemmPath:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardTiled, jaxmlp::MlpForward<GemmPath::kTiled>, jaxmlp::BindForward(),
                               jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardTiled, jaxmlp::MlpBackward<GemmPath::kTiled>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardCutlass, jaxmlp::MlpForward<GemmPath::kCutlass>, jaxmlp::BindForward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardCutlass, jaxmlp::MlpBackward<GemmPath::kCutlass>, jaxmlp::BindBackward(),
                               jaxmlp::kGraphSafe);

@@ -1,0 +1,93 @@
+"""The grouped-GEMM engines side by side: cuBLASLt's grouped GEMM (JAXMLP_GEMM_PATH=grouped) against
+jaxmlp's CUTLASS engine (cutlass), timed in turn in one process (timing.measure_alternating), with a dense
+GEMM of the same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, and
+each grouped product of it alone (FC1, FC2, the dgrad and the weight gradient of FC1). GPU only.
+
+  python benchmarks/probes/gemm_engines.py --shapes qwen3,128x2048x768x65536 --routings balanced,skewed
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cases  # noqa: E402
+import kernel_share  # noqa: E402
+from timing import measure_alternating  # noqa: E402
+
+PATHS = ("grouped", "cutlass")
+
+
+def traced_on(path, build):
+  """build() -> (jitted fn, args), traced and compiled with JAXMLP_GEMM_PATH=path (the path is picked at
+  trace time)."""
+  import jax
+  before = os.environ.get("JAXMLP_GEMM_PATH")
+  os.environ["JAXMLP_GEMM_PATH"] = path
+  try:
+    fn, args = build()
+    jax.block_until_ready(fn(*args))
+  finally:
+    if before is None:
+      del os.environ["JAXMLP_GEMM_PATH"]
+    else:
+      os.environ["JAXMLP_GEMM_PATH"] = before
+  return fn, args
+
+
+def products(shape, routing):
+  """{name: build} of the step's grouped products alone."""
+  import jax
+  import jax.numpy as jnp
+  from jaxmlp import gemm
+  s = cases.shape_named(shape)
+  gs = jnp.asarray(cases.group_sizes(routing, s.E, s.M))
+  key = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(key[0], (s.M, s.d), jnp.bfloat16)
+  h = jax.random.normal(key[1], (s.M, 2 * s.f), jnp.bfloat16)
+  w1 = jax.random.normal(key[2], (s.E, s.d, 2 * s.f), jnp.bfloat16) * 0.02
+  w2 = jax.random.normal(key[3], (s.E, s.f, s.d), jnp.bfloat16) * 0.02
+  a = h[:, :s.f]
+
+  def build(op, lhs, rhs, out_shape):
+    return lambda: (jax.jit(lambda l, r, g: gemm.grouped_gemm(op, l, r, g, out_shape, jnp.bfloat16)), (lhs, rhs, gs))
+  return {"fc1 nn": build("nn", x, w1, (s.M, 2 * s.f)), "fc2 nn": build("nn", a, w2, (s.M, s.d)),
+          "dgrad1 nt": build("nt", h, w1, (s.M, s.d)), "wgrad1 tn": build("tn", x, h, (s.E, s.d, 2 * s.f))}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", default="qwen3,128x2048x768x65536,dsv3,gptoss,mixtral,8x4096x14336x256")
+  p.add_argument("--routings", default="balanced,skewed")
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--no-products", action="store_true", help="the MLP step only")
+  a = p.parse_args()
+  import jax
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, medians of {a.rounds} rounds in turn",
+        flush=True)
+  print("| shape | routing | what | cuBLASLt ms | CUTLASS ms | CUTLASS speedup | dense ms | cuBLASLt, CUTLASS of dense |")
+  print("|---|---|---|---|---|---|---|---|")
+  for shape in a.shapes.split(","):
+    for routing in a.routings.split(","):
+      steps = {path: traced_on(path, lambda: kernel_share.step_and_args(shape, routing, "jaxmlp")) for path in PATHS}
+      dense = kernel_share.step_and_args(shape, routing, "dense")
+      calls = {path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in steps.items()}
+      calls["dense"] = lambda i, fa=dense: fa[0](*fa[1])
+      t = measure_alternating(calls, jax.block_until_ready, rounds=a.rounds)
+      g, c, d = (t[k]["s"] * 1e3 for k in ("grouped", "cutlass", "dense"))
+      print(f"| {shape} | {routing} | MLP fwd+bwd | {g:.3f} | {c:.3f} | {g / c:.3f}x | {d:.3f} | "
+            f"{d / g:.0%}, {d / c:.0%} |", flush=True)
+      del steps, dense, calls
+      if a.no_products:
+        continue
+      for name, build in products(shape, routing).items():
+        fns = {path: traced_on(path, build) for path in PATHS}
+        t = measure_alternating({path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in fns.items()},
+                                jax.block_until_ready, rounds=a.rounds)
+        g, c = (t[k]["s"] * 1e3 for k in PATHS)
+        print(f"| {shape} | {routing} | {name} | {g:.3f} | {c:.3f} | {g / c:.3f}x | | |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

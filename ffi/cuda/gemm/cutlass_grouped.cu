@@ -1,0 +1,72 @@
+// The engine's entry points (cutlass_grouped.h): what it serves, where it runs, and the dispatch of a
+// product to its kernel (cutlass_grouped_<op>.cu). Built without CUTLASS's headers (JAXMLP_WITH_CUTLASS
+// undefined), the engine reports itself unavailable and runs nothing.
+#include "cuda/gemm/cutlass_grouped.h"
+
+#include <optional>
+
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/launch.cuh"
+
+namespace jaxmlp {
+
+// Per SM the kernels keep a TMA descriptor (128 bytes) for each of A, B, C and D in the workspace: 1 MiB
+// covers 2048 SMs with room to spare.
+size_t CutlassWorkspaceBytes() { return size_t(1) << 20; }
+
+bool CutlassSupports(const GemmSpec& s) {
+  const bool sixteen_bit = s.in_type == ffi::DataType::BF16 || s.in_type == ffi::DataType::F16;
+  const bool op = s.op == GemmOp::kNN || s.op == GemmOp::kNT || s.op == GemmOp::kTN;
+  return sixteen_bit && s.out_type == s.in_type && op && s.K % 8 == 0 && s.N % 8 == 0 &&
+         (s.beta == 0.0f || s.beta == 1.0f);
+}
+
+bool CutlassPathAvailable(int device, std::string* reason) {
+#ifndef JAXMLP_WITH_CUTLASS
+  (void)device;
+  return *reason = "built without CUTLASS's headers (the nvidia-cutlass wheel)", false;
+#else
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // a query: leave no error behind for the next launch to report
+    return *reason = "no CUDA device", false;
+  }
+  if (major != 9 || minor != 0)
+    return *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                     ": jaxmlp's CUTLASS engine is built for Hopper (sm_90a) only", false;
+  return *reason = "jaxmlp's CUTLASS grouped GEMM (sm_90a)", true;
+#endif
+}
+
+ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, const CutlassProblems& problems,
+                      void** ptrs, void* workspace) {
+#ifndef JAXMLP_WITH_CUTLASS
+  (void)stream, (void)device, (void)s, (void)E, (void)problems, (void)ptrs, (void)workspace;
+  return ffi::Error::Internal("jaxmlp: built without the CUTLASS engine");
+#else
+  if (!CutlassSupports(s)) return ffi::Error::Internal("jaxmlp: a product the CUTLASS engine does not serve");
+  // The kernels are persistent: a CTA per SM, which the scheduler needs to know.
+  const int sm_count = int(OncePerDeviceAndKernel(
+      device, reinterpret_cast<const void*>(&RunCutlass), [](int device) -> std::optional<int64_t> {
+        int count = 0;
+        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) return count;
+        cudaGetLastError();
+        return std::nullopt;
+      }));
+  if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
+                                                 std::to_string(device));
+  const CutlassLaunch l{stream, device, sm_count, E, s.in_type == ffi::DataType::BF16, &problems, ptrs, s.beta,
+                        workspace};
+  switch (s.op) {
+    case GemmOp::kNN:
+      return RunCutlassNN(l);
+    case GemmOp::kNT:
+      return RunCutlassNT(l);
+    default:
+      return RunCutlassTN(l);
+  }
+#endif
+}
+
+}  // namespace jaxmlp

@@ -1,0 +1,114 @@
+// The engine's kernels (cutlass_grouped.h): CUTLASS 3.x grouped GEMMs built from its collective builders,
+// and their launch from the device arrays of one product. Included by the per-op translation units only
+// (cutlass_grouped_<op>.cu), which are compiled for sm_90a alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+// Before CUTLASS's headers: those leave -Wmissing-field-initializers an error, which XLA's FFI headers
+// (jax 0.11) trip.
+#include "cuda/gemm/cutlass_grouped.h"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace jaxmlp {
+
+namespace cutlass_detail {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+
+// The tile configuration: two consumer warpgroups share a 128x256 output tile (cooperative), a cluster of two
+// CTAs along M shares B's loads (TMA multicast): of the three measured, the best over a whole MLP step
+// (docs/performance.md, "The CUTLASS engine").
+struct Cooperative128x256 {
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major.
+template <typename T, typename LayoutA, typename LayoutB, typename Config>
+struct Grouped {
+  static constexpr int kAlign = 8;  // 16 bytes: rows of K and N multiples of 8 (CutlassSupports)
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, cutlass::layout::RowMajor*, kAlign, T,
+      cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
+      typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Kernel>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// The setup kernel writes one int64 leading dimension per group and operand, and three int32 per problem:
+// each ptr-array stride must be that one int64 (its other modes static), each problem shape three ints.
+template <typename Stride>
+constexpr bool kOneLeadingDim = sizeof(Stride) == sizeof(int64_t);
+static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == 3 * sizeof(int32_t));
+
+inline ffi::Error Check(cutlass::Status st, const char* what) {
+  if (st == cutlass::Status::kSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxmlp: CUTLASS grouped GEMM: ") + what + ": " +
+                              cutlassGetStatusString(st));
+}
+
+// Launches Gemm over the product's arrays. The problem shapes live on the device only, so the kernel's
+// persistent scheduler walks the groups there (no host copy of the group sizes).
+template <typename Gemm>
+ffi::Error Launch(const CutlassLaunch& l) {
+  using Kernel = typename Gemm::GemmKernel;
+  using ElementA = typename Gemm::ElementA;
+  using ElementB = typename Gemm::ElementB;
+  using ElementD = typename Gemm::ElementD;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  static_assert(kOneLeadingDim<StrideA> && kOneLeadingDim<StrideB> && kOneLeadingDim<StrideD>);
+  const int64_t E = l.E;
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {int(E), reinterpret_cast<ProblemShape::UnderlyingProblemShape*>(l.problems->shapes), nullptr};
+  args.mainloop.ptr_A = static_cast<const ElementA**>(static_cast<void*>(l.ptrs + 1 * E));
+  args.mainloop.dA = reinterpret_cast<StrideA*>(l.problems->lds + 0 * E);
+  args.mainloop.ptr_B = static_cast<const ElementB**>(static_cast<void*>(l.ptrs + 0 * E));
+  args.mainloop.dB = reinterpret_cast<StrideB*>(l.problems->lds + 1 * E);
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = l.beta;
+  args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.ptrs + 2 * E));
+  args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->lds + 2 * E);
+  args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.ptrs + 2 * E);
+  args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->lds + 2 * E);
+  args.hw_info.device_id = l.device;
+  args.hw_info.sm_count = l.sm_count;
+  if (Gemm::get_workspace_size(args) > CutlassWorkspaceBytes())
+    return ffi::Error::Internal("jaxmlp: CUTLASS grouped GEMM needs more workspace than reserved");
+  Gemm gemm;
+  JAXMLP_RETURN_IF_ERROR(Check(gemm.can_implement(args), "can_implement"));
+  JAXMLP_RETURN_IF_ERROR(Check(gemm.initialize(args, l.workspace, l.stream), "initialize"));
+  return Check(gemm.run(l.stream), "run");
+}
+
+}  // namespace cutlass_detail
+
+// The body of RunCutlass<op>: bfloat16 or float16.
+template <typename LayoutA, typename LayoutB>
+ffi::Error LaunchLayouts(const CutlassLaunch& l) {
+  using namespace cutlass_detail;
+  if (l.bf16) return Launch<typename Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Cooperative128x256>::Gemm>(l);
+  return Launch<typename Grouped<cutlass::half_t, LayoutA, LayoutB, Cooperative128x256>::Gemm>(l);
+}
+
+}  // namespace jaxmlp
