@@ -11,10 +11,15 @@
                      GPUs and back); GB/s: the bytes one GPU sends to the others per trip over the time of
                      one trip.
 
+  in turn            on GPUs, the one-GPU layer and the layer over all GPUs with each --chunks count
+                     (expert_chunks: the exchange split so that XLA may overlap it with the experts'
+                     work), their samples taken in turn (timing.measure_alternating): the ratio over
+                     one GPU is what expert parallelism costs, out of reach of the clock's drift.
+
 bf16, random routing; on a CPU (host devices, float32, the tiny shape, the all_gather layer alone) it
 checks that the script runs.
 
-  python benchmarks/moe_expert_parallel.py --out /tmp/ep
+  python benchmarks/moe_expert_parallel.py --out /tmp/ep --chunks 1,2,4
 """
 from __future__ import annotations
 
@@ -30,15 +35,20 @@ from jax.sharding import AxisType
 
 import jaxmlp.nnx
 from jaxmlp import expert_parallel
-from timing import measure
+from timing import measure, measure_alternating
 
 # name: (T tokens per device, d model width, E experts, k top-k, f expert hidden width)
 SHAPES = {"qwen3": (8192, 2048, 128, 8, 768), "tiny": (64, 32, 8, 2, 48)}
 AXIS = "expert"
 
 
-def layer_seconds(shape, devices, dtype, timing, exchange="all_gather") -> dict:
+def layer_seconds(shape, devices, dtype, timing, exchange="all_gather", chunks=1) -> dict:
   """fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device."""
+  return measure(layer_step(shape, devices, dtype, exchange, chunks), jax.block_until_ready, **timing)
+
+
+def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1):
+  """call(i): one fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device."""
   T, d, E, k, f = shape
   n = len(devices)
   keys = jax.random.split(jax.random.key(0), 2)
@@ -51,16 +61,21 @@ def layer_seconds(shape, devices, dtype, timing, exchange="all_gather") -> dict:
 
   step = jax.jit(nnx.grad(loss, argnums=(0, 1)))
   make = lambda axis: jaxmlp.nnx.MoE(E, d, f, k, rngs=nnx.Rngs(0), expert_axis=axis, dtype=dtype,
-                                     expert_exchange=exchange)
+                                     expert_exchange=exchange, expert_chunks=chunks)
   if n == 1:
     with jax.default_device(devices[0]):
       module = make(None)
-      return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
+      x = jax.device_put(x, devices[0])
+    return lambda i: step(module, x)
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
   with jax.set_mesh(mesh), nnx.logical_axis_rules((("expert", AXIS), ("embed", None), ("mlp", None))):
     module = make(AXIS)
     x = jax.sharding.reshard(x, jax.P(AXIS))
-    return measure(lambda i: step(module, x), jax.block_until_ready, **timing)
+
+  def call(i):
+    with jax.set_mesh(mesh):
+      return step(module, x)
+  return call
 
 
 def exchange_seconds(shape, devices, dtype, timing, exchange: str) -> dict:
@@ -96,7 +111,10 @@ def main():
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--budget-s", type=float, default=5.0)
   p.add_argument("--out", type=Path, default=Path("."))
+  p.add_argument("--chunks", default="1", help="comma-separated expert_chunks counts of the all_gather layer")
+  p.add_argument("--rounds", type=int, default=8, help="rounds of the in-turn comparison (GPUs)")
   a = p.parse_args()
+  chunk_counts = [int(c) for c in a.chunks.split(",")]
 
   gpu = jax.default_backend() == "gpu"
   devices = jax.devices()
@@ -109,6 +127,8 @@ def main():
   rows = {}
   for n in counts:
     runs = {"layer, all_gather": lambda: layer_seconds(shape, devices[:n], dtype, timing)}
+    for c in (c for c in chunk_counts if c > 1 and n > 1):
+      runs[f"layer, all_gather in {c} chunks"] = lambda c=c: layer_seconds(shape, devices[:n], dtype, timing, chunks=c)
     # On a CPU the layer only: XLA:CPU has no ragged-all-to-all, and many exchanges in flight at once (the
     # timing's back-to-back calls) left its all-gather waiting for a device thread that never came.
     if n > 1 and gpu:
@@ -123,12 +143,22 @@ def main():
         rows[f"{what}, {n} devices"] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:600]}
       print(f"{what}, {n} devices: {rows[f'{what}, {n} devices']}", file=sys.stderr)
 
+  if gpu:  # the one-GPU layer and the layer over all GPUs at each chunk count, in turn
+    calls = {"1 GPU": layer_step(shape, devices[:1], dtype)}
+    calls.update({f"{len(devices)} GPUs, {c} chunks": layer_step(shape, devices, dtype, chunks=c) for c in chunk_counts})
+    for what, t in measure_alternating(calls, jax.block_until_ready, rounds=a.rounds).items():
+      rows[f"in turn: {what}"] = t
+      print(f"in turn: {what}: {t}", file=sys.stderr)
+
   T, d, E, k, f = shape
   lines = [f"## MoE layer expert-parallel ({devices[0].device_kind} x{len(devices)}, jax {jax.__version__})", "",
            f"Per device T={T} tokens, d={d}, E={E} experts in all, top-{k}, f={f}, {jnp.dtype(dtype).name}; "
            "fwd+bwd for the layers", "", "| what | ms | GB/s per GPU, one way |", "|---|---|---|"]
+  one = rows.get("in turn: 1 GPU")
   for what, r in rows.items():
     ms = f"{r['s'] * 1e3:.3f}" if "s" in r else f"{r['status']}: {r.get('error', '')[:200]}"
+    if one and what.startswith("in turn:"):
+      ms += f" ({r['s'] / one['s']:.3f}x one GPU)"
     lines.append(f"| {what} | {ms} | {r['GB/s']:.0f} |" if "GB/s" in r else f"| {what} | {ms} | |")
   a.out.mkdir(parents=True, exist_ok=True)
   (a.out / "moe_expert_parallel.json").write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))

@@ -8,6 +8,10 @@ own tokens; then one of two exchanges:
     tokens' devices (jax.lax.psum_scatter). Each token crosses a link once per device whatever k is, and
     both collectives are NCCL's plain ring ones on GPUs. Capacity drops follow from seeing all the
     routing choices in the global order: jaxmlp.dispatch's own capacity, on the local experts.
+    In `chunks` > 1 parts, each device's tokens split into that many runs of the above, independent of
+    each other, so that XLA's scheduler may overlap one chunk's collectives with another's experts
+    (asynchronous collectives on GPUs); with a capacity, the pairs kept are then chosen ahead of the
+    chunks, in the same global order (as the ragged exchange does).
   - "ragged_all_to_all": each device sorts its (token, choice) rows by expert and sends each peer only
     the rows routed to it (jax.lax.ragged_all_to_all, NCCL through XLA; XLA:CPU lacks it), which sorts
     them a second time by local expert; the results travel back and are combined where the tokens are.
@@ -68,16 +72,25 @@ def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int
   return size
 
 
-def check_exchange(exchange: str, name: str = "exchange") -> None:
+def check_exchange(exchange: str, name: str = "exchange", chunks: int = 1, chunks_name: str = "chunks") -> None:
+  """Raises a clear error for an unknown exchange, or for chunks that are not a positive int or are
+  asked of the ragged exchange (which runs in one part)."""
   if exchange not in EXCHANGES:
     raise ValueError(f"{name}: unknown {exchange!r}; expected one of {', '.join(EXCHANGES)}")
+  if not isinstance(chunks, int) or isinstance(chunks, bool):
+    raise TypeError(f"{chunks_name}: expected a positive int, got {chunks!r}")
+  if chunks < 1:
+    raise ValueError(f"{chunks_name}: expected a positive int, got {chunks}")
+  if chunks > 1 and exchange != "all_gather":
+    raise ValueError(f"{chunks_name}: {chunks} chunks need the all_gather exchange, not {exchange!r}")
 
 
 def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.Any,
                         expert_mlp: tp.Callable[..., jax.Array], *, expert_axis: str, top_k: int,
                         score_func: str = "softmax", renormalize: bool = True,
                         capacity_factor: float | None = None, aux_loss_coef: float = 0.0,
-                        z_loss_coef: float = 0.0, exchange: str = "all_gather"):
+                        z_loss_coef: float = 0.0, exchange: str = "all_gather", chunks: int = 1,
+                        chunks_name: str = "chunks"):
   """jaxmlp.moe.moe expert-parallel over `expert_axis` of the current mesh (see the module docstring).
 
   Args:
@@ -87,10 +100,17 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
       recipe, jaxmlp.Fp8Weights).
     expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
     exchange: "all_gather" or "ragged_all_to_all" (module docstring).
+    chunks: the all_gather exchange in that many parts of each device's tokens (module docstring); the
+      T/P tokens of a device must split evenly into them. chunks_name: the argument's name in errors.
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
-  check_exchange(exchange)
+  check_exchange(exchange, chunks=chunks, chunks_name=chunks_name)
   num_tokens, num_experts = logits.shape
+  mesh = jax.sharding.get_abstract_mesh()
+  per_device = num_tokens // mesh.shape[expert_axis]
+  if per_device % chunks:
+    raise ValueError(f"{chunks_name}: the {per_device} tokens of each device do not split into {chunks} "
+                     "chunks; expected a divisor of the tokens per device")
   capacity = None
   if capacity_factor is not None:  # as in moe.moe: per expert, over the global batch
     capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
@@ -98,11 +118,10 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   def shard(tokens, logits, params):
     return _moe_shard(tokens, logits, params, expert_mlp, axis=expert_axis, top_k=top_k,
                       score_func=score_func, renormalize=renormalize, capacity=capacity,
-                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange)
+                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange, chunks=chunks)
 
   split = P(expert_axis)
   specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
-  mesh = jax.sharding.get_abstract_mesh()
   explicit = mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Explicit
   args = (tokens, logits, expert_params)
   if explicit:  # shard_map moves Auto operands itself, Explicit ones not
@@ -117,7 +136,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
 
 
 def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, renormalize, capacity,
-               aux_loss_coef, z_loss_coef, exchange):
+               aux_loss_coef, z_loss_coef, exchange, chunks):
   """One device's part: its T/P tokens, its E/P experts (`params`)."""
   num_experts = logits.shape[1]
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
@@ -127,6 +146,12 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
   all_counts = all_gather(choice_counts, axis)  # [P, k, E]
   losses = _global_router_losses(logits, probs, all_counts.sum((0, 1)), top_k, aux_loss_coef,
                                  z_loss_coef, axis)
+  if exchange == "all_gather" and chunks > 1:
+    keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
+    experts = experts if keep is None else jnp.where(keep, experts, -1)  # an expert out of range: no row
+    parts = zip(*(jnp.split(v, chunks) for v in (tokens, weights, experts)))
+    return jnp.concatenate([_gathered_experts(*part, num_experts, params, expert_mlp, axis, None)
+                            for part in parts]), losses
   if exchange == "all_gather":
     return _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity), losses
   return _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity), losses

@@ -132,6 +132,7 @@ class MoE(nn.Module):
   impl: str = "jaxmlp"
   expert_axis: str | None = None
   expert_exchange: str = "all_gather"
+  expert_chunks: int = 1
   fp8: str | Fp8Recipe | None = None
 
   @nn.compact
@@ -140,7 +141,7 @@ class MoE(nn.Module):
     """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE. fp8_weights: None
     or `apply(params, method="fp8_weights")` (see GroupedMLP)."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
-    check_exchange(self.expert_exchange, "expert_exchange")
+    check_exchange(self.expert_exchange, "expert_exchange", self.expert_chunks, "expert_chunks")
     tokens = tokens_of(x, self.d_model)
     # The router computes in float32 or better (jaxmlp.moe.router_logits), as in jaxmlp.nnx.MoE: top-k
     # choices are sensitive to rounding.
@@ -161,7 +162,8 @@ class MoE(nn.Module):
       y, aux = moe_expert_parallel(
           tokens, logits, (nn.meta.unbox(experts.variables["params"]), fp8_weights),
           lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1]),
-          expert_axis=self.expert_axis, exchange=self.expert_exchange, **options)
+          expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
+          chunks_name="expert_chunks", **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights), **options, impl=self.impl)
     return y.reshape(x.shape), aux

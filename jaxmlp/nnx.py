@@ -196,6 +196,8 @@ class MoE(nnx.Module):
     expert_exchange: how the tokens reach the experts' devices under expert_axis: "all_gather" (every
       device gathers all tokens and the partial sums are reduce-scattered back) or "ragged_all_to_all"
       (only the rows routed to a device travel there and back); see jaxmlp.expert_parallel.
+    expert_chunks: the all_gather exchange in that many parts of each device's tokens, so that XLA may
+      overlap one part's collectives with another's experts (jaxmlp.expert_parallel); 1: one part.
     rngs: rng key.
   """
 
@@ -220,11 +222,12 @@ class MoE(nnx.Module):
     impl: str = "jaxmlp",
     expert_axis: str | None = None,
     expert_exchange: str = "all_gather",
+    expert_chunks: int = 1,
     fp8: str | Fp8Recipe | None = None,
     rngs: nnx.Rngs,
   ):
     check_moe_args(num_experts, top_k, score_func, capacity_factor)
-    check_exchange(expert_exchange, "expert_exchange")
+    check_exchange(expert_exchange, "expert_exchange", expert_chunks, "expert_chunks")
     self.router = nnx.Linear(
       d_model, num_experts, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
       kernel_init=_partitioned(default_router_init, ROUTER_AXES), rngs=rngs)
@@ -246,6 +249,7 @@ class MoE(nnx.Module):
     self.impl = impl
     self.expert_axis = expert_axis
     self.expert_exchange = expert_exchange
+    self.expert_chunks = expert_chunks
 
   def __call__(self, x: jax.Array, *,
                fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -268,7 +272,8 @@ class MoE(nnx.Module):
       y, aux = moe_expert_parallel(
           tokens, logits, (state, fp8_weights),
           lambda local, rows, sizes: nnx.merge(graphdef, local[0])(rows, sizes, fp8_weights=local[1]),
-          expert_axis=self.expert_axis, exchange=self.expert_exchange, **options)
+          expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
+          chunks_name="expert_chunks", **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights)
       y, aux = moe(tokens, logits, experts, **options, impl=self.impl)

@@ -73,7 +73,10 @@ OPTIONS = [
 ]
 RAGGED = dict(expert_exchange="ragged_all_to_all")
 CASES = ([(8, options) for options in OPTIONS] + [(2, OPTIONS[0]), (4, OPTIONS[1])]  # (devices, options)
-         + [(8, {**OPTIONS[1], **RAGGED}), (4, {**OPTIONS[3], **RAGGED})])
+         + [(8, {**OPTIONS[1], **RAGGED}), (4, {**OPTIONS[3], **RAGGED})]
+         # In chunks: capacity drops across the chunks (the pairs kept chosen before), and dropless.
+         + [(8, {**OPTIONS[1], "expert_chunks": 2}), (4, {**OPTIONS[2], "expert_chunks": 3}),
+            (2, {**OPTIONS[0], "expert_chunks": 4})])
 # Cases 1, 3 and 5 (options 1 and 3 on 8 devices, option 1 on 4) only with --full: the other cases run
 # those options and device counts.
 CASES = [pytest.param(*case, marks=pytest.mark.full) if i in (1, 3, 5) else case for i, case in enumerate(CASES)]
@@ -314,6 +317,37 @@ def test_bad_input_names_the_argument(num_experts, shape, axis, message):
       module(x)
     with pytest.raises(ValueError, match=message):
       linen_module.init(jax.random.key(0), x)
+
+
+def test_chunks_split_the_exchange():
+  """expert_chunks=3 lowers to three times the collectives of one part, forward and backward: the chunks
+  are separate exchanges XLA may overlap with the other chunks' experts (the results are checked above)."""
+  def collectives(chunks):
+    module = jaxmlp.nnx.MoE(E, D, F, TOP_K, capacity_factor=1.0, expert_axis=AXIS, expert_chunks=chunks,
+                            rngs=nnx.Rngs(0))
+    x = jnp.ones((24, D))
+    with jax.set_mesh(mesh_of(4)):
+      text = jax.jit(nnx.grad(nnx_loss, argnums=(0, 1), has_aux=True)).lower(module, x, x).as_text()
+    return text.count("stablehlo.reduce_scatter"), text.count("jaxmlp_mlp_fwd")
+  (scatters, mlps), (chunked_scatters, chunked_mlps) = collectives(1), collectives(3)
+  assert scatters > 0 and chunked_scatters == 3 * scatters and chunked_mlps == 3 * mlps
+
+
+@pytest.mark.parametrize("chunks, exchange, tokens, error, message", [
+    (0, "all_gather", 24, ValueError, "expert_chunks: expected a positive int, got 0"),
+    (1.5, "all_gather", 24, TypeError, "expert_chunks: expected a positive int"),
+    (2, "ragged_all_to_all", 24, ValueError, "expert_chunks: 2 chunks need the all_gather exchange"),
+    (4, "all_gather", 24, ValueError, "expert_chunks: the 6 tokens of each device do not split into 4"),
+])
+def test_bad_chunks_name_the_argument(chunks, exchange, tokens, error, message):
+  x = jnp.zeros((tokens, D))
+  with jax.set_mesh(mesh_of(4)):
+    with pytest.raises(error, match=message):
+      jaxmlp.nnx.MoE(E, D, F, TOP_K, rngs=nnx.Rngs(0), expert_axis=AXIS, expert_exchange=exchange,
+                     expert_chunks=chunks)(x)
+    with pytest.raises(error, match=message):
+      jaxmlp.linen.MoE(E, D, F, TOP_K, expert_axis=AXIS, expert_exchange=exchange,
+                       expert_chunks=chunks).init(jax.random.key(0), x)
 
 
 def test_unknown_exchange_names_the_argument():

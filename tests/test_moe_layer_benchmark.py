@@ -42,10 +42,12 @@ def test_moe_layer_benchmark_rejects_unknown_shapes(tmp_path):
 @pytest.mark.full
 def test_expert_parallel_benchmark_runs_on_host_devices(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-  cmd = [sys.executable, str(EXPERT_PARALLEL_BENCH), "--repeats", "1", "--budget-s", "0.1", "--out", str(tmp_path)]
+  cmd = [sys.executable, str(EXPERT_PARALLEL_BENCH), "--repeats", "1", "--budget-s", "0.1", "--out", str(tmp_path),
+         "--chunks", "1,2"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads((tmp_path / "moe_expert_parallel.json").read_text())["rows"]
-  assert set(rows) == {"layer, all_gather, 1 devices", "layer, all_gather, 2 devices"}
+  assert set(rows) == {"layer, all_gather, 1 devices", "layer, all_gather, 2 devices",
+                       "layer, all_gather in 2 chunks, 2 devices"}
   assert all(row["s"] > 0 for row in rows.values())
   assert "| layer, all_gather, 2 devices |" in (tmp_path / "moe_expert_parallel.md").read_text()
