@@ -42,7 +42,7 @@ def main():
         def f(x, w1, w2, b1, b2, scales):  # the gradients of the weights reach Fp8Weights.weights
           w1, w2 = [dataclasses.replace(q, weights=w) if recipe else w for q, w in ((w1q, w1), (w2q, w2))]
           return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=a.activation, b1=b1, b2=b2, scales=scales,
-                                    fp8=recipe)
+                                    fp8=recipe and jaxmlp.Fp8Recipe(recipe, when="always"))
         y, vjp = jax.vjp(f, x, *(jaxmlp.fp8.weights_of(w) for w in (w1q, w2q)), b1, b2, scales)
         return y, vjp(dy)
       args = (x, w1q, w2q, b1 if biases else None, b2 if biases else None, scales, dy)

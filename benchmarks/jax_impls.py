@@ -50,11 +50,12 @@ def forward(impl: str):
   if impl == "jaxmlp":
     return jaxmlp.grouped_mlp
   if impl in ("jaxmlp_fp8", "jaxmlp_fp8_cached"):
-    return functools.partial(jaxmlp.grouped_mlp, fp8="tensorwise")
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", when="always"))
   if impl == "jaxmlp_fp8_cached_fast_bwd":
-    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", backward_fast_accumulation=True))
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", backward_fast_accumulation=True,
+                                                                      when="always"))
   if impl in ("jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached"):
-    return functools.partial(jaxmlp.grouped_mlp, fp8="blockwise")
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("blockwise", when="always"))
   if impl == "ragged_dot":
     return jaxmlp.reference.grouped_mlp
   if impl == "tokamax":

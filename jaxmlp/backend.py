@@ -6,13 +6,15 @@ import jax.numpy as jnp
 
 from . import _gemm_path, _library
 from .fp8.cuda import fp8_status
+from .fp8.recipe import fp8_when
 
 
 def backend_info() -> dict:
   """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes: large
   problems (`gemm_path`), and small ones (`small_gemm_path`, e.g. E=8, M=256, d=256, f=512; the limits
   are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product); and
-  `summary`, one sentence on what runs where.
+  `summary`, one sentence on what runs where; `fp8_when`, at which shapes a call with an FP8 recipe runs
+  in FP8 (jaxmlp.Fp8Recipe's `when`).
 
   Example (H200, cuBLAS 13.10): {"summary": "CUDA (NVIDIA H200): ...", "cpu": {...}, "cuda": {"built":
   True, "gemm_path": "grouped", "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled",
@@ -22,7 +24,8 @@ def backend_info() -> dict:
           "cpu": {"backend": "jaxmlp C++ FFI handlers (float32 arithmetic)", "gemm_path": "OpenBLAS sgemm per group",
                   "fp8": "emulated: each recipe's definition in JAX around the CPU grouped GEMM, the values a GPU "
                          "computes up to the order of float32 sums",
-                  "ragged_dot": RAGGED_DOT}}
+                  "ragged_dot": RAGGED_DOT},
+          "fp8_when": fp8_when()}
   cuda = {"built": _library._cuda is not None, "devices": [str(d) for d in _library.cuda_devices()]}
   if _library._cuda is None and not cuda["devices"]:
     cuda["why"] = (f"no CUDA device, and a CPU-only install: nothing is missing to run on the CPU "

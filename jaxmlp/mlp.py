@@ -43,6 +43,8 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       jaxmlp.fp8.blockwise; biases and their gradients stay in x's dtype); bfloat16 or float16 operands,
       d and f multiples of 16. w1 and w2 may then be jaxmlp.Fp8Weights (jaxmlp.fp8_weights): weights
       quantized once and reused over calls, with the same results; where fp8 is None, theirs is the recipe.
+      By default a call runs in FP8 only at shapes where the recipe was measured at least as fast as bf16
+      (enough rows per expert: jaxmlp.Fp8Recipe's `when`), otherwise in x's dtype.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
@@ -68,8 +70,10 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   refuse_forward_mode(x, w1, w2, b1, b2, scales)
   x, b1, b2, scales = gathered(x, b1, b2, scales)
-  if recipe is not None:
+  if fp8_recipe.in_fp8(recipe, shape, w1, w2):
     return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape)
+  if recipe is not None:  # not in FP8 at this shape: Fp8Weights' weights, whose gradient they take
+    w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
   return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape)
 
 

@@ -251,6 +251,48 @@ def test_fp8_weights_give_the_results_of_quantizing_in_the_call(platform, rng, r
   assert rel_error(got[0], run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")[0]) > 1e-2
 
 
+@pytest.mark.parametrize("recipe, cached", [("tensorwise", False), ("blockwise", True),
+                                            pytest.param("tensorwise", True, marks=pytest.mark.full),
+                                            pytest.param("blockwise", False, marks=pytest.mark.full)])
+def test_fp8_runs_only_where_it_pays_by_default(platform, rng, monkeypatch, recipe, cached):
+  """when="faster" (the default, which this suite turns off in conftest): with fewer rows per expert than
+  the recipe's MIN_ROWS_PER_EXPERT the call, and the reference's, give the bf16 results bit for bit
+  (gradients of Fp8Weights' weights included); from that many on, the FP8 results of when="always"."""
+  monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
+  need = jaxmlp.fp8.recipe.MIN_ROWS_PER_EXPERT[recipe, cached]
+  E, d, f = 2, 32, 32
+
+  def call(fp8):
+    def mlp(x, w1, w2, sizes, **kw):
+      if cached:  # inside the differentiated function: the gradient reaches Fp8Weights.weights
+        w1, w2 = (jaxmlp.fp8_weights(w, recipe) for w in (w1, w2))
+      return jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=fp8, **kw)
+    return mlp
+
+  for M, fp8_runs in ((need * E - 16, False), (need * E, True)):
+    args, gs, dy = inputs(rng, M, d, f, [M // 2, M - M // 2], "swiglu", jnp.bfloat16)
+    got = run(call(recipe), args, gs, dy, "swiglu")
+    want = run(call(jaxmlp.Fp8Recipe(recipe, when="always")) if fp8_runs else jaxmlp.grouped_mlp, args, gs, dy,
+               "swiglu")
+    for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in want[1]]:
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=f"{M} rows: {k}")
+    bf16 = got[0] if not fp8_runs else run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")[0]
+    assert (rel_error(got[0], bf16) > 1e-3) == fp8_runs  # the two branches differ: the test can tell them apart
+    if not cached:
+      reference = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs, fp8=recipe)
+      reference_bf16 = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs)
+      assert (rel_error(reference, reference_bf16) == 0) != fp8_runs
+
+
+def test_fp8_when_bad_values_name_the_setting(monkeypatch):
+  with pytest.raises(ValueError, match="fp8: when='sometimes'"):
+    jaxmlp.Fp8Recipe("tensorwise", when="sometimes")
+  monkeypatch.setenv("JAXMLP_FP8_WHEN", "sometimes")
+  x, w1, w2 = jnp.ones((32, 16), jnp.bfloat16), jnp.ones((2, 16, 32), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="JAXMLP_FP8_WHEN='sometimes'"):
+    jaxmlp.grouped_mlp(x, w1, w2, jnp.array([16, 16]), fp8="tensorwise")
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.full)])
 def test_fp8_weights_quantized_once_over_micro_batches(rng, recipe):
   """Gradient accumulation with float32 master weights: quantized once (from bfloat16), then a scan over

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,13 @@ from .quantize import Scheme
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (tensorwise.SCHEME, blockwise.SCHEME)}
 RECIPES = tuple(SCHEMES)
+WHEN = ("faster", "always")
+
+# when="faster": the rows per expert (M / E) from which each recipe's fwd+bwd measured at least as fast as
+# bf16 (docs/fp8.md, "When FP8 runs"), with the weights quantized in the call or given quantized
+# (Fp8Weights: "cached"); below, the call runs in x's dtype.
+MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 512,
+                       ("blockwise", False): 2048, ("blockwise", True): 512}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,15 +36,36 @@ class Fp8Recipe:
   backward_fast_accumulation: the same for the backward's four products (data and weight gradients). Off by
     default, as in TransformerEngine, which keeps the precise accumulator for gradients; on, the weight
     gradients' products run faster (docs/fp8.md).
+  when: "faster": FP8 only where it was measured at least as fast as bf16 at the call's rows per expert
+    (MIN_ROWS_PER_EXPERT; fewer rows run in x's dtype, with its results); "always": FP8 at every shape,
+    for its numerics regardless of speed. None: the environment's JAXMLP_FP8_WHEN, else "faster".
   """
 
   name: str = "tensorwise"
   fast_accumulation: bool = True
   backward_fast_accumulation: bool = False
+  when: str | None = None
 
   def __post_init__(self):
     if self.name not in SCHEMES:
       raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
+    if self.when is not None and self.when not in WHEN:
+      raise ValueError(f"fp8: when={self.when!r}; expected one of {', '.join(WHEN)} or None")
+
+  def runs_fp8(self, M: int, E: int, cached: bool) -> tuple[bool, str]:
+    """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights),
+    and why."""
+    when = self.when or os.environ.get("JAXMLP_FP8_WHEN", "faster")
+    if when not in WHEN:
+      raise ValueError(f"JAXMLP_FP8_WHEN={when!r}: expected one of {', '.join(WHEN)}")
+    if when == "always":
+      return True, "when='always'"
+    need = MIN_ROWS_PER_EXPERT[self.name, cached]
+    weights = "quantized before the call" if cached else "quantized in the call"
+    if not _checks.is_static(M) or M >= need * E:
+      return True, f"{M} rows over {E} experts, at least {need} a expert (weights {weights})"
+    return False, (f"{M} rows over {E} experts, fewer than the {need} a expert from which {self.name} FP8 "
+                   f"(weights {weights}) measured at least as fast as bf16: the call runs in x's dtype")
 
   @property
   def scheme(self) -> Scheme:
@@ -93,6 +122,23 @@ def resolve_with_weights(fp8: str | Fp8Recipe | None, w1, w2) -> Fp8Recipe | Non
         raise ValueError(f"{name}: Fp8Weights quantized for fp8={w.recipe!r}, but the call runs "
                          f"fp8={recipe.name!r}; quantize it with jaxmlp.fp8_weights(w, {recipe.name!r})")
   return recipe
+
+
+def fp8_when() -> str:
+  """What backend_info reports of the default `when`: the environment's setting and the thresholds."""
+  when = os.environ.get("JAXMLP_FP8_WHEN", "faster")
+  if when == "always":
+    return "always (JAXMLP_FP8_WHEN): every call with an FP8 recipe runs in FP8"
+  rows = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
+                   for (name, cached), need in MIN_ROWS_PER_EXPERT.items())
+  return (f"{when}: a call with an FP8 recipe runs in FP8 from these rows per expert on ({rows}), in x's dtype "
+          "below them, unless its Fp8Recipe says when='always'")
+
+
+def in_fp8(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> bool:
+  """Whether a checked grouped_mlp call runs its recipe (Fp8Recipe.runs_fp8); False without one."""
+  cached = isinstance(w1, Fp8Weights) and isinstance(w2, Fp8Weights)
+  return recipe is not None and recipe.runs_fp8(shape.M, shape.E, cached)[0]
 
 
 def weights_of(w):
