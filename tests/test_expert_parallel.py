@@ -78,8 +78,9 @@ CASES = ([(8, options) for options in OPTIONS] + [(2, OPTIONS[0]), (4, OPTIONS[1
          + [(8, {**OPTIONS[1], "expert_chunks": 2}), (4, {**OPTIONS[2], "expert_chunks": 3}),
             (2, {**OPTIONS[0], "expert_chunks": 4})])
 # Cases 1, 3 and 5 (options 1 and 3 on 8 devices, option 1 on 4) only with --full: the other cases run
-# those options and device counts.
-CASES = [pytest.param(*case, marks=pytest.mark.full) if i in (1, 3, 5) else case for i, case in enumerate(CASES)]
+# those options and device counts; of the chunked ones, the first (drops across chunks) runs by default.
+CASES = [pytest.param(*case, marks=pytest.mark.full) if i in (1, 3, 5, 9, 10) else case
+         for i, case in enumerate(CASES)]
 
 
 @pytest.mark.parametrize("devices, options", CASES,

@@ -36,6 +36,7 @@ except ModuleNotFoundError as e:  # the flax extra brings all three
                             f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 
 from jaxmlp.fp8 import RECIPES as FP8_RECIPES
+from jaxmlp.fp8 import Fp8Recipe
 from jaxmlp.nnx import MoE
 
 
@@ -104,7 +105,8 @@ class MarkovChain:
 class Block(nnx.Module):
   """Pre-norm transformer block: causal self-attention, then the MoE layer, each with a residual."""
 
-  def __init__(self, cfg: Config, *, dtype, impl: str, expert_axis: str | None, fp8: str | None, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, *, dtype, impl: str, expert_axis: str | None, fp8: str | Fp8Recipe | None,
+               rngs: nnx.Rngs):
     self.attention_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(cfg.num_heads, cfg.d_model, use_bias=False, decode=False,
                                             dtype=dtype, keep_rngs=False, rngs=rngs)
@@ -122,7 +124,7 @@ class MoETransformer(nnx.Module):
   """Decoder-only language model: embedding, MoE transformer blocks, final norm, untied output head."""
 
   def __init__(self, cfg: Config, *, dtype, impl: str, rngs: nnx.Rngs, expert_axis: str | None = None,
-               fp8: str | None = None):
+               fp8: str | Fp8Recipe | None = None):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, dtype=dtype, impl=impl, expert_axis=expert_axis, fp8=fp8, rngs=rngs)
                             for _ in range(cfg.num_layers)])
@@ -194,8 +196,10 @@ class Run:
 def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
           expert_axis: str | None = None, fp8: str | None = None, micro_batches: int = 1) -> Run:
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW, each step's
-  gradient accumulated over `micro_batches` parts of its batch."""
-  model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=fp8)
+  gradient accumulated over `micro_batches` parts of its batch. fp8: a recipe name, run in FP8 at every
+  shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster)."""
+  recipe = Fp8Recipe(fp8, when="always") if fp8 else None
+  model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=recipe)
   graphdef, params = nnx.split(model)
   optimizer = optax.adamw(cfg.learning_rate, weight_decay=0.01)
   opt_state = optimizer.init(params)
