@@ -52,20 +52,13 @@ class Fp8Recipe:
     if self.when is not None and self.when not in WHEN:
       raise ValueError(f"fp8: when={self.when!r}; expected one of {', '.join(WHEN)} or None")
 
-  def runs_fp8(self, M: int, E: int, cached: bool) -> tuple[bool, str]:
-    """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights),
-    and why."""
+  def runs_fp8(self, M: int, E: int, cached: bool) -> bool:
+    """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights)."""
     when = self.when or os.environ.get("JAXMLP_FP8_WHEN", "faster")
     if when not in WHEN:
       raise ValueError(f"JAXMLP_FP8_WHEN={when!r}: expected one of {', '.join(WHEN)}")
-    if when == "always":
-      return True, "when='always'"
-    need = MIN_ROWS_PER_EXPERT[self.name, cached]
-    weights = "quantized before the call" if cached else "quantized in the call"
-    if not _checks.is_static(M) or M >= need * E:
-      return True, f"{M} rows over {E} experts, at least {need} a expert (weights {weights})"
-    return False, (f"{M} rows over {E} experts, fewer than the {need} a expert from which {self.name} FP8 "
-                   f"(weights {weights}) measured at least as fast as bf16: the call runs in x's dtype")
+    # A symbolic M (jax.export) has no size to decide by: the recipe runs as asked.
+    return when == "always" or not _checks.is_static(M) or M >= MIN_ROWS_PER_EXPERT[self.name, cached] * E
 
   @property
   def scheme(self) -> Scheme:
@@ -138,7 +131,7 @@ def fp8_when() -> str:
 def in_fp8(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> bool:
   """Whether a checked grouped_mlp call runs its recipe (Fp8Recipe.runs_fp8); False without one."""
   cached = isinstance(w1, Fp8Weights) and isinstance(w2, Fp8Weights)
-  return recipe is not None and recipe.runs_fp8(shape.M, shape.E, cached)[0]
+  return recipe is not None and recipe.runs_fp8(shape.M, shape.E, cached)
 
 
 def weights_of(w):
