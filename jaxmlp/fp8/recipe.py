@@ -54,7 +54,7 @@ class Fp8Recipe:
 
   def runs_fp8(self, M: int, E: int, cached: bool) -> bool:
     """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights)."""
-    when = self.when or os.environ.get("JAXMLP_FP8_WHEN", "faster")
+    when = self.when or default_when()
     if when not in WHEN:
       raise ValueError(f"JAXMLP_FP8_WHEN={when!r}: expected one of {', '.join(WHEN)}")
     # A symbolic M (jax.export) has no size to decide by: the recipe runs as asked.
@@ -117,9 +117,14 @@ def resolve_with_weights(fp8: str | Fp8Recipe | None, w1, w2) -> Fp8Recipe | Non
   return recipe
 
 
+def default_when() -> str:
+  """The `when` of a recipe that leaves it None: JAXMLP_FP8_WHEN, else "faster"."""
+  return os.environ.get("JAXMLP_FP8_WHEN", "faster")
+
+
 def fp8_when() -> str:
   """What backend_info reports of the default `when`: the environment's setting and the thresholds."""
-  when = os.environ.get("JAXMLP_FP8_WHEN", "faster")
+  when = default_when()
   if when == "always":
     return "always (JAXMLP_FP8_WHEN): every call with an FP8 recipe runs in FP8"
   rows = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
