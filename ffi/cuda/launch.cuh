@@ -85,6 +85,17 @@ auto OncePerDeviceAndKernel(int device, const void* kernel, Query query) ->
   return *result;
 }
 
+// The number of SMs of `device`, queried once; 0 where the query fails (then asked again next time).
+inline int MultiProcessorCount(int device) {
+  static const char key = 0;  // this query's own entry in OncePerDeviceAndKernel's cache
+  return int(OncePerDeviceAndKernel(device, &key, [](int device) -> std::optional<int64_t> {
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) return count;
+    cudaGetLastError();  // a query: leave no error behind for the next launch to report
+    return std::nullopt;
+  }));
+}
+
 // Whether `kernel` may be launched programmatically on `device`: the device takes such launches (compute
 // capability 9.0 and newer) and the kernel's code that runs there was compiled for 9.0 or newer, so that
 // it calls griddepcontrol.wait (a build for 8.0 alone runs as JIT-compiled PTX without it on Hopper, and

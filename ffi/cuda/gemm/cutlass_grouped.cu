@@ -3,8 +3,6 @@
 // undefined), the engine reports itself unavailable and runs nothing.
 #include "cuda/gemm/cutlass_grouped.h"
 
-#include <optional>
-
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/launch.cuh"
 
@@ -47,13 +45,7 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
 #else
   if (!CutlassSupports(s)) return ffi::Error::Internal("jaxmlp: a product the CUTLASS engine does not serve");
   // The kernels are persistent: a CTA per SM, which the scheduler needs to know.
-  const int sm_count = int(OncePerDeviceAndKernel(
-      device, reinterpret_cast<const void*>(&RunCutlass), [](int device) -> std::optional<int64_t> {
-        int count = 0;
-        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) return count;
-        cudaGetLastError();
-        return std::nullopt;
-      }));
+  const int sm_count = MultiProcessorCount(device);
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
   const CutlassLaunch l{stream, device, sm_count, E, s.in_type == ffi::DataType::BF16, &problems, ptrs, s.beta,

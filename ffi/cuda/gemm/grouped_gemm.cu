@@ -4,7 +4,6 @@
 #include "cuda/gemm/grouped_gemm.h"
 
 #include <algorithm>
-#include <optional>
 #include <vector>
 
 #include "group_offsets.h"
@@ -289,13 +288,7 @@ ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   // always no group is empty, and then every block only reads the counts, so the launch costs what its
   // blocks cost to schedule; where groups are empty, one block per SM already stores at full speed
   // (docs/performance.md, "Kernel measurements").
-  const int64_t sms = std::max<int64_t>(1, OncePerDeviceAndKernel(
-      device_, reinterpret_cast<const void*>(ZeroEmptyGroupsKernel), [](int device) -> std::optional<int64_t> {
-        int count = 0;
-        if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) return count;
-        cudaGetLastError();  // a query: leave no error behind for the launch to report
-        return std::nullopt;  // one block this time
-      }));
+  const int64_t sms = std::max(1, MultiProcessorCount(device_));  // one block if the query fails
   const int64_t bytes_per_block = int64_t(kZeroThreads) * 16;  // 16 bytes a thread
   const dim3 grid(unsigned(std::min<int64_t>((largest + bytes_per_block - 1) / bytes_per_block, sms)), unsigned(n));
   ZeroEmptyGroupsKernel<<<grid, kZeroThreads, 0, stream_>>>(arrays_.counts, E_, t);
