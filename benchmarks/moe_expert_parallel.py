@@ -113,8 +113,14 @@ def main():
   p.add_argument("--out", type=Path, default=Path("."))
   p.add_argument("--chunks", default="1", help="comma-separated expert_chunks counts of the all_gather layer")
   p.add_argument("--rounds", type=int, default=8, help="rounds of the in-turn comparison (GPUs)")
+  p.add_argument("--exchanges", default=",".join(expert_parallel.EXCHANGES),
+                 help="comma-separated exchanges to time (the in-turn comparison needs all_gather); e.g. "
+                      "ragged_all_to_all alone, once per XLA_FLAGS setting of XLA's ragged exchange")
   a = p.parse_args()
   chunk_counts = [int(c) for c in a.chunks.split(",")]
+  exchanges = a.exchanges.split(",")
+  for exchange in exchanges:
+    expert_parallel.check_exchange(exchange, "--exchanges")
 
   gpu = jax.default_backend() == "gpu"
   devices = jax.devices()
@@ -126,13 +132,17 @@ def main():
   counts = sorted({1, 2, len(devices)} | ({4} if len(devices) >= 4 else set()))
   rows = {}
   for n in counts:
-    runs = {"layer, all_gather": lambda: layer_seconds(shape, devices[:n], dtype, timing)}
-    for c in (c for c in chunk_counts if c > 1 and n > 1):
-      runs[f"layer, all_gather in {c} chunks"] = lambda c=c: layer_seconds(shape, devices[:n], dtype, timing, chunks=c)
+    runs = {}
+    if "all_gather" in exchanges:
+      runs["layer, all_gather"] = lambda: layer_seconds(shape, devices[:n], dtype, timing)
+      for c in (c for c in chunk_counts if c > 1 and n > 1):
+        runs[f"layer, all_gather in {c} chunks"] = lambda c=c: layer_seconds(shape, devices[:n], dtype, timing,
+                                                                             chunks=c)
     # On a CPU the layer only: XLA:CPU has no ragged-all-to-all, and many exchanges in flight at once (the
     # timing's back-to-back calls) left its all-gather waiting for a device thread that never came.
-    if n > 1 and gpu:
+    if n > 1 and gpu and "all_gather" in exchanges:
       runs["all_gather there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, "all_gather")
+    if n > 1 and gpu and "ragged_all_to_all" in exchanges:
       runs["layer, ragged_all_to_all"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "ragged_all_to_all")
       runs["ragged_all_to_all there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing,
                                                                           "ragged_all_to_all")
@@ -143,7 +153,8 @@ def main():
         rows[f"{what}, {n} devices"] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:600]}
       print(f"{what}, {n} devices: {rows[f'{what}, {n} devices']}", file=sys.stderr)
 
-  if gpu:  # the one-GPU layer and the layer over all GPUs at each chunk count, in turn
+  # The one-GPU layer and the layer over all GPUs at each chunk count, in turn.
+  if gpu and "all_gather" in exchanges:
     calls = {"1 GPU": layer_step(shape, devices[:1], dtype)}
     calls.update({f"{len(devices)} GPUs, {c} chunks": layer_step(shape, devices, dtype, chunks=c) for c in chunk_counts})
     for what, t in measure_alternating(calls, jax.block_until_ready, rounds=a.rounds).items():

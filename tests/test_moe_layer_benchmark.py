@@ -51,3 +51,10 @@ def test_expert_parallel_benchmark_runs_on_host_devices(tmp_path):
                        "layer, all_gather in 2 chunks, 2 devices"}
   assert all(row["s"] > 0 for row in rows.values())
   assert "| layer, all_gather, 2 devices |" in (tmp_path / "moe_expert_parallel.md").read_text()
+
+
+def test_expert_parallel_benchmark_rejects_unknown_exchanges(tmp_path):
+  proc = subprocess.run([sys.executable, str(EXPERT_PARALLEL_BENCH), "--exchanges", "all_gather,nope",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode != 0 and "--exchanges: unknown 'nope'" in proc.stderr
