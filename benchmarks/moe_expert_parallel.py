@@ -16,8 +16,8 @@
                      work), their samples taken in turn (timing.measure_alternating): the ratio over
                      one GPU is what expert parallelism costs, out of reach of the clock's drift.
 
-bf16, random routing; on a CPU (host devices, float32, the tiny shape, the all_gather layer alone) it
-checks that the script runs.
+bf16 (the expert MLP in FP8 with --fp8), random routing; on a CPU (host devices, float32 or with --fp8
+bf16, the tiny shape, the all_gather layer alone) it checks that the script runs.
 
   python benchmarks/moe_expert_parallel.py --out /tmp/ep --chunks 1,2,4
 """
@@ -42,13 +42,14 @@ SHAPES = {"qwen3": (8192, 2048, 128, 8, 768), "tiny": (64, 32, 8, 2, 48)}
 AXIS = "expert"
 
 
-def layer_seconds(shape, devices, dtype, timing, exchange="all_gather", chunks=1) -> dict:
+def layer_seconds(shape, devices, dtype, timing, exchange="all_gather", chunks=1, fp8=None) -> dict:
   """fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device."""
-  return measure(layer_step(shape, devices, dtype, exchange, chunks), jax.block_until_ready, **timing)
+  return measure(layer_step(shape, devices, dtype, exchange, chunks, fp8), jax.block_until_ready, **timing)
 
 
-def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1):
-  """call(i): one fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device."""
+def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1, fp8=None):
+  """call(i): one fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device; fp8: None or a
+  recipe's name, run in FP8 at every shape (Fp8Recipe when="always")."""
   T, d, E, k, f = shape
   n = len(devices)
   keys = jax.random.split(jax.random.key(0), 2)
@@ -61,7 +62,8 @@ def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1):
 
   step = jax.jit(nnx.grad(loss, argnums=(0, 1)))
   make = lambda axis: jaxmlp.nnx.MoE(E, d, f, k, rngs=nnx.Rngs(0), expert_axis=axis, dtype=dtype,
-                                     expert_exchange=exchange, expert_chunks=chunks)
+                                     expert_exchange=exchange, expert_chunks=chunks,
+                                     fp8=fp8 and jaxmlp.Fp8Recipe(fp8, when="always"))
   if n == 1:
     with jax.default_device(devices[0]):
       module = make(None)
@@ -113,6 +115,8 @@ def main():
   p.add_argument("--out", type=Path, default=Path("."))
   p.add_argument("--chunks", default="1", help="comma-separated expert_chunks counts of the all_gather layer")
   p.add_argument("--rounds", type=int, default=8, help="rounds of the in-turn comparison (GPUs)")
+  p.add_argument("--fp8", choices=("tensorwise", "blockwise"), default=None,
+                 help="the layers' expert MLP in FP8 with this recipe (default: in the dtype, bf16 on GPUs)")
   p.add_argument("--exchanges", default=",".join(expert_parallel.EXCHANGES),
                  help="comma-separated exchanges to time (the in-turn comparison needs all_gather); e.g. "
                       "ragged_all_to_all alone, once per XLA_FLAGS setting of XLA's ragged exchange")
@@ -127,23 +131,24 @@ def main():
   if len(devices) < 2:
     sys.exit(f"needs 2 or more devices; this machine has {len(devices)} {jax.default_backend()} device(s)")
   name = a.shape or ("qwen3" if gpu else "tiny")
-  shape, dtype = SHAPES[name], (jnp.bfloat16 if gpu else jnp.float32)
+  shape, dtype = SHAPES[name], (jnp.bfloat16 if gpu or a.fp8 else jnp.float32)
   timing = dict(repeats=a.repeats, max_call_s=5.0, budget_s=a.budget_s)
   counts = sorted({1, 2, len(devices)} | ({4} if len(devices) >= 4 else set()))
   rows = {}
   for n in counts:
     runs = {}
     if "all_gather" in exchanges:
-      runs["layer, all_gather"] = lambda: layer_seconds(shape, devices[:n], dtype, timing)
+      runs["layer, all_gather"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, fp8=a.fp8)
       for c in (c for c in chunk_counts if c > 1 and n > 1):
         runs[f"layer, all_gather in {c} chunks"] = lambda c=c: layer_seconds(shape, devices[:n], dtype, timing,
-                                                                             chunks=c)
+                                                                             chunks=c, fp8=a.fp8)
     # On a CPU the layer only: XLA:CPU has no ragged-all-to-all, and many exchanges in flight at once (the
     # timing's back-to-back calls) left its all-gather waiting for a device thread that never came.
     if n > 1 and gpu and "all_gather" in exchanges:
       runs["all_gather there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, "all_gather")
     if n > 1 and gpu and "ragged_all_to_all" in exchanges:
-      runs["layer, ragged_all_to_all"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "ragged_all_to_all")
+      runs["layer, ragged_all_to_all"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "ragged_all_to_all",
+                                                               fp8=a.fp8)
       runs["ragged_all_to_all there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing,
                                                                           "ragged_all_to_all")
     for what, run in runs.items():
@@ -155,15 +160,17 @@ def main():
 
   # The one-GPU layer and the layer over all GPUs at each chunk count, in turn.
   if gpu and "all_gather" in exchanges:
-    calls = {"1 GPU": layer_step(shape, devices[:1], dtype)}
-    calls.update({f"{len(devices)} GPUs, {c} chunks": layer_step(shape, devices, dtype, chunks=c) for c in chunk_counts})
+    calls = {"1 GPU": layer_step(shape, devices[:1], dtype, fp8=a.fp8)}
+    calls.update({f"{len(devices)} GPUs, {c} chunks": layer_step(shape, devices, dtype, chunks=c, fp8=a.fp8)
+                  for c in chunk_counts})
     for what, t in measure_alternating(calls, jax.block_until_ready, rounds=a.rounds).items():
       rows[f"in turn: {what}"] = t
       print(f"in turn: {what}: {t}", file=sys.stderr)
 
   T, d, E, k, f = shape
   lines = [f"## MoE layer expert-parallel ({devices[0].device_kind} x{len(devices)}, jax {jax.__version__})", "",
-           f"Per device T={T} tokens, d={d}, E={E} experts in all, top-{k}, f={f}, {jnp.dtype(dtype).name}; "
+           f"Per device T={T} tokens, d={d}, E={E} experts in all, top-{k}, f={f}, {jnp.dtype(dtype).name}"
+           f"{f', FP8 {a.fp8}' if a.fp8 else ''}; "
            "fwd+bwd for the layers", "", "| what | ms | GB/s per GPU, one way |", "|---|---|---|"]
   one = rows.get("in turn: 1 GPU")
   for what, r in rows.items():
