@@ -81,6 +81,12 @@ def trace(*args, **kwargs):
 def traced_kernels(run):
   """[(kernel name, ns, start in ns)] of the kernels that run() puts on the GPU's streams, in launch order,
   from JAX's profiler."""
+  return [(name, ns, start) for start, ns, _, _, name in traced_stream_kernels(run)]
+
+
+def traced_stream_kernels(run):
+  """[(start ns, ns, GPU's name, stream id, kernel name)] of the kernels that run() puts on the GPUs'
+  streams, by start, from JAX's profiler."""
   import jax
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir):
@@ -88,15 +94,15 @@ def traced_kernels(run):
     path, = glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz")
     with gzip.open(path) as f:
       events = json.load(f)["traceEvents"]
-  gpus = {e["pid"] for e in events if e.get("name") == "process_name" and "/device:GPU" in e["args"]["name"]}
+  gpus = {e["pid"]: e["args"]["name"] for e in events
+          if e.get("name") == "process_name" and "/device:GPU" in e["args"]["name"]}
   streams = {(e["pid"], e["tid"]) for e in events
              if e.get("name") == "thread_name" and e["pid"] in gpus and e["args"]["name"].startswith("Stream")}
   if gpus and not streams:
     names = {e["args"]["name"] for e in events if e.get("name") == "thread_name" and e["pid"] in gpus}
     raise SystemExit(f"no stream lines among the GPU's: {sorted(names)}")
-  kernels = sorted((e["ts"], e["name"], e["dur"] * 1e3) for e in events
-                   if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams)
-  return [(name, ns, ts * 1e3) for ts, name, ns in kernels]
+  return sorted((e["ts"] * 1e3, e["dur"] * 1e3, gpus[e["pid"]], e["tid"], e["name"]) for e in events
+                if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams)
 
 
 def ncu_kernels(path):

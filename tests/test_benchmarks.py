@@ -395,3 +395,21 @@ def test_torch_in_turn_says_it_needs_a_gpu(tmp_path):
                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
                         env={**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""})
   assert proc.returncode != 0 and "(GPU only)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ep_overlap_splits_the_nccl_time_into_overlapped_and_exposed(monkeypatch):
+  """probes/ep_overlap.py: per GPU and step, an NCCL kernel's time during which another stream's kernel
+  ran (overlapped) and the rest (exposed), kernels of one stream merged where they overlap."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  monkeypatch.syspath_prepend(str(BENCH.parent / "probes"))
+  import ep_overlap
+  # (start, end, stream, name) in ns: over 2 steps, NCCL 0-10 under compute 5-20 and 8-12 (merged: 5 of
+  # it overlapped); NCCL 30-40 alone; on GPU 1 NCCL 0-4 inside compute 0-10.
+  kernels = {"/device:GPU:0": [(0, 10, 2, "ncclDevKernel_AllGather"), (5, 20, 1, "gemm"), (8, 12, 3, "copy"),
+                               (30, 40, 2, "ncclDevKernel_ReduceScatter")],
+             "/device:GPU:1": [(0, 4, 2, "ncclKernel"), (0, 10, 1, "gemm")]}
+  rows = ep_overlap.summarize(kernels, steps=2)
+  assert rows["/device:GPU:0"] == {"nccl ms": 20 / 2 / 1e6, "overlapped ms": 5 / 2 / 1e6,
+                                   "exposed ms": 15 / 2 / 1e6, "busy ms": 30 / 2 / 1e6, "nccl kernels": 1,
+                                   "streams": 3}
+  assert rows["/device:GPU:1"]["exposed ms"] == 0 and rows["/device:GPU:1"]["overlapped ms"] == 4 / 2 / 1e6

@@ -10,11 +10,7 @@ An NCCL kernel's time includes its wait for the peers, so "exposed" bounds what 
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
-import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,26 +18,15 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_share import traced_stream_kernels  # noqa: E402
 from moe_expert_parallel import SHAPES, layer_step  # noqa: E402
 
 
 def gpu_kernels(run):
-  """{gpu name: [(start ns, end ns, stream, kernel name)]} of the kernels run() puts on the GPUs."""
-  with tempfile.TemporaryDirectory() as log_dir:
-    with jax.profiler.trace(log_dir):
-      run()
-    path, = glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz")
-    with gzip.open(path) as f:
-      events = json.load(f)["traceEvents"]
-  gpus = {e["pid"]: e["args"]["name"] for e in events
-          if e.get("name") == "process_name" and "/device:GPU" in e["args"]["name"]}
-  streams = {(e["pid"], e["tid"]) for e in events
-             if e.get("name") == "thread_name" and e["pid"] in gpus and e["args"]["name"].startswith("Stream")}
+  """{GPU's name: [(start ns, end ns, stream, kernel name)]} of the kernels run() puts on the GPUs."""
   kernels = defaultdict(list)
-  for e in events:
-    if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams:
-      start = e["ts"] * 1e3
-      kernels[gpus[e["pid"]]].append((start, start + e["dur"] * 1e3, e["tid"], e["name"]))
+  for start, ns, gpu, stream, name in traced_stream_kernels(run):
+    kernels[gpu].append((start, start + ns, stream, name))
   return kernels
 
 
