@@ -143,7 +143,10 @@ def quantize_columns(v: jax.Array, groups: Groups) -> tuple[jax.Array, jax.Array
 
 
 def quantize_rows_and_columns(v: jax.Array, groups: Groups):
-  """(quantize_rows(v), quantize_columns(v, groups)): a tensor that is both a row and a column operand."""
+  """(quantize_rows(v), quantize_columns(v, groups)) of v with its rows past the groups taken as zeros: a
+  tensor that is both a row and a column operand (those rows are no product's operand, so a kernel need
+  not read them)."""
+  v = jnp.where(groups.valid[:, None], v, 0)
   return quantize_rows(v), quantize_columns(v, groups)
 
 
@@ -153,7 +156,7 @@ def activation_rows_and_columns(h, scales, groups: Groups, act: Activation):
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
-  return quantize_rows_and_columns(jnp.where(groups.valid[:, None], a, 0), groups)
+  return quantize_rows_and_columns(a, groups)
 
 
 def activation_grad_rows_and_columns(h, da, scales, groups: Groups, act: Activation):
@@ -161,7 +164,7 @@ def activation_grad_rows_and_columns(h, da, scales, groups: Groups, act: Activat
   zero in the rows past the groups."""
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   dh = jax.vjp(act, h.astype(jnp.float32))[1](da.astype(jnp.float32) * s)[0]
-  return quantize_rows_and_columns(jnp.where(groups.valid[:, None], dh, 0), groups)
+  return quantize_rows_and_columns(dh, groups)
 
 
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:

@@ -90,12 +90,11 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
 }
 
 // What RowsAndColumnsKernel quantizes, read eight consecutive elements of a row at a time into its tile of
-// Value: a tensor as it lies (its rows past the groups quantized too, as the JAX quantizer does), or an
-// activation of h computed on the way (zero past the groups, as jnp.where makes it in the JAX recipe).
+// Value: a tensor as it lies, or an activation of h computed on the way. Either is read in the groups'
+// rows only (the kernel takes the rows past the groups as zeros).
 template <typename T>
 struct TensorSource {
   using Value = T;
-  static constexpr bool kZeroPastGroups = false;
   const T* v;
   int64_t C;
   __device__ Vec<T, 8> operator()(int64_t r, int64_t c) const { return Load<T, 8>(v + r * C + c); }
@@ -108,7 +107,6 @@ struct TensorSource {
 template <typename T, Act kAct>
 struct ActivationSource {
   using Value = float;
-  static constexpr bool kZeroPastGroups = true;
   ActParams p;
   const T *h, *da, *scales;
   int64_t f;
@@ -140,8 +138,9 @@ struct ActivationSource {
 
 // A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
 // columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
-// the rows past the groups, [total, M), rows only: every row of v is quantized once (the groups' rows each
-// lie in one block b).
+// the rows past the groups, [total, M), rows only, as zeros without reading them (their values are never a
+// product's operand; the expert-parallel layer's buffers hold P times its rows, most of them past the
+// groups): every row of q is written once (the groups' rows each lie in one block b).
 // The region is loaded into shared memory (rows 16-byte aligned: one 16-byte store per 16-byte load; all
 // eight of bf16's loads in flight at once). Rows: a warp per row, four values a lane from one 8-byte read,
 // its maximum by shuffles, and one 4-byte store a lane: a warp writes the row's 128 bytes at once. Columns:
@@ -193,7 +192,7 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
       for (int p = 0; p < kBatch; ++p) {
         const int i = i0 + 16 * (p0 + p);
         x[p] = Vec<T, 8>{};
-        if (i < rows && c0 + j < C && (columns || !Source::kZeroPastGroups)) x[p] = v(start + i, c0 + j);
+        if (columns && i < rows && c0 + j < C) x[p] = v(start + i, c0 + j);
       }
 #pragma unroll
       for (int p = 0; p < kBatch; ++p) Store<T, 8>(tile + (i0 + 16 * (p0 + p)) * kPitch + j, x[p]);
