@@ -38,6 +38,12 @@ INDEX_LIMIT = 2**31
 GROUPS_LIMIT = 2**30
 
 
+def check_flag(name: str, value) -> None:
+  """Raises a TypeError naming the argument unless value is a Python bool (a static choice, not data)."""
+  if not isinstance(value, bool):
+    raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
 def is_static(size) -> bool:
   """Whether a dimension is a number, not a symbolic one (jax.export's shape polymorphism): the handlers
   check a symbolic one's size when the call runs."""

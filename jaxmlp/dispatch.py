@@ -22,7 +22,8 @@ Semantics (defined by jaxmlp.reference_moe, which runs the same on jnp.argsort a
   - rows [R, d], R = num_rows(T, k, E, capacity, pad_to) (static): expert e's rows are
     [offsets[e], offsets[e] + group_sizes[e]), offsets the exclusive running sum of group_sizes;
     group_sizes[e] is its kept choices rounded up to a multiple of pad_to (16 or 128 for FP8 GEMMs), and
-    the rows past the kept ones, in a group or after the last one, are zero.
+    the rows past the kept ones, in a group or after the last one, are zero (after the last one:
+    unwritten on CUDA where zero_padding=False, for an expert MLP that does not read them).
   - plan (jaxmlp.plan.Plan): row_of_slot [T, k] int32 (-1: dropped), slot_of_row [R] int32 (t * k + j
     of the choice a row holds, -1 for padding rows), counts [E] int32.
 """
@@ -34,14 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _library, reference_moe
+from . import _checks, _library, reference_moe
 from .plan import Plan, check_combine_args, check_dispatch_args, check_row_weights_args, num_rows, take_or_zero
 
 __all__ = ["Plan", "combine", "dispatch", "num_rows", "row_weights", "top_k"]
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int | None = None,
-             pad_to: int = 1) -> tuple[jax.Array, jax.Array, Plan]:
+             pad_to: int = 1, zero_padding: bool = True) -> tuple[jax.Array, jax.Array, Plan]:
   """Sorts the tokens' routing choices by expert and gathers their rows.
 
   Args:
@@ -50,17 +51,23 @@ def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: in
     num_experts: E.
     capacity: None, or the most rows an expert keeps (see the module docstring for which).
     pad_to: round each group up to a multiple of this with zero rows (1: no padding).
+    zero_padding: False: the rows past the last group are left unwritten (any values) on CUDA, for an
+      expert MLP that never reads them (jaxmlp.grouped_mlp without fp8): it saves writing them, most of
+      the rows where R is sized for the worst case. The rows a group holds past its kept choices (pad_to)
+      are zeros either way.
 
   Returns:
     rows [R, d] in x's dtype, group_sizes [E] int32, plan. Differentiable in x.
   """
   check_dispatch_args(x, experts, num_experts, capacity, pad_to)
+  _checks.check_flag("zero_padding", zero_padding)
   T, k = experts.shape
   if T * k == 0 or x.shape[1] == 0 or num_rows(T, k, num_experts, capacity, pad_to) == 0:
     return reference_moe.dispatch(x, experts, num_experts, capacity=capacity, pad_to=pad_to)  # nothing to run
   if jnp.result_type(experts) != jnp.int32:  # out-of-range ids to -1 first, so that the cast cannot wrap them
     experts = jnp.where((experts >= 0) & (experts < num_experts), experts, -1).astype(jnp.int32)
-  return _dispatch(x, experts, num_experts, capacity, pad_to)
+  # The kernel cannot tell a group's padding rows from those past the groups: with pad_to > 1 it zeroes both.
+  return _dispatch(x, experts, num_experts, capacity, pad_to, zero_padding or pad_to > 1)
 
 
 def row_weights(weights: jax.Array, plan: Plan) -> jax.Array:
@@ -70,17 +77,22 @@ def row_weights(weights: jax.Array, plan: Plan) -> jax.Array:
   return _row_weights(weights, plan)
 
 
-def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None) -> jax.Array:
+def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None, *,
+            zero_padding: bool = True) -> jax.Array:
   """y[t] = sum over token t's kept choices j of weights[t, j] * rows[plan.row_of_slot[t, j]] (weights
   None: 1), accumulated in float32 in choice order; returns [T, d] in rows' dtype. Differentiable in rows
-  and weights (their gradient is float32 dot products of the rows with dy)."""
+  and weights (their gradient is float32 dot products of the rows with dy). Reads no row that holds no
+  choice. zero_padding: False: the rows of rows' gradient that hold no choice are left unwritten (any
+  values) on CUDA, for an expert MLP that never reads its result's cotangent there: jaxmlp.grouped_mlp
+  without fp8, on rows of a dispatch with pad_to=1 (a group's padding rows lie inside it, and are read)."""
   check_combine_args(rows, plan, weights)
+  _checks.check_flag("zero_padding", zero_padding)
   T, k = plan.row_of_slot.shape
   if T * k == 0 or rows.shape[0] == 0 or rows.shape[1] == 0:
     return reference_moe.combine(rows, plan, weights)
   if weights is None:
-    return _combine_unweighted(rows, plan)
-  return _combine_weighted(rows, plan, weights.astype(jnp.float32))
+    return _combine_unweighted(rows, plan, zero_padding)
+  return _combine_weighted(rows, plan, weights.astype(jnp.float32), zero_padding)
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -100,20 +112,22 @@ def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 # ---- the custom calls -------------------------------------------------------------------------------
 
-def _call(target: str, outs: list, *args, workspace_bytes=None, **attrs) -> tuple:
-  """`target` on the CPU, or on CUDA with a workspace of `workspace_bytes(cuda_module)` bytes where given."""
+def _call(target: str, outs: list, *args, workspace_bytes=None, zero_padding=None, **attrs) -> tuple:
+  """`target` on the CPU, or on CUDA with a workspace of `workspace_bytes(cuda_module)` bytes where given
+  and the zero_padding attribute where not None (the CPU handlers write the padding rows' zeros always)."""
   def cpu(*a):
     return _library.call(target, outs, *a, **attrs)
 
   def cuda(*a):
-    if workspace_bytes is None:
-      return _library.call(target, outs, *a, **attrs)
-    return _library.call(target, outs, *a, workspace=workspace_bytes(_library.cuda_module()), **attrs)
+    extra = {} if zero_padding is None else {"zero_padding": np.int32(zero_padding)}
+    if workspace_bytes is not None:
+      extra["workspace"] = workspace_bytes(_library.cuda_module())
+    return _library.call(target, outs, *a, **extra, **attrs)
 
   return _library.on_platforms(*args, cpu=cpu, cuda=cuda)
 
 
-def _dispatch_call(x, experts, num_experts, capacity, pad_to):
+def _dispatch_call(x, experts, num_experts, capacity, pad_to, zero_padding):
   T, k = experts.shape
   R = num_rows(T, k, num_experts, capacity, pad_to)
   i32 = jnp.int32
@@ -121,7 +135,7 @@ def _dispatch_call(x, experts, num_experts, capacity, pad_to):
   rows, group_sizes, counts, row_of_slot, slot_of_row = _call(
       "jaxmlp_dispatch", outs, x, experts, workspace_bytes=lambda m: m.dispatch_workspace_bytes(T * k, num_experts),
       num_experts=np.int64(num_experts), capacity=np.int64(-1 if capacity is None else capacity),
-      pad_to=np.int64(pad_to))
+      pad_to=np.int64(pad_to), zero_padding=zero_padding)
   return rows, group_sizes, Plan(row_of_slot, slot_of_row, counts)
 
 
@@ -131,14 +145,16 @@ def _combine_call(rows, row_of_slot, weights):
                _library.optional(weights, jnp.float32))[0]
 
 
-def _combine_backward_call(dy, rows, plan: Plan, weights):
-  """(drows, dweights): drows[r] = weights[slot] * dy[token of r] (0 on padding rows); dweights[t, j] =
-  <dy[t], rows[row_of_slot[t, j]]> in float32 (0 if dropped). Unweighted: rows and dweights are unused."""
+def _combine_backward_call(dy, rows, plan: Plan, weights, zero_padding):
+  """(drows, dweights): drows[r] = weights[slot] * dy[token of r] (padding rows: 0, or unwritten on CUDA
+  unless zero_padding); dweights[t, j] = <dy[t], rows[row_of_slot[t, j]]> in float32 (0 if dropped).
+  Unweighted: rows and dweights are unused."""
   weighted = weights is not None
   outs = [((plan.slot_of_row.shape[0], dy.shape[1]), dy.dtype),
           (plan.row_of_slot.shape if weighted else _library.ABSENT, jnp.float32)]
   drows, dweights = _call("jaxmlp_combine_bwd", outs, dy, _library.optional(rows if weighted else None, dy.dtype),
-                          plan.row_of_slot, plan.slot_of_row, _library.optional(weights, jnp.float32))
+                          plan.row_of_slot, plan.slot_of_row, _library.optional(weights, jnp.float32),
+                          zero_padding=zero_padding)
   return drows, (dweights if weighted else None)
 
 
@@ -159,17 +175,17 @@ def _zero_plan_cotangent(plan: Plan) -> Plan:
   return Plan(*(None for _ in plan))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dispatch(x, experts, num_experts, capacity, pad_to):
-  return _dispatch_call(x, experts, num_experts, capacity, pad_to)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dispatch(x, experts, num_experts, capacity, pad_to, zero_padding):
+  return _dispatch_call(x, experts, num_experts, capacity, pad_to, zero_padding)
 
 
-def _dispatch_fwd(x, experts, num_experts, capacity, pad_to):
-  rows, group_sizes, plan = _dispatch_call(x, experts, num_experts, capacity, pad_to)
+def _dispatch_fwd(x, experts, num_experts, capacity, pad_to, zero_padding):
+  rows, group_sizes, plan = _dispatch_call(x, experts, num_experts, capacity, pad_to, zero_padding)
   return (rows, group_sizes, plan), plan
 
 
-def _dispatch_bwd(num_experts, capacity, pad_to, plan, cotangents):
+def _dispatch_bwd(num_experts, capacity, pad_to, zero_padding, plan, cotangents):
   drows = cotangents[0]
   return _combine_call(drows, plan.row_of_slot, None), None  # dx[t]: the sum of its rows' gradients
 
@@ -195,34 +211,34 @@ def _row_weights_bwd(plan, dscales):
 _row_weights.defvjp(_row_weights_fwd, _row_weights_bwd)
 
 
-@jax.custom_vjp
-def _combine_unweighted(rows, plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine_unweighted(rows, plan, zero_padding):
   return _combine_call(rows, plan.row_of_slot, None)
 
 
-def _combine_unweighted_fwd(rows, plan):
-  return _combine_unweighted(rows, plan), plan
+def _combine_unweighted_fwd(rows, plan, zero_padding):
+  return _combine_unweighted(rows, plan, zero_padding), plan
 
 
-def _combine_unweighted_bwd(plan, dy):
-  return _combine_backward_call(dy, None, plan, None)[0], _zero_plan_cotangent(plan)
+def _combine_unweighted_bwd(zero_padding, plan, dy):
+  return _combine_backward_call(dy, None, plan, None, zero_padding)[0], _zero_plan_cotangent(plan)
 
 
 _combine_unweighted.defvjp(_combine_unweighted_fwd, _combine_unweighted_bwd)
 
 
-@jax.custom_vjp
-def _combine_weighted(rows, plan, weights):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_weighted(rows, plan, weights, zero_padding):
   return _combine_call(rows, plan.row_of_slot, weights)
 
 
-def _combine_weighted_fwd(rows, plan, weights):
-  return _combine_weighted(rows, plan, weights), (rows, plan, weights)
+def _combine_weighted_fwd(rows, plan, weights, zero_padding):
+  return _combine_weighted(rows, plan, weights, zero_padding), (rows, plan, weights)
 
 
-def _combine_weighted_bwd(res, dy):
+def _combine_weighted_bwd(zero_padding, res, dy):
   rows, plan, weights = res
-  drows, dweights = _combine_backward_call(dy.astype(rows.dtype), rows, plan, weights)
+  drows, dweights = _combine_backward_call(dy.astype(rows.dtype), rows, plan, weights, zero_padding)
   return drows, _zero_plan_cotangent(plan), dweights
 
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.lax import all_gather, psum_scatter, ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
+from . import _checks
 from .dispatch import combine, dispatch
 from .moe import route, router_losses
 from .reference_moe import sort_by_expert
@@ -90,7 +91,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
                         score_func: str = "softmax", renormalize: bool = True,
                         capacity_factor: float | None = None, aux_loss_coef: float = 0.0,
                         z_loss_coef: float = 0.0, exchange: str = "all_gather", chunks: int = 1,
-                        chunks_name: str = "chunks"):
+                        chunks_name: str = "chunks", zero_padding: bool = True):
   """jaxmlp.moe.moe expert-parallel over `expert_axis` of the current mesh (see the module docstring).
 
   Args:
@@ -102,9 +103,13 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     exchange: "all_gather" or "ragged_all_to_all" (module docstring).
     chunks: the all_gather exchange in that many parts of each device's tokens (module docstring); the
       T/P tokens of a device must split evenly into them. chunks_name: the argument's name in errors.
+    zero_padding: as jaxmlp.moe.moe's, for the rows around expert_mlp: False where it reads no row past
+      the groups of its input nor of its result's cotangent (jaxmlp.grouped_mlp without fp8). Dropless
+      routing sizes those buffers at P * min(k, E/P) / k times the rows they hold (module docstring).
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
   check_exchange(exchange, chunks=chunks, chunks_name=chunks_name)
+  _checks.check_flag("zero_padding", zero_padding)
   num_tokens, num_experts = logits.shape
   mesh = jax.sharding.get_abstract_mesh()
   per_device = num_tokens // mesh.shape[expert_axis]
@@ -118,7 +123,8 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   def shard(tokens, logits, params):
     return _moe_shard(tokens, logits, params, expert_mlp, axis=expert_axis, top_k=top_k,
                       score_func=score_func, renormalize=renormalize, capacity=capacity,
-                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange, chunks=chunks)
+                      aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange, chunks=chunks,
+                      zero_padding=zero_padding)
 
   split = P(expert_axis)
   specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
@@ -136,7 +142,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
 
 
 def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, renormalize, capacity,
-               aux_loss_coef, z_loss_coef, exchange, chunks):
+               aux_loss_coef, z_loss_coef, exchange, chunks, zero_padding):
   """One device's part: its T/P tokens, its E/P experts (`params`)."""
   num_experts = logits.shape[1]
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
@@ -150,14 +156,16 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
     keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
     experts = experts if keep is None else jnp.where(keep, experts, -1)  # an expert out of range: no row
     parts = zip(*(jnp.split(v, chunks) for v in (tokens, weights, experts)))
-    return jnp.concatenate([_gathered_experts(*part, num_experts, params, expert_mlp, axis, None)
+    return jnp.concatenate([_gathered_experts(*part, num_experts, params, expert_mlp, axis, None, zero_padding)
                             for part in parts]), losses
   if exchange == "all_gather":
-    return _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity), losses
-  return _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity), losses
+    return _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity,
+                             zero_padding), losses
+  return _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity,
+                         zero_padding), losses
 
 
-def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity):
+def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity, zero_padding):
   """y [T/P, d] of the "all_gather" exchange: all devices' tokens through this device's experts, the
   partial sums added over the devices and split back."""
   local_experts, me = num_experts // jax.lax.axis_size(axis), jax.lax.axis_index(axis)
@@ -165,12 +173,13 @@ def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp,
   # Other devices' experts fall outside [0, E/P): dispatch drops them. A token's experts are distinct, so
   # an expert gets at most one row per token: capacity T bounds the rows to T * min(k, E/P), dropping none.
   bound = all_tokens.shape[0] if capacity is None else min(capacity, all_tokens.shape[0])
-  rows, group_sizes, plan = dispatch(all_tokens, all_experts - me * local_experts, local_experts, capacity=bound)
-  partial = combine(expert_mlp(params, rows, group_sizes), plan, all_weights)
+  rows, group_sizes, plan = dispatch(all_tokens, all_experts - me * local_experts, local_experts, capacity=bound,
+                                     zero_padding=zero_padding)
+  partial = combine(expert_mlp(params, rows, group_sizes), plan, all_weights, zero_padding=zero_padding)
   return psum_scatter(partial, axis, tiled=True)
 
 
-def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity):
+def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity, zero_padding):
   """y [T/P, d] of the "ragged_all_to_all" exchange: the rows to their experts' devices and back."""
   num_peers = jax.lax.axis_size(axis)
   num_tokens, top_k = experts.shape
@@ -191,24 +200,25 @@ def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, ax
 
   received, starts = send.forward(rows)
   slot_expert = _slot_experts(received.shape[0], starts, recv_counts)
-  local_rows, local_sizes, local_plan = _local_dispatch(received, slot_expert[:, None], local_experts)
-  out = _local_combine(expert_mlp(params, local_rows, local_sizes), local_plan)
+  local_rows, local_sizes, local_plan = _local_dispatch(received, slot_expert[:, None], local_experts,
+                                                        zero_padding=zero_padding)
+  out = _local_combine(expert_mlp(params, local_rows, local_sizes), local_plan, zero_padding=zero_padding)
   return _local_combine(send.backward(out, rows.shape[0]), plan, weights)
 
 
-def _local_dispatch(tokens, experts, num_experts, keep=None):
+def _local_dispatch(tokens, experts, num_experts, keep=None, zero_padding=True):
   """Rows of tokens [T, d] for the pairs of experts [T, k] sorted by expert (jaxmlp.dispatch: no sort);
   pairs not kept (keep [T, k] False) get no row. Returns (rows [T*k, d], group_sizes [num_experts] of kept
   rows, the plan that _local_combine needs to undo it)."""
   if keep is not None:  # an expert id out of range is dropped: not counted, no row
     experts = jnp.where(keep, experts, -1)
-  return dispatch(tokens, experts, num_experts)
+  return dispatch(tokens, experts, num_experts, zero_padding=zero_padding)
 
 
-def _local_combine(rows, plan, weights=None):
+def _local_combine(rows, plan, weights=None, zero_padding=True):
   """y [T, d]: the rows [T*k, d] of _local_dispatch summed into their tokens, each times its weight
   (weights [T, k]; None: 1), accumulated in float32 (jaxmlp.combine: no scatter-add)."""
-  return combine(rows, plan, weights)
+  return combine(rows, plan, weights, zero_padding=zero_padding)
 
 
 def _global_router_losses(logits, probs, counts, top_k, aux_loss_coef, z_loss_coef, axis):

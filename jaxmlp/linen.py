@@ -61,9 +61,10 @@ class GroupedMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None,
-               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> jax.Array:
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None, zero_padding: bool = True) -> jax.Array:
     """x [M, d] sorted by expert, group_sizes [E], optional scales [M], optional fp8_weights (this module's
-    fp8_weights(), used in place of w1 and w2) -> [M, d]; see jaxmlp.nnx.GroupedMLP."""
+    fp8_weights(), used in place of w1 and w2), zero_padding (jaxmlp.grouped_mlp's) -> [M, d]; see
+    jaxmlp.nnx.GroupedMLP."""
     check_impl(self.impl)
     activation = resolve(self.activation)
     fc1_width = 2 * self.d_ff if activation.gated else self.d_ff
@@ -82,7 +83,7 @@ class GroupedMLP(nn.Module):
     else:
       (w1, w2), (x, b1, b2, scales) = fp8_weights, promote_dtype(x, b1, b2, scales, dtype=self.dtype)
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales,
-                            fp8=self.fp8)
+                            fp8=self.fp8, zero_padding=zero_padding)
 
   def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
     """(w1, w2) quantized for the fp8 recipe from the computation dtype: `apply(params, method="fp8_weights")`."""
@@ -152,7 +153,9 @@ class MoE(nn.Module):
                          fp8=self.fp8, name="experts")
     options = dict(top_k=self.top_k, score_func=self.score_func, renormalize=self.renormalize,
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
-                   z_loss_coef=self.z_loss_coef)
+                   z_loss_coef=self.z_loss_coef,
+                   # Padding rows unwritten where the experts do not read them (see jaxmlp.nnx.MoE).
+                   zero_padding=self.impl != "jaxmlp" or self.fp8 is not None)
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
     if devices > 1:
       if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
@@ -161,11 +164,13 @@ class MoE(nn.Module):
       unbound = experts.clone(parent=None, num_experts=self.num_experts // devices)
       y, aux = moe_expert_parallel(
           tokens, logits, (nn.meta.unbox(experts.variables["params"]), fp8_weights),
-          lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1]),
+          lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1],
+                                                   zero_padding=False),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
           chunks_name="expert_chunks", **options)
     else:
-      y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights), **options, impl=self.impl)
+      y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False), **options,
+                   impl=self.impl)
     return y.reshape(x.shape), aux
 
   def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks, _gemm_path, _groups, _library, reference
 from ._autodiff import gathered, integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
@@ -20,7 +21,8 @@ from .fp8 import recipe as fp8_recipe
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
-                scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipe.Fp8Recipe | None = None):
+                scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipe.Fp8Recipe | None = None,
+                zero_padding: bool = True):
   """Mixture-of-Experts expert MLP over rows sorted by expert: `scales * (act(x @ w1[g] + b1[g]) @ w2[g] + b2[g])`.
 
   Args:
@@ -45,6 +47,11 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       quantized once and reused over calls, with the same results; where fp8 is None, theirs is the recipe.
       By default a call runs in FP8 only at shapes where the recipe was measured at least as fast as bf16
       (enough rows per expert: jaxmlp.Fp8Recipe's `when`), otherwise in x's dtype.
+    zero_padding: True: the rows past the groups of the result, and of x's gradient, are zeros. False: they
+      may be left unwritten (any values), for a caller that never reads them, as jaxmlp.combine and the
+      gradient of jaxmlp.dispatch do not: it saves writing them, most of the rows where the buffer is
+      sized for the worst case (the expert-parallel MoE layer's). Without fp8, grouped_mlp itself reads no
+      row past the groups of x or of the result's cotangent, whatever they hold.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
@@ -54,6 +61,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   jaxmlp.reference.grouped_mlp there.
   """
   act = resolve(activation)
+  _checks.check_flag("zero_padding", zero_padding)
   recipe = fp8_recipe.resolve_with_weights(fp8, w1, w2)
   dtype = jnp.result_type(x)
   shape = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes,
@@ -74,25 +82,25 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape)
   if recipe is not None:  # not in FP8 at this shape: Fp8Weights' weights, whose gradient they take
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
-  return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape)
+  return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding)
 
 
 # The operands were checked once, in grouped_mlp: the rules get their sizes (`shape`, static and
 # hashable) instead of checking them again.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape):
-  return _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _mlp(x, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding):
+  return _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding)[0]
 
 
-def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape):
-  y, h = not_differentiable(mlp_forward, x, w1, w2, group_sizes, b1, b2, scales, act, shape)
+def _mlp_fwd(x, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding):
+  y, h = not_differentiable(mlp_forward, x, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding)
   # Residuals: the inputs and the FC1 output; the activation output is recomputed in the backward.
   return y, (x, w1, w2, group_sizes, b1, b2, scales, h)
 
 
-def _mlp_bwd(act, shape, res, dy):
+def _mlp_bwd(act, shape, zero_padding, res, dy):
   x, w1, w2, group_sizes, b1, b2, scales, h = res
-  grads = not_differentiable(mlp_backward, x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape)
+  grads = not_differentiable(mlp_backward, x, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape, zero_padding)
   dx, dw1, dw2, db1, db2, dscales = map(summed_like, grads, (x, w1, w2, b1, b2, scales))
   return dx, dw1, dw2, integer_cotangent(group_sizes), db1, db2, dscales
 
@@ -107,8 +115,11 @@ def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: b
   return path, ws
 
 
-def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _checks.MlpShape):
-  """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output."""
+def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _checks.MlpShape,
+                zero_padding: bool = True):
+  """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output
+  (its rows past the groups unwritten on CUDA; y's too unless zero_padding). The CPU handler writes zeros
+  there whatever zero_padding says."""
   dt = x.dtype
   args = (x, w1, w2, _groups.handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
           optional(scales, dt))
@@ -120,13 +131,16 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _che
 
   def cuda(*a):
     path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None)
-    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, **attrs)
+    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, zero_padding=np.int32(zero_padding),
+                         **attrs)
 
   return _library.on_platforms(*args, cpu=cpu, cuda=cuda)
 
 
-def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: _checks.MlpShape):
-  """One custom call for the whole backward: (dx, dw1, dw2, db1, db2, dscales), None where absent."""
+def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation, s: _checks.MlpShape,
+                 zero_padding: bool = True):
+  """One custom call for the whole backward: (dx, dw1, dw2, db1, db2, dscales), None where absent; dx's rows
+  past the groups unwritten on CUDA unless zero_padding."""
   dt = x.dtype
   args = (x, w1, w2, _groups.handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
           optional(scales, dt), h, dy.astype(dt))
@@ -143,7 +157,7 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
     dh = ((s.M, s.F1), dt)
     return _library.call(f"jaxmlp_mlp_bwd_{path}", outs + [dh], *a, workspace=ws, input_output_aliases={7: 6},
-                         **attrs)[:6]
+                         zero_padding=np.int32(zero_padding), **attrs)[:6]
 
   dx, dw1, dw2, db1, db2, ds = _library.on_platforms(*args, cpu=cpu, cuda=cuda)
   return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,

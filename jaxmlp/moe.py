@@ -10,7 +10,7 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, reference, reference_moe
+from . import _checks, dispatch, reference, reference_moe
 from .fp8.mlp import fp8_weights
 from .fp8.recipe import Fp8Recipe, Fp8Weights, check_layer_weights
 from .mlp import grouped_mlp
@@ -205,23 +205,27 @@ def router_losses(logits: jax.Array, probs: jax.Array, counts: jax.Array, top_k:
 
 def moe(tokens: jax.Array, logits: jax.Array, expert_mlp: tp.Callable[..., jax.Array], *, top_k: int,
         score_func: str = "softmax", renormalize: bool = True, capacity_factor: float | None = None,
-        aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-        impl: str = "jaxmlp") -> tuple[jax.Array, dict[str, jax.Array]]:
+        aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, impl: str = "jaxmlp",
+        zero_padding: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Routes tokens [T, d] by logits [T, E] through `expert_mlp(rows, group_sizes, scales)` and combines.
 
   The router weights reach the expert MLP as its row `scales`, so the combine is a plain sum of each
   token's rows (float32 accumulation). impl picks dispatch and combine: "jaxmlp" (jaxmlp.dispatch's
   custom calls) or "reference" (jnp.argsort, a gather and a scatter-add: jaxmlp.reference_moe).
+  zero_padding: False where expert_mlp reads no row past the groups of its input nor of its result's
+  cotangent (jaxmlp.grouped_mlp without fp8): the dispatch and combine may then leave those rows unwritten
+  (jaxmlp.dispatch): with a capacity, the rows its experts leave unfilled.
 
   Returns (y [T, d] in expert_mlp's output dtype, the router_losses dict).
   """
   check_impl(impl)
+  _checks.check_flag("zero_padding", zero_padding)
   ops = DISPATCHERS[impl]
   num_tokens, num_experts = logits.shape
   weights, experts, probs = route(logits, top_k, score_func, renormalize, impl)
   capacity = None
   if capacity_factor is not None:
     capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
-  rows, group_sizes, plan = ops.dispatch(tokens, experts, num_experts, capacity=capacity)
-  y = ops.combine(expert_mlp(rows, group_sizes, ops.row_weights(weights, plan)), plan)
+  rows, group_sizes, plan = ops.dispatch(tokens, experts, num_experts, capacity=capacity, zero_padding=zero_padding)
+  y = ops.combine(expert_mlp(rows, group_sizes, ops.row_weights(weights, plan)), plan, zero_padding=zero_padding)
   return y, router_losses(logits, probs, plan.counts, top_k, aux_loss_coef, z_loss_coef)

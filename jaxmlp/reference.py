@@ -19,8 +19,9 @@ from .fp8 import recipe as fp8_recipe
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
-                scales=None, fp8=None):
-  """Reference for jaxmlp.grouped_mlp (same arguments and semantics).
+                scales=None, fp8=None, zero_padding: bool = True):
+  """Reference for jaxmlp.grouped_mlp (same arguments and semantics; it writes zeros in the rows past the
+  groups whatever zero_padding says, as zero_padding=False allows).
 
   Pure JAX: without fp8 it takes float64 operands under jax_enable_x64, and JAX differentiates it in
   forward mode and to higher orders (jax.jvp, grad of grad, Hessian-vector products), where

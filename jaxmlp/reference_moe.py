@@ -57,8 +57,9 @@ def sort_by_expert(experts: jax.Array, num_experts: int, capacity: int | None = 
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int | None = None,
-             pad_to: int = 1) -> tuple[jax.Array, jax.Array, Plan]:
-  """Reference for jaxmlp.dispatch.dispatch (same arguments and semantics)."""
+             pad_to: int = 1, zero_padding: bool = True) -> tuple[jax.Array, jax.Array, Plan]:
+  """Reference for jaxmlp.dispatch.dispatch (same arguments and semantics; zeros in every padding row, as
+  zero_padding=False allows)."""
   check_dispatch_args(x, experts, num_experts, capacity, pad_to)
   T, k = experts.shape
   R = num_rows(T, k, num_experts, capacity, pad_to)
@@ -92,9 +93,11 @@ def row_weights(weights: jax.Array, plan: Plan) -> jax.Array:
   return take_or_zero(weights.reshape(-1), plan.slot_of_row)
 
 
-def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None) -> jax.Array:
+def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None, *,
+            zero_padding: bool = True) -> jax.Array:
   """Reference for jaxmlp.dispatch.combine: y[t] = sum_j weights[t, j] * rows[row_of_slot[t, j]] over the
-  kept choices, accumulated in float32 (a scatter-add), in rows' dtype."""
+  kept choices, accumulated in float32 (a scatter-add), in rows' dtype. Its gradient is zero in the rows
+  that hold no choice, as zero_padding=False allows."""
   check_combine_args(rows, plan, weights)
   T, k = plan.row_of_slot.shape
   vals = rows.astype(jnp.float32)

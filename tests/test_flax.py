@@ -172,6 +172,33 @@ def test_modules_run_their_experts_in_fp8(recipe):
   assert 5e-3 < err < 0.2, err
 
 
+@pytest.mark.parametrize("fp8, impl", [(None, "jaxmlp"), ("tensorwise", "jaxmlp"), (None, "reference")])
+def test_moe_leaves_padding_rows_unwritten_only_where_no_expert_reads_them(monkeypatch, fp8, impl):
+  """The MoE modules run their experts with zero_padding=False (their result's padding rows go only to the
+  combine), and ask the dispatch and combine for it where the experts are jaxmlp's MLP without FP8, which
+  reads no padding row; FP8 quantizers and the reference MLP get zeros there."""
+  seen = {"mlp": [], "dispatch": [], "combine": []}
+
+  def spy(name, fn):
+    def call(*args, **kwargs):
+      seen[name].append(kwargs.get("zero_padding", True))
+      return fn(*args, **kwargs)
+    return call
+
+  monkeypatch.setitem(jaxmlp.moe.IMPLS, impl, spy("mlp", jaxmlp.moe.IMPLS[impl]))
+  ops = jaxmlp.moe.DISPATCHERS[impl]
+  for name in ("dispatch", "combine"):
+    monkeypatch.setattr(ops, name, spy(name, getattr(ops, name)))
+  f, dtype = 32, jnp.bfloat16  # FP8 takes widths that are multiples of 16
+  tokens = jax.random.normal(jax.random.key(5), (2, 8, D), dtype)
+  jit_call(jaxmlp.nnx.MoE(E, D, f, 2, dtype=dtype, fp8=fp8, impl=impl, capacity_factor=2.0, rngs=nnx.Rngs(7)), tokens)
+  linen_moe = jaxmlp.linen.MoE(E, D, f, 2, dtype=dtype, fp8=fp8, impl=impl, capacity_factor=2.0)
+  jax.jit(linen_moe.apply)(linen_moe.init(jax.random.key(0), tokens), tokens)
+  zeros = fp8 is not None or impl == "reference"
+  assert seen["mlp"] and set(seen["mlp"]) == {False}
+  assert seen["dispatch"] and set(seen["dispatch"]) == set(seen["combine"]) == {zeros}
+
+
 # The default run checks the modules' fp8_weights in test_fp8_weights_quantized_before_the_call_expert_parallel.
 @pytest.mark.full
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -178,9 +178,9 @@ def test_int32_group_sizes_reach_the_handlers_as_they_are():
     assert bool(ops) == clamped, (dtype, ops)
 
 
-def test_saved_fc1_output_is_written_in_every_row(backend, rng):
-  """The forward's residual h, which the backward reads: x @ w1[g] + b1[g] in the group rows and zeros
-  in the padding rows, so no poisoned element is left in it."""
+def test_saved_fc1_output_holds_every_group_row(backend, rng):
+  """The forward's residual h, which the backward reads in the group rows: x @ w1[g] + b1[g] there (its
+  padding rows are never read, and the CUDA handlers leave them unwritten)."""
   M, d, f, sizes = 96, 32, 40, [30, 0, 50, 8]
   a = make_inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, bias=True)
   act = jaxmlp.Activation("swiglu")
@@ -189,8 +189,42 @@ def test_saved_fc1_output_is_written_in_every_row(backend, rng):
   n = numpy_args(a)
   want = ref.ragged_dot(n["x"], n["w1"], sizes)
   want[:sum(sizes)] += np.repeat(n["b1"], sizes, axis=0)
-  assert rel_error(h, want) < TOLERANCE["bfloat16"]
-  check_padding_rows_zero(M, sizes, h)
+  total = sum(sizes)
+  assert rel_error(h[:total], want[:total]) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("zero_padding", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_padding_rows_are_never_read(backend, rng, dtype, zero_padding):
+  """NaN in the padding rows of x and of y's cotangent reaches nothing: y's group rows and every gradient
+  are the reference's on zeros there. With zero_padding y and dx are zeros in the padding rows; without,
+  the CUDA handlers leave them unwritten (poisoned here), for callers that never read them."""
+  skip_unless_served(backend, dtype)
+  M, d, f, sizes = 96, 32, 40, [30, 0, 50, 8]
+  total = sum(sizes)
+  a = make_inputs(rng, M, d, f, sizes, "swiglu", dtype, bias=True, scales=True)
+  dy = jnp.asarray(rng.standard_normal((M, d)), dtype)
+  n = numpy_args(a)  # the reference reads zeros in the padding rows
+  n["x"][total:] = 0
+  dy_ref = np.asarray(dy, np.float64)
+  dy_ref[total:] = 0
+  x, dy = a["x"].at[total:].set(jnp.nan), dy.at[total:].set(jnp.nan)
+
+  def f(x, w1, w2, b1, b2, scales):
+    return jaxmlp.grouped_mlp(x, w1, w2, a["group_sizes"], b1=b1, b2=b2, scales=scales, zero_padding=zero_padding)
+
+  names = ["x", "w1", "w2", "b1", "b2", "scales"]
+  y, vjp = jax.vjp(f, x, *[a[k] for k in names[1:]])
+  grads = dict(zip(names, vjp(dy)))
+  want_y, want = ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu", n["b1"], n["b2"],
+                                 n["scales"], dy=dy_ref)
+  tol = TOLERANCE[jnp.dtype(dtype).name]
+  check_close(y[:total], want_y[:total], tol, "y")
+  for k in names:
+    rows = slice(0, total) if k in ("x", "scales") else slice(None)
+    check_close(grads[k][rows], want[k][rows], tol, k)
+  if zero_padding:
+    check_padding_rows_zero(M, sizes, y, grads["x"])
 
 
 @pytest.mark.matrix
@@ -384,6 +418,12 @@ def test_reference_differentiates_again_in_float64(rng):
     fd = (grad(args["x"] + eps * v) - grad(args["x"] - eps * v)) / (2 * eps)
     assert rel_error(hvp, fd) < 1e-6
     assert np.asarray(hvp)[3].any() and not np.delete(np.asarray(hvp), 3, axis=0).any()  # rows do not interact
+
+
+def test_a_flag_that_is_not_a_bool_is_a_type_error():
+  x, w1, w2, sizes = jnp.ones((16, 8)), jnp.ones((2, 8, 16)), jnp.ones((2, 8, 8)), jnp.asarray([8, 8], jnp.int32)
+  with pytest.raises(TypeError, match=r"zero_padding: expected True or False, got 0"):
+    jaxmlp.grouped_mlp(x, w1, w2, sizes, zero_padding=0)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -2,10 +2,12 @@
 
 Over P devices the layer sizes each device's expert MLP for the dropless worst case: P * min(k, E/P) / k
 times the rows it gets on average (4x over four GPUs at top-8), the rows past the groups being padding
-(jaxmlp.expert_parallel). Here the MLP of one device of that layer, fwd+bwd, once on a buffer of exactly
-its rows and once on the padded buffer with the same groups, timed in turn, in bf16 and in each FP8
-recipe (at every shape: Fp8Recipe when="always"). The difference is what the passes over the padding
-rows cost (benchmarks/RESULTS-moe-layer.md: the blockwise layer over four GPUs).
+(jaxmlp.expert_parallel). Here the expert path of one device of that layer (dispatch, MLP, combine),
+fwd+bwd, once on a buffer of exactly its rows and once on the padded buffer with the same groups, timed
+in turn, in bf16 and in each FP8 recipe (at every shape: Fp8Recipe when="always"), and the padded buffer
+once more with zero_padding=False (the padding rows left unwritten, as the MoE layer asks where the
+experts run without FP8).
+The difference is what the passes over the padding rows cost (benchmarks/RESULTS-moe-layer.md).
 
   python benchmarks/probes/padding_cost.py             # the Qwen3 layer over four GPUs: 32 experts a device
   python benchmarks/probes/padding_cost.py --pad 2 --experts 64   # over two
@@ -24,18 +26,23 @@ import jaxmlp  # noqa: E402
 from timing import measure_alternating  # noqa: E402
 
 
-def mlp_step(rows, buffer_rows, experts, d, f, dtype, fp8):
-  """call(i): fwd+bwd of grouped_mlp over `rows` rows in equal groups, in a buffer of `buffer_rows`."""
+def mlp_step(rows, buffer_rows, experts, d, f, dtype, fp8, zero_padding=True):
+  """call(i): fwd+bwd of the layer's expert path, dispatch -> grouped_mlp -> combine, over `rows` rows (one
+  choice a token) in equal groups, in a buffer of `buffer_rows` (a capacity of buffer_rows / experts):
+  the padding rows cost what they cost in the layer, whose combine reads only the rows that choices hold."""
   keys = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(keys[0], (buffer_rows, d), dtype)
-  dy = jax.random.normal(keys[1], (buffer_rows, d), dtype)
+  x = jax.random.normal(keys[0], (rows, d), dtype)
+  dy = jax.random.normal(keys[1], (rows, d), dtype)
   w1 = jax.random.normal(keys[2], (experts, d, 2 * f), dtype) / d**0.5
   w2 = jax.random.normal(keys[3], (experts, f, d), dtype) / f**0.5
-  sizes = jnp.full((experts,), rows // experts, jnp.int32)
+  choices = (jnp.arange(rows, dtype=jnp.int32) * experts // rows)[:, None]  # sorted, equal groups
+  capacity = None if buffer_rows == rows else buffer_rows // experts
   recipe = fp8 and jaxmlp.Fp8Recipe(fp8, when="always")
 
   def loss(x, w1, w2):
-    y = jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=recipe)
+    x_rows, sizes, plan = jaxmlp.dispatch.dispatch(x, choices, experts, capacity=capacity, zero_padding=zero_padding)
+    y_rows = jaxmlp.grouped_mlp(x_rows, w1, w2, sizes, fp8=recipe, zero_padding=zero_padding)
+    y = jaxmlp.dispatch.combine(y_rows, plan, zero_padding=zero_padding)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -59,12 +66,15 @@ def main():
         f"buffers of {a.rows} and {a.pad * a.rows} rows, d={a.d}, f={a.f}, bf16, fwd+bwd")
   for recipe in a.recipes.split(","):
     fp8 = None if recipe == "bf16" else recipe
-    calls = {padded: mlp_step(a.rows, padded, a.experts, a.d, a.f, jnp.bfloat16, fp8)
-             for padded in (a.rows, a.pad * a.rows)}
+    calls = {"exact": mlp_step(a.rows, a.rows, a.experts, a.d, a.f, jnp.bfloat16, fp8),
+             "padded": mlp_step(a.rows, a.pad * a.rows, a.experts, a.d, a.f, jnp.bfloat16, fp8)}
+    if fp8 is None:
+      calls["unwritten"] = mlp_step(a.rows, a.pad * a.rows, a.experts, a.d, a.f, jnp.bfloat16, fp8, False)
     t = measure_alternating(calls, jax.block_until_ready, rounds=a.rounds)
-    exact, padded = t[a.rows]["s"], t[a.pad * a.rows]["s"]
-    print(f"{recipe}: {exact * 1e3:.3f} ms exact, {padded * 1e3:.3f} ms padded {a.pad}x: "
-          f"+{(padded - exact) * 1e3:.3f} ms ({padded / exact:.3f}x)")
+    exact = t["exact"]["s"]
+    print(f"{recipe}: {exact * 1e3:.3f} ms exact; padded {a.pad}x: " + ", ".join(
+        f"{t[c]['s'] * 1e3:.3f} ms {c} (+{(t[c]['s'] - exact) * 1e3:.3f} ms, {t[c]['s'] / exact:.3f}x)"
+        for c in calls if c != "exact"))
 
 
 if __name__ == "__main__":

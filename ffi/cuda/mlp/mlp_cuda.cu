@@ -48,7 +48,7 @@ BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int es
 template <GemmPath kPath>
 Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                  AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
-                 Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
+                 int32_t zero_padding, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
@@ -70,14 +70,15 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
   JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
                                            m.M, m.f, m.d, h->untyped_data(), DataIfPresent(b1),
-                                           DataIfPresent(scales), s.a, y->untyped_data(), DataIfPresent(b2)));
+                                           DataIfPresent(scales), s.a, y->untyped_data(), DataIfPresent(b2),
+                                           zero_padding != 0));
   return gemms.Run(1);  // y (+)= a @ w2
 }
 
 template <GemmPath kPath>
 Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                   AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy, int32_t act, float alpha,
-                  float limit, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
+                  float limit, int32_t zero_padding, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
                   Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> dh,
                   Result<AnyBuffer> workspace) {
   ++handler_host_calls;
@@ -106,7 +107,8 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
   JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
                                             m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), s.da,
                                             dh->untyped_data(), m.has_scales ? dscales->untyped_data() : nullptr,
-                                            dx->untyped_data(), dy.untyped_data(), DataIfPresent(b2)));
+                                            dx->untyped_data(), dy.untyped_data(), DataIfPresent(b2),
+                                            zero_padding != 0));
   // RunIndependent's promise: none of its products reads another's output (the tiled path runs them in one
   // launch, in no order). dx (2), dw2 (1) and dw1 (3) read dh, w1, a_s (in da), dy and x, and write dx, dw2
   // and dw1, except where da lives in dw1's buffer (the cuBLAS paths at MoE shapes, CarveBackward): then dw1's
@@ -126,8 +128,11 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
                        s.bias_partials, db1->untyped_data(), db2->untyped_data());
 }
 
+// zero_padding (0 or 1): whether y (forward) and dx (backward) get zeros in the rows past the groups, which
+// the MoE layer, whose dispatch and combine never read them, leaves unwritten (jaxmlp/mlp.py).
 auto BindForward() {
   return BindActivationAttrs(BindMlpOperands(BindStreamAndDevice()))
+      .Attr<int32_t>("zero_padding")
       .Ret<AnyBuffer>()   // y
       .Ret<AnyBuffer>()   // h
       .Ret<AnyBuffer>();  // workspace
@@ -136,7 +141,8 @@ auto BindForward() {
 auto BindBackward() {
   return BindMlpGradients(BindActivationAttrs(BindMlpOperands(BindStreamAndDevice())
                                                   .Arg<AnyBuffer>()    // h
-                                                  .Arg<AnyBuffer>()))  // dy
+                                                  .Arg<AnyBuffer>())   // dy
+                              .Attr<int32_t>("zero_padding"))
       .Ret<AnyBuffer>()                                                // dh, aliased to h
       .Ret<AnyBuffer>();                                               // workspace
 }

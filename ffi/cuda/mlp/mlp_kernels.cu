@@ -26,15 +26,14 @@ __device__ void ZeroRow(T* row, int64_t n) {
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActForwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                              int64_t f, int64_t d, T* h, const T* b1,
-                                                             const T* scales, T* a, T* y, const T* b2) {
+                                                             const T* scales, T* a, T* y, const T* b2,
+                                                             bool zero_padding) {
   WaitForPrevious();
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
   const int64_t F1 = kGated ? 2 * f : f;
-  if (row >= offsets[E]) {  // padding: zeros in every output (the cuBLAS GEMMs write only group rows)
-    ZeroRow<T, V>(h + row * F1, F1);
-    ZeroRow<T, V>(a + row * f, f);
-    ZeroRow<T, V>(y + row * d, d);
+  if (row >= offsets[E]) {  // padding: the cuBLAS GEMMs write only group rows; h and a are never read there
+    if (zero_padding) ZeroRow<T, V>(y + row * d, d);
     return;
   }
   const int64_t g = (b1 || b2) ? GroupOf(offsets, E, row) : 0;
@@ -65,14 +64,13 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, int64_t d, const T* h, const T* da,
                                                               const T* scales, T* a_s, T* dh, T* dscales,
-                                                              T* dx, const T* dy, const T* b2) {
+                                                              T* dx, const T* dy, const T* b2, bool zero_padding) {
   WaitForPrevious();
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
   const int64_t F1 = kGated ? 2 * f : f;
-  if (row >= offsets[E]) {  // padding
-    ZeroRow<T, V>(dh + row * F1, F1);
-    ZeroRow<T, V>(dx + row * d, d);
+  if (row >= offsets[E]) {  // padding: dh is never read there (the dx and dw1 products take group rows)
+    if (zero_padding) ZeroRow<T, V>(dx + row * d, d);
     if (dscales && threadIdx.x == 0) dscales[row] = Conv<T>::From(0.0f);
     return;
   }
@@ -161,14 +159,15 @@ bool Vectorizable(std::initializer_list<int64_t> row_lengths) {
 
 ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                              const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, void* h,
-                             const void* b1, const void* scales, void* a, void* y, const void* b2) {
+                             const void* b1, const void* scales, void* a, void* y, const void* b2,
+                             bool zero_padding) {
   cudaError_t e = cudaSuccess;
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     auto args = std::make_tuple(p, offsets, E, f, d, static_cast<T*>(h), static_cast<const T*>(b1),
                                 static_cast<const T*>(scales), static_cast<T*>(a), static_cast<T*>(y),
-                                static_cast<const T*>(b2));
+                                static_cast<const T*>(b2), zero_padding);
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActForwardKernel<T, V, A> : ActForwardKernel<T, 1, A>;
@@ -182,7 +181,7 @@ ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, c
 ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                               const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
                               const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
-                              const void* dy, const void* b2) {
+                              const void* dy, const void* b2, bool zero_padding) {
   cudaError_t e = cudaSuccess;
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
@@ -190,7 +189,7 @@ ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, 
     auto args = std::make_tuple(p, offsets, E, f, d, static_cast<const T*>(h), static_cast<const T*>(da),
                                 static_cast<const T*>(scales), static_cast<T*>(a_s), static_cast<T*>(dh),
                                 static_cast<T*>(dscales), static_cast<T*>(dx), static_cast<const T*>(dy),
-                                static_cast<const T*>(b2));
+                                static_cast<const T*>(b2), zero_padding);
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V, A> : ActBackwardKernel<T, 1, A>;

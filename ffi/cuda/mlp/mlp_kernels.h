@@ -15,21 +15,24 @@ namespace jaxmlp {
 
 // Per row r < M: h[r] += b1[g] (written back, when b1 is given), a[r] = act(h[r]) * scales[r];
 // y[r] = scales[r] * b2[g] for valid rows when b2 is given (FC2 then accumulates onto it; the scale weighs
-// the whole expert output); padding rows: h = a = y = 0.
+// the whole expert output); padding rows: y = 0 where zero_padding, h and a left alone (no product reads
+// them there).
 ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                              const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, void* h,
-                             const void* b1, const void* scales, void* a, void* y, const void* b2);
+                             const void* b1, const void* scales, void* a, void* y, const void* b2,
+                             bool zero_padding);
 
 // Per valid row, from h (with b1 added) and da = dy @ w2^T:
 //   a_s = act(h) * s (the FC2 weight-gradient input), dh = da * s * act'(h),
 //   dscales = sum_j da * act(h) + sum_j dy * b2[g] (the second term when b2 is given).
-// Padding rows: dh = 0, dscales = 0 and dx = 0 (dx is written by the FC1 dgrad for valid rows only).
+// Padding rows: dscales = 0, dx = 0 where zero_padding (the FC1 dgrad writes valid rows only), dh left
+// alone (no product reads it there).
 // In place is allowed: a_s may be da and dh may be h (each element is read before it is written, by the
 // thread that writes it).
 ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                               const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
                               const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
-                              const void* dy, const void* b2);
+                              const void* dy, const void* b2, bool zero_padding);
 
 // The biases' gradients, each where the MLP has that bias (m.has_b1, m.has_b2): db1 [E, F1] the sums of dh
 // [M, F1] over each group's rows, db2 [E, d] those of dy [M, d] weighted by the rows' scales (null: 1), as

@@ -22,9 +22,9 @@ P* As(AnyBuffer b) {
 }
 
 Error Dispatch(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer experts, int64_t num_experts,
-               int64_t capacity, int64_t pad_to, Result<AnyBuffer> rows, Result<AnyBuffer> group_sizes,
-               Result<AnyBuffer> counts, Result<AnyBuffer> row_of_slot, Result<AnyBuffer> slot_of_row,
-               Result<AnyBuffer> workspace) {
+               int64_t capacity, int64_t pad_to, int32_t zero_padding, Result<AnyBuffer> rows,
+               Result<AnyBuffer> group_sizes, Result<AnyBuffer> counts, Result<AnyBuffer> row_of_slot,
+               Result<AnyBuffer> slot_of_row, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   DispatchDims m;
   JAXMLP_RETURN_IF_ERROR(CheckDispatch(x, experts, num_experts, capacity, pad_to, *rows, *group_sizes, *counts,
@@ -36,7 +36,7 @@ Error Dispatch(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer exper
                                       As<int32_t>(*group_sizes), As<int32_t>(*counts), As<int32_t>(*row_of_slot),
                                       As<int32_t>(*slot_of_row), workspace->untyped_data()));
   return GatherRows(stream, device, x.element_type(), x.untyped_data(), m.T, m.k, m.d, As<int32_t>(*row_of_slot),
-                    As<int32_t>(*slot_of_row), m.R, rows->untyped_data());
+                    As<int32_t>(*slot_of_row), m.R, rows->untyped_data(), zero_padding != 0);
 }
 
 Error Combine(cudaStream_t stream, int32_t device, AnyBuffer rows, AnyBuffer row_of_slot, AnyBuffer weights,
@@ -50,7 +50,7 @@ Error Combine(cudaStream_t stream, int32_t device, AnyBuffer rows, AnyBuffer row
 }
 
 Error CombineBackward(cudaStream_t stream, int32_t device, AnyBuffer dy, AnyBuffer rows, AnyBuffer row_of_slot,
-                      AnyBuffer slot_of_row, AnyBuffer weights, Result<AnyBuffer> drows,
+                      AnyBuffer slot_of_row, AnyBuffer weights, int32_t zero_padding, Result<AnyBuffer> drows,
                       Result<AnyBuffer> dweights) {
   ++handler_host_calls;
   CombineDims m;
@@ -59,8 +59,7 @@ Error CombineBackward(cudaStream_t stream, int32_t device, AnyBuffer dy, AnyBuff
   return CombineBackwardRows(stream, device, dy.element_type(), dy.untyped_data(),
                              m.weighted ? rows.untyped_data() : nullptr, As<int32_t>(row_of_slot),
                              As<int32_t>(slot_of_row), m.weighted ? As<float>(weights) : nullptr, m.T, m.k, m.R, m.d,
-                             drows->untyped_data(),
-                             m.weighted ? As<float>(*dweights) : nullptr);
+                             drows->untyped_data(), m.weighted ? As<float>(*dweights) : nullptr, zero_padding != 0);
 }
 
 }  // namespace
@@ -73,6 +72,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DispatchCuda, jaxmlp::Dispatch,
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("pad_to")
+                                  .Attr<int32_t>("zero_padding")  // 0 or 1 (jaxmlp/dispatch.py)
                                   .Ret<xla::ffi::AnyBuffer>()   // rows
                                   .Ret<xla::ffi::AnyBuffer>()   // group_sizes
                                   .Ret<xla::ffi::AnyBuffer>()   // counts
@@ -96,6 +96,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineBackwardCuda, jaxmlp::CombineBackward,
                                   .Arg<xla::ffi::AnyBuffer>()   // row_of_slot
                                   .Arg<xla::ffi::AnyBuffer>()   // slot_of_row
                                   .Arg<xla::ffi::AnyBuffer>()   // weights
+                                  .Attr<int32_t>("zero_padding")  // 0 or 1 (jaxmlp/dispatch.py)
                                   .Ret<xla::ffi::AnyBuffer>()   // drows
                                   .Ret<xla::ffi::AnyBuffer>(),  // dweights
                               jaxmlp::kGraphSafe);

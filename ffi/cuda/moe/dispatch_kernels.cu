@@ -186,8 +186,8 @@ __global__ void CombineKernel(const T* __restrict__ rows, int64_t R, int64_t d,
 
 constexpr int kScatterThreads = 256;  // a 4 KiB row (d = 2048 in bfloat16) is one 16-byte unit per thread
 
-// out[r] = w[s] * src[s / k] for s = slot_of_row[r], or 0 where s is not a choice (kScaled false: w = 1, a
-// plain copy); with dweights, also dweights[s] = <src[s / k], rows[row_of_slot[s]]> (0 for a dropped choice).
+// out[r] = w[s] * src[s / k] for s = slot_of_row[r], or 0 where s is not a choice and zero_padding (else
+// such a row is left alone) (kScaled false: w = 1, a plain copy); with dweights, also dweights[s] = <src[s / k], rows[row_of_slot[s]]> (0 for a dropped choice).
 //
 // Blocks below T: block t reads src[t] once and writes it to each row r = row_of_slot[s] of its choices s
 // that the row holds back (slot_of_row[r] == s). One warp per row instead would read each token's row k
@@ -202,7 +202,7 @@ template <typename T, int V, bool kScaled>
 __global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
     const T* __restrict__ src, int64_t num_tokens, int64_t k, int64_t d, const int32_t* __restrict__ row_of_slot,
     const int32_t* __restrict__ slot_of_row, int64_t R, const float* __restrict__ weights,
-    const T* __restrict__ rows, float* __restrict__ dweights, T* __restrict__ out) {
+    const T* __restrict__ rows, float* __restrict__ dweights, T* __restrict__ out, bool zero_padding) {
   __shared__ int32_t row_of[kScatterThreads];  // a chunk of the token's choices: the row in [0, R), or -1
   __shared__ bool holds[kScatterThreads];      // whether that row holds the choice (slot_of_row agrees)
   __shared__ float weight_of[kScatterThreads];
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
     if (r < R) {
       s = slot_of_row[r];
       if (s < 0 || s >= choices) s = -1;
-      left = s < 0 || row_of_slot[s] != r;
+      left = s < 0 ? zero_padding : row_of_slot[s] != r;
     }
     Vec<T, V> zero;
 #pragma unroll
@@ -291,13 +291,13 @@ __global__ void __launch_bounds__(kScatterThreads, 8) ScatterRowsKernel(
 template <typename T, int V, bool kScaled>
 cudaError_t LaunchScatter(cudaStream_t stream, int device, const void* src, int64_t T_, int64_t k, int64_t d,
                           const int32_t* row_of_slot, const int32_t* slot_of_row, int64_t R, const float* weights,
-                          const void* rows, float* dweights, void* out) {
+                          const void* rows, float* dweights, void* out, bool zero_padding) {
   const int64_t units = d / V;
   const int threads = int(std::min<int64_t>(kScatterThreads, (units + 31) / 32 * 32));
   const int64_t fill_blocks = (R + threads - 1) / threads;  // 32 rows per warp
   return LaunchOverlapped(ScatterRowsKernel<T, V, kScaled>, unsigned(T_ + fill_blocks), threads, 0, stream, device,
                           static_cast<const T*>(src), T_, k, d, row_of_slot, slot_of_row, R, weights,
-                          static_cast<const T*>(rows), dweights, static_cast<T*>(out));
+                          static_cast<const T*>(rows), dweights, static_cast<T*>(out), zero_padding);
 }
 
 // Calls fn(T{}, std::integral_constant<int, V>{}) with 16-byte accesses where the row length allows.
@@ -344,11 +344,13 @@ ffi::Error DispatchPlan(cudaStream_t stream, int device, const int32_t* experts,
 }
 
 ffi::Error GatherRows(cudaStream_t stream, int device, ffi::DataType t, const void* x, int64_t T, int64_t k, int64_t d,
-                      const int32_t* row_of_slot, const int32_t* slot_of_row, int64_t R, void* rows) {
+                      const int32_t* row_of_slot, const int32_t* slot_of_row, int64_t R, void* rows,
+                      bool zero_padding) {
   cudaError_t e = cudaSuccess;
   ByTypeAndWidth(t, d, [&](auto zero, auto width) {
     e = LaunchScatter<decltype(zero), decltype(width)::value, false>(stream, device, x, T, k, d, row_of_slot,
-                                                                      slot_of_row, R, nullptr, nullptr, nullptr, rows);
+                                                                      slot_of_row, R, nullptr, nullptr, nullptr, rows,
+                                                                      zero_padding);
   });
   return CheckCuda(e, "dispatch rows");
 }
@@ -370,15 +372,16 @@ ffi::Error CombineRows(cudaStream_t stream, int device, ffi::DataType t, const v
 
 ffi::Error CombineBackwardRows(cudaStream_t stream, int device, ffi::DataType t, const void* dy, const void* rows,
                                const int32_t* row_of_slot, const int32_t* slot_of_row, const float* weights,
-                               int64_t T, int64_t k, int64_t R, int64_t d, void* drows, float* dweights) {
+                               int64_t T, int64_t k, int64_t R, int64_t d, void* drows, float* dweights,
+                               bool zero_padding) {
   cudaError_t e = cudaSuccess;
   ByTypeAndWidth(t, d, [&](auto zero, auto width) {
     using E = decltype(zero);
     constexpr int V = decltype(width)::value;
     e = weights ? LaunchScatter<E, V, true>(stream, device, dy, T, k, d, row_of_slot, slot_of_row, R, weights, rows,
-                                            dweights, drows)
+                                            dweights, drows, zero_padding)
                 : LaunchScatter<E, V, false>(stream, device, dy, T, k, d, row_of_slot, slot_of_row, R, nullptr,
-                                             nullptr, nullptr, drows);
+                                             nullptr, nullptr, drows, zero_padding);
   });
   return CheckCuda(e, "combine backward");
 }
