@@ -7,12 +7,19 @@
 //   batched  CUTLASS's stock batched kernel (L = E; one TMA descriptor per operand for the whole call)
 //   pingpong the same with the ping-pong schedule, 128x128 tiles (one warpgroup's epilogue under the
 //            other's main loop)
-//   ptrarray CUTLASS's ptr-array grouped kernel in the engine's configuration (its TMA descriptors rewritten
-//            whenever a CTA's next tile is in another group)
+//   ptrarray CUTLASS's ptr-array grouped kernel, cooperative 128x256 with a 2x1 cluster (its TMA descriptors
+//            rewritten whenever a CTA's next tile is in another group)
 //   ptrruns  the same with its persistent CTAs taking runs of `run` consecutive tiles (clusters) in place of
 //            every grid-th one, so that a CTA changes group (and descriptors) up to `run` times less often
 //   pingruns ptrruns with pingpong's schedule and tiles
+//   varlen   the engine's kernel: the ptr-array ping-pong kernel with jaxmlp's varlen main loop (ffi/cuda/
+//            gemm/cutlass_varlen_mainloop.cuh: one A descriptor over all rows, B one 3-D descriptor, no
+//            descriptor rewritten in the kernel), the ptr-array TMA epilogue (its D descriptor still
+//            rewritten per group)
+//   varnosmem the same with the epilogue storing from registers (no descriptor at all); kNN and kNT only
 // batched/ptrarray isolates the per-group cost of the ptr-array design; dense bounds any grouped design.
+// Run with run=1 (`cutlass_bounds E rows d f 1 1`), pingruns is CUTLASS's plain ptr-array ping-pong kernel,
+// the varlen kernels' baseline. The "step ms" row sums the products each kernel ran (varlen: not the kTN).
 // Products (row-major, as cutlass_grouped.h names them): FC1 x[c,d] w1[d,n1]; FC2 a[c,f] w2[f,d]; and the
 // backward's dgrads (kNT) and wgrads (kTN).
 //
@@ -39,7 +46,7 @@
   } while (0)
 
 enum Op { kNN = 0, kNT = 1, kTN = 2 };
-enum Impl { kBatched = 0, kPingpong = 1, kPtrArray = 2, kPtrRuns = 3, kPingRuns = 4, kImpls = 5 };
+enum Impl { kBatched = 0, kPingpong = 1, kPtrArray = 2, kPtrRuns = 3, kPingRuns = 4, kVarlen = 5, kVarNoSmem = 6, kImpls = 7 };
 
 // One product over E equal groups: problem (m, n, k) per group in CUTLASS's terms, packed operands.
 struct Problem {
@@ -62,6 +69,7 @@ bool RunCutlass(Impl impl, const Problem& p, void* workspace, size_t workspace_b
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "../../ffi/cuda/gemm/cutlass_varlen_mainloop.cuh"
 
 using namespace cute;
 using T = cutlass::bfloat16_t;
@@ -153,6 +161,13 @@ using PtrRuns = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm:
 using PingRuns = Config<Shape<_128, _128, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                         cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, RunGroupShape, true>::Gemm;
 
+template <class C>
+using VarlenGemm = cutlass::gemm::device::GemmUniversalAdapter<cutlass::gemm::kernel::GemmUniversal<
+    GroupShape, jaxmlp::cutlass_detail::VarlenMainloop<typename C::Mainloop>, typename C::Epilogue>>;
+template <class EpilogueSchedule>
+using PingPtr = Config<Shape<_128, _128, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                       EpilogueSchedule, GroupShape, true>;
+
 template <class Gemm>
 bool Finish(typename Gemm::Arguments& args, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   Gemm gemm;
@@ -235,6 +250,49 @@ static bool RunPtrArray(const Problem& p, void* workspace, size_t workspace_byte
   return Finish<Gemm>(args, workspace, workspace_bytes, stream);
 }
 
+// The varlen kernels: A's rows of all groups in one tensor (group g from row g * m), B one [E] batch of
+// matrices; the epilogue's per-group arrays as RunPtrArray writes them.
+template <class Gemm>
+static bool RunVarlen(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream, int sm_count) {
+  using K = typename Gemm::GemmKernel;
+  using SD = typename K::InternalStrideD;
+  static char* arrays = nullptr;
+  static Problem written{};
+  const int E = p.E;
+  if (!arrays) CK(cudaMalloc(&arrays, size_t(16) << 20));
+  char* w = arrays;
+  const bool write = std::memcmp(&written, &p, sizeof p) != 0;
+  written = p;
+  auto put = [&](const auto& v) {
+    const size_t bytes = v.size() * sizeof(v[0]);
+    if (write) CK(cudaMemcpy(w, v.data(), bytes, cudaMemcpyHostToDevice));
+    void* at = w;
+    w += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  std::vector<GroupShape::UnderlyingProblemShape> shapes(E, {p.m, p.n, p.k});
+  std::vector<T*> d(E);
+  std::vector<int64_t> offsets(E);
+  for (int g = 0; g < E; ++g) d[g] = reinterpret_cast<T*>(p.D) + size_t(g) * p.m * p.n, offsets[g] = int64_t(g) * p.m;
+  std::vector<SD> sd(E, cutlass::make_cute_packed_stride(SD{}, make_shape(p.m, p.n, 1)));
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape.num_groups = E;
+  args.problem_shape.problem_shapes = static_cast<GroupShape::UnderlyingProblemShape*>(put(shapes));
+  args.problem_shape.host_problem_shapes = nullptr;
+  // kNN: B[g] is [k, n] (ld n); kNT: B[g] is stored [n, k] (ld k). A's rows are [m, k] in both.
+  args.mainloop = {reinterpret_cast<const T*>(p.A), int64_t(E) * p.m, p.k, reinterpret_cast<const T*>(p.B), E,
+                   p.op == kNN ? p.n : p.k, p.n, p.k, static_cast<const int64_t*>(put(offsets))};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = static_cast<const T**>(put(d));
+  args.epilogue.dC = static_cast<SD*>(put(sd));
+  args.epilogue.ptr_D = static_cast<T**>(put(d));
+  args.epilogue.dD = static_cast<SD*>(put(sd));
+  args.hw_info.sm_count = sm_count;
+  return Finish<Gemm>(args, workspace, workspace_bytes, stream);
+}
+
 static bool RunCutlassOp(Impl impl, const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   static int sm_count = [] { int c = 0; cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, 0); return c; }();
   switch (impl) {
@@ -242,7 +300,13 @@ static bool RunCutlassOp(Impl impl, const Problem& p, void* workspace, size_t wo
     case kPingpong: return RunBatched<Pingpong>(p, workspace, workspace_bytes, stream, sm_count);
     case kPtrArray: return RunPtrArray<PtrArray>(p, workspace, workspace_bytes, stream, sm_count);
     case kPtrRuns: return RunPtrArray<PtrRuns>(p, workspace, workspace_bytes, stream, sm_count);
-    default: return RunPtrArray<PingRuns>(p, workspace, workspace_bytes, stream, sm_count);
+    case kPingRuns: return RunPtrArray<PingRuns>(p, workspace, workspace_bytes, stream, sm_count);
+    default:
+      if constexpr (OP == kTN) return printf("  varlen: not for kTN\n"), false;
+      else if (impl == kVarlen)
+        return RunVarlen<VarlenGemm<PingPtr<cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>>>(p, workspace, workspace_bytes, stream, sm_count);
+      else
+        return RunVarlen<VarlenGemm<PingPtr<cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>>>(p, workspace, workspace_bytes, stream, sm_count);
   }
 }
 #define CAT2(a, b) a##b
@@ -253,7 +317,7 @@ bool CAT(RunCutlassOp, OP)(Impl impl, const Problem& p, void* w, size_t wb, cuda
 bool RunCutlassOp0(Impl, const Problem&, void*, size_t, cudaStream_t);
 bool RunCutlassOp1(Impl, const Problem&, void*, size_t, cudaStream_t);
 bool RunCutlassOp2(Impl, const Problem&, void*, size_t, cudaStream_t);
-static const char* kImplNames[] = {"batched", "pingpong", "ptrarray", "ptrruns", "pingruns"};
+static const char* kImplNames[] = {"batched", "pingpong", "ptrarray", "ptrruns", "pingruns", "varlen", "varnosmem"};
 bool RunCutlass(Impl impl, const Problem& p, void* w, size_t wb, cudaStream_t s) {
   switch (p.op) {
     case kNN: return RunCutlassOp0(impl, p, w, wb, s);

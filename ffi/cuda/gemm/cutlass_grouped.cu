@@ -8,13 +8,13 @@
 
 namespace jaxmlp {
 
-// Per SM the kernels keep a TMA descriptor (128 bytes) for each of A, B, C and D in the workspace: 1 MiB
-// covers 2048 SMs with room to spare.
+// Per SM the epilogue keeps a TMA descriptor (128 bytes) for each of C and D and each of its two consumer
+// warpgroups in the workspace: 1 MiB covers 2048 SMs.
 size_t CutlassWorkspaceBytes() { return size_t(1) << 20; }
 
 bool CutlassSupports(const GemmSpec& s) {
   const bool sixteen_bit = s.in_type == ffi::DataType::BF16 || s.in_type == ffi::DataType::F16;
-  const bool op = s.op == GemmOp::kNN || s.op == GemmOp::kNT || s.op == GemmOp::kTN;
+  const bool op = s.op == GemmOp::kNN || s.op == GemmOp::kNT;
   return sixteen_bit && s.out_type == s.in_type && op && s.K % 8 == 0 && s.N % 8 == 0 &&
          (s.beta == 0.0f || s.beta == 1.0f);
 }
@@ -37,10 +37,11 @@ bool CutlassPathAvailable(int device, std::string* reason) {
 #endif
 }
 
-ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, const CutlassProblems& problems,
-                      void** ptrs, void* workspace) {
+ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, int64_t rows,
+                      const int64_t* offsets, const CutlassProblems& problems, void** out_ptrs, void* workspace) {
 #ifndef JAXMLP_WITH_CUTLASS
-  (void)stream, (void)device, (void)s, (void)E, (void)problems, (void)ptrs, (void)workspace;
+  (void)stream, (void)device, (void)s, (void)E, (void)rows, (void)offsets, (void)problems, (void)out_ptrs;
+  (void)workspace;
   return ffi::Error::Internal("jaxmlp: built without the CUTLASS engine");
 #else
   if (!CutlassSupports(s)) return ffi::Error::Internal("jaxmlp: a product the CUTLASS engine does not serve");
@@ -48,16 +49,10 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   const int sm_count = MultiProcessorCount(device);
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
-  const CutlassLaunch l{stream, device, sm_count, E, s.in_type == ffi::DataType::BF16, &problems, ptrs, s.beta,
-                        workspace};
-  switch (s.op) {
-    case GemmOp::kNN:
-      return RunCutlassNN(l);
-    case GemmOp::kNT:
-      return RunCutlassNT(l);
-    default:
-      return RunCutlassTN(l);
-  }
+  const CutlassLaunch l{stream, device, sm_count,  E,         s.in_type == ffi::DataType::BF16,
+                        s.lhs,  s.rhs,  rows,      s.K,       s.N,
+                        offsets, &problems, out_ptrs, s.beta, workspace};
+  return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
 #endif
 }
 

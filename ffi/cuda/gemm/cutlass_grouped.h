@@ -1,15 +1,18 @@
 // jaxmlp's grouped GEMM engine on Hopper (sm_90a): CUTLASS 3.x's persistent, warp-specialized ptr-array
-// kernels (TMA loads, wgmma, TMA stores), which read each group's problem shape, pointers and leading
-// dimensions from device arrays that GroupedGemms' setup kernel writes, so a call never syncs and can be
-// captured in a CUDA graph. The kernels are instantiated from the headers of the nvidia-cutlass wheel (a
-// build requirement), one translation unit per GemmOp (cutlass_grouped_<op>.cu), for sm_90a only.
+// kernel (ping-pong: one consumer warpgroup's epilogue runs under the other's main loop; wgmma, TMA stores)
+// with a main loop of our own (cutlass_varlen_mainloop.cuh) that loads every group's operands through one TMA
+// descriptor per operand, so that no descriptor is rewritten inside the kernel. Group sizes stay on the
+// device: each group's problem shape, row offset and output pointer come from GroupedGemms' setup kernel, so
+// a call never syncs and can be captured in a CUDA graph. The kernels are instantiated from the headers of
+// the nvidia-cutlass wheel (a build requirement), one translation unit per GemmOp (cutlass_grouped_<op>.cu),
+// for sm_90a only.
 //
-// Each product runs as one CUTLASS grouped GEMM in row-major terms (problem M x N x K per group):
+// The engine serves the products whose ragged dimension is the rows (problem M x N x K per group, row-major):
 //   kNN: (c_g, N, K)  A = lhs rows [c_g, K] (K-major)     B = rhs[g] [K, N] (N-major)  D = out rows [c_g, N]
 //   kNT: (c_g, K, N)  A = lhs rows [c_g, N] (N-major: the reduction)  B = rhs[g] [K, N] (reduction-major)
-//   kTN: (K, N, c_g)  A = lhs rows^T (rows [c_g, K], M-major)  B = rhs rows [c_g, N] (N-major)  D = out[g]
-// A group with no rows gets the problem (0, N, K) (kTN: (0, N, 0)), which has no tiles: nothing is read or
-// written for it (kTN's out[g] is zeroed by GroupedGemms::ZeroEmptyGroups, as on the cuBLAS paths).
+// A group with no rows gets the problem (0, N, K), which has no tiles: nothing is read or written for it.
+// The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
+// ptr-array kernel at every measured shape (docs/performance.md, "The CUTLASS engine").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,33 +28,28 @@ namespace jaxmlp {
 struct GemmSpec;
 
 // The device arrays of one product that the setup kernel writes for the engine: per group the problem
-// shape (3 int32: M, N, K) and the leading dimensions of A, B and D (int64 each; the other strides of
-// CUTLASS's ptr-array layouts are static). The pointers are GroupArrays::ptrs' (A = ptrs[1], B = ptrs[0],
-// D = ptrs[2]: cuBLAS's column-major view swaps the operands).
+// shape (3 int32: M, N, K) and the leading dimension of D (int64; the other strides of CUTLASS's ptr-array
+// layout are static). The output pointers are GroupArrays::ptrs' D (ptrs[2]); the operands' rows start at
+// GroupArrays::offsets.
 struct CutlassProblems {
   int32_t* shapes;  // [E][3]
-  int64_t* lds;     // [3][E]: A, B, D
+  int64_t* ldd;     // [E]
 };
 
-// Writes product s's problem and leading dimensions of group g (c rows) into p; called by the setup kernel.
-__host__ __device__ inline void WriteCutlassProblem(const CutlassProblems& p, int64_t E, int64_t g, int64_t c,
-                                                    GemmOp op, int64_t K, int64_t N) {
-  int64_t m, n, k, lda, ldb, ldd;
-  switch (op) {
-    case GemmOp::kNN: m = c, n = N, k = K, lda = K, ldb = N, ldd = N; break;
-    case GemmOp::kNT: m = c, n = K, k = N, lda = N, ldb = N, ldd = K; break;
-    default:          m = K, n = N, k = c, lda = K, ldb = N, ldd = N; break;  // kTN
-  }
-  if (c == 0) m = 0;  // no tiles
-  p.shapes[3 * g + 0] = int32_t(m), p.shapes[3 * g + 1] = int32_t(n), p.shapes[3 * g + 2] = int32_t(k);
-  p.lds[0 * E + g] = lda, p.lds[1 * E + g] = ldb, p.lds[2 * E + g] = ldd;
+// Writes product s's problem of group g (c rows) into p; called by the setup kernel for kNN and kNT.
+__host__ __device__ inline void WriteCutlassProblem(const CutlassProblems& p, int64_t g, int64_t c, GemmOp op,
+                                                    int64_t K, int64_t N) {
+  const int64_t n = op == GemmOp::kNN ? N : K, k = op == GemmOp::kNN ? K : N;
+  p.shapes[3 * g + 0] = int32_t(c), p.shapes[3 * g + 1] = int32_t(n), p.shapes[3 * g + 2] = int32_t(k);
+  p.ldd[g] = n;
 }
 
-// Bytes of the engine's kernel workspace (its per-SM TMA descriptors), an upper bound for any device.
+// Bytes of the engine's kernel workspace (its epilogue's per-SM TMA descriptors), an upper bound for any
+// device.
 size_t CutlassWorkspaceBytes();
 
-// Whether the engine serves product s: 16-bit inputs with the output in the same type, kNN, kNT or kTN,
-// K and N multiples of 8 (16-byte rows for TMA), beta 0 or 1. Others run on cuBLASLt.
+// Whether the engine serves product s: 16-bit inputs with the output in the same type, kNN or kNT, K and N
+// multiples of 8 (16-byte rows for TMA), beta 0 or 1. Others run on cuBLASLt.
 bool CutlassSupports(const GemmSpec& s);
 
 // Whether the engine can run on CUDA device `device` (compute capability 9.0 and a build that holds its
@@ -64,8 +62,12 @@ struct CutlassLaunch {
   int device, sm_count;
   int64_t E;
   bool bf16;  // else float16
+  const void* lhs;  // [rows, K] (kNN) or [rows, N] (kNT), the groups' rows in order
+  const void* rhs;  // [E, K, N]
+  int64_t rows, K, N;
+  const int64_t* offsets;  // [E] each group's first row of lhs and out
   const CutlassProblems* problems;
-  void** ptrs;  // [3][E]: cuBLAS's A (our B), B (our A), D
+  void** out_ptrs;  // [E] each group's first output row
   float beta;
   void* workspace;
 };
@@ -73,11 +75,10 @@ struct CutlassLaunch {
 // The kernels of each op (cutlass_grouped_<op>.cu), built with CUTLASS's headers.
 ffi::Error RunCutlassNN(const CutlassLaunch& l);
 ffi::Error RunCutlassNT(const CutlassLaunch& l);
-ffi::Error RunCutlassTN(const CutlassLaunch& l);
 
-// Enqueues product s over E groups on `stream`: problems as the setup kernel wrote them, ptrs the product's
-// [3][E] pointer array, workspace of CutlassWorkspaceBytes().
-ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, const CutlassProblems& problems,
-                      void** ptrs, void* workspace);
+// Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote
+// them, out_ptrs the product's [E] output pointers, workspace of CutlassWorkspaceBytes().
+ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, int64_t rows,
+                      const int64_t* offsets, const CutlassProblems& problems, void** out_ptrs, void* workspace);
 
 }  // namespace jaxmlp

@@ -1,6 +1,6 @@
-// The engine's kernels (cutlass_grouped.h): CUTLASS 3.x grouped GEMMs built from its collective builders,
-// and their launch from the device arrays of one product. Included by the per-op translation units only
-// (cutlass_grouped_<op>.cu), which are compiled for sm_90a alone.
+// The engine's kernels (cutlass_grouped.h): CUTLASS 3.x's ptr-array grouped kernel with jaxmlp's varlen main
+// loop (cutlass_varlen_mainloop.cuh), and their launch from the device arrays of one product. Included by
+// the per-op translation units only (cutlass_grouped_<op>.cu), which are compiled for sm_90a alone.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,6 +18,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cuda/gemm/cutlass_varlen_mainloop.cuh"
 
 namespace jaxmlp {
 
@@ -25,17 +26,17 @@ namespace cutlass_detail {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
-// The tile configuration: two consumer warpgroups share a 128x256 output tile (cooperative), a cluster of two
-// CTAs along M shares B's loads (TMA multicast): of the three measured, the best over a whole MLP step
-// (docs/performance.md, "The CUTLASS engine").
-struct Cooperative128x256 {
-  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+// The tile configuration: 128x128 output tiles, two consumer warpgroups taking turns (ping-pong: one's
+// epilogue under the other's main loop), a cluster of two CTAs along M sharing B's loads (TMA multicast).
+// With the varlen main loop, the best of those measured (docs/performance.md, "The CUTLASS engine").
+struct Pingpong128x128 {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-// The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major.
+// The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged.
 template <typename T, typename LayoutA, typename LayoutB, typename Config>
 struct Grouped {
   static constexpr int kAlign = 8;  // 16 bytes: rows of K and N multiples of 8 (CutlassSupports)
@@ -44,17 +45,17 @@ struct Grouped {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, cutlass::layout::RowMajor*, kAlign, T,
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
       typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, VarlenMainloop<PtrArrayMainloop>, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// The setup kernel writes one int64 leading dimension per group and operand, and three int32 per problem:
-// each ptr-array stride must be that one int64 (its other modes static), each problem shape three ints.
+// The setup kernel writes one int64 leading dimension of D per group, and three int32 per problem: the
+// ptr-array stride of D must be that one int64 (its other modes static), each problem shape three ints.
 template <typename Stride>
 constexpr bool kOneLeadingDim = sizeof(Stride) == sizeof(int64_t);
 static_assert(sizeof(ProblemShape::UnderlyingProblemShape) == 3 * sizeof(int32_t));
@@ -66,31 +67,29 @@ inline ffi::Error Check(cutlass::Status st, const char* what) {
 }
 
 // Launches Gemm over the product's arrays. The problem shapes live on the device only, so the kernel's
-// persistent scheduler walks the groups there (no host copy of the group sizes).
+// persistent scheduler walks the groups there (no host copy of the group sizes). CUTLASS's (N, K) of a
+// group: kNN (N, K), B = rhs[g] [K, N] N-major; kNT (K, N), B = rhs[g] [K, N] read as [K rows of N]. In both
+// B's leading dimension is N and A's rows are CUTLASS's K long.
 template <typename Gemm>
-ffi::Error Launch(const CutlassLaunch& l) {
+ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   using Kernel = typename Gemm::GemmKernel;
   using ElementA = typename Gemm::ElementA;
   using ElementB = typename Gemm::ElementB;
   using ElementD = typename Gemm::ElementD;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
-  static_assert(kOneLeadingDim<StrideA> && kOneLeadingDim<StrideB> && kOneLeadingDim<StrideD>);
-  const int64_t E = l.E;
+  static_assert(kOneLeadingDim<StrideD>);
+  const int64_t E = l.E, n = nt ? l.K : l.N, k = nt ? l.N : l.K;
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {int(E), reinterpret_cast<ProblemShape::UnderlyingProblemShape*>(l.problems->shapes), nullptr};
-  args.mainloop.ptr_A = static_cast<const ElementA**>(static_cast<void*>(l.ptrs + 1 * E));
-  args.mainloop.dA = reinterpret_cast<StrideA*>(l.problems->lds + 0 * E);
-  args.mainloop.ptr_B = static_cast<const ElementB**>(static_cast<void*>(l.ptrs + 0 * E));
-  args.mainloop.dB = reinterpret_cast<StrideB*>(l.problems->lds + 1 * E);
+  args.mainloop = {static_cast<const ElementA*>(l.lhs), l.rows, k, static_cast<const ElementB*>(l.rhs), E, l.N, n, k,
+                   l.offsets};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = l.beta;
-  args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.ptrs + 2 * E));
-  args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->lds + 2 * E);
-  args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.ptrs + 2 * E);
-  args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->lds + 2 * E);
+  args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.out_ptrs));
+  args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->ldd);
+  args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
+  args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
   args.hw_info.device_id = l.device;
   args.hw_info.sm_count = l.sm_count;
   if (Gemm::get_workspace_size(args) > CutlassWorkspaceBytes())
@@ -105,10 +104,10 @@ ffi::Error Launch(const CutlassLaunch& l) {
 
 // The body of RunCutlass<op>: bfloat16 or float16.
 template <typename LayoutA, typename LayoutB>
-ffi::Error LaunchLayouts(const CutlassLaunch& l) {
+ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (l.bf16) return Launch<typename Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Cooperative128x256>::Gemm>(l);
-  return Launch<typename Grouped<cutlass::half_t, LayoutA, LayoutB, Cooperative128x256>::Gemm>(l);
+  if (l.bf16) return Launch<typename Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128>::Gemm>(l, nt);
+  return Launch<typename Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128>::Gemm>(l, nt);
 }
 
 }  // namespace jaxmlp

@@ -5,7 +5,7 @@
 namespace jaxmlp {
 
 ffi::Error RunCutlassNN(const CutlassLaunch& l) {
-  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::RowMajor>(l);
+  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::RowMajor>(l, /*nt=*/false);
 }
 
 }  // namespace jaxmlp

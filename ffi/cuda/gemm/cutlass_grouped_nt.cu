@@ -6,7 +6,7 @@
 namespace jaxmlp {
 
 ffi::Error RunCutlassNT(const CutlassLaunch& l) {
-  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>(l);
+  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>(l, /*nt=*/true);
 }
 
 }  // namespace jaxmlp

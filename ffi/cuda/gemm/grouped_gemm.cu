@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(32 * kWarps) SetupKernel(SetupParams p) {
       p.out.scale_ptrs[(i * 2 + 1) * E + slot] = const_cast<void*>(scale_b);
     }
     for (int i = 0; i < p.num_gemms; ++i)
-      if (p.out.cutlass[i].shapes) WriteCutlassProblem(p.out.cutlass[i], p.E, g, count, p.gemms[i].op, p.gemms[i].K,
+      if (p.out.cutlass[i].shapes) WriteCutlassProblem(p.out.cutlass[i], g, count, p.gemms[i].op, p.gemms[i].K,
                                                        p.gemms[i].N);
   });
 }
@@ -175,7 +175,7 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   for (CutlassProblems& c : arrays_.cutlass) {
     const bool engine = path == GemmPath::kCutlass;
     c.shapes = engine ? ws.Take<int32_t>(3 * E) : nullptr;
-    c.lds = engine ? ws.Take<int64_t>(3 * E) : nullptr;
+    c.ldd = engine ? ws.Take<int64_t>(E) : nullptr;
   }
   cutlass_ws_ = path == GemmPath::kCutlass ? ws.Take<char>(CutlassWorkspaceBytes()) : nullptr;
 }
@@ -269,7 +269,8 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
 
 ffi::Error GroupedGemms::RunCutlassOrGrouped(const GemmSpec& s, int i) {
   if (!CutlassSupports(s)) return RunGrouped(s, i);
-  return RunCutlass(stream_, device_, s, E_, arrays_.cutlass[i], arrays_.ptrs + i * 3 * E_, cutlass_ws_);
+  return RunCutlass(stream_, device_, s, E_, M_, arrays_.offsets, arrays_.cutlass[i], arrays_.ptrs + (i * 3 + 2) * E_,
+                    cutlass_ws_);
 }
 
 ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {

@@ -9,7 +9,8 @@
 //             the host (one sync per call). For a cuBLAS without the grouped GEMM (before 13.4 on Hopper,
 //             13.3 on Blackwell; any on other GPUs), float32, and row lengths not multiples of 8.
 //   kCutlass  jaxmlp's CUTLASS engine on Hopper (cutlass_grouped.h): dims and pointers on the device as for
-//             kGrouped; the products it does not serve (FP8, a float32 output) run on cuBLASLt's.
+//             kGrouped; the products it does not serve (the weight gradients, FP8, a float32 output) run
+//             on cuBLASLt's.
 //   kTiled    jaxmlp's own kernel (tiled_gemm.h) for small problems, where cuBLAS's fixed cost per
 //             product dominates: no setup kernel, no sync, no zeroing kernel, independent products in
 //             one launch.

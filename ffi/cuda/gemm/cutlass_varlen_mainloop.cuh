@@ -1,0 +1,188 @@
+// A main loop for CUTLASS's ptr-array grouped kernels in which no TMA descriptor is rewritten inside the
+// kernel. The ptr-array main loop gives every group its own A and B descriptors, rewritten (in shared memory,
+// then copied to global memory behind a proxy fence) whenever a CTA's next tile lies in another group, which
+// with many small groups is nearly every tile. Here each operand is one tensor for the whole call:
+//   A: the rows of every group, one 2-D descriptor over all of them (rows sorted by group, so group g's rows
+//      are rows [offsets[g], offsets[g] + M_g)); a tile of group g loads from row offsets[g] + m * BLK_M on.
+//      Rows past the group's end belong to the next group (or are past the tensor, where TMA fills zeros):
+//      they only reach accumulator rows that the epilogue does not store (the problem's M is M_g).
+//   B: one 3-D descriptor over the groups' matrices (N, K, groups), a tile of group g at batch coordinate g.
+// A group change moves only the coordinates (tensors_perform_update); the kernel's tensormap hooks are empty.
+// This serves the products whose ragged dimension is M (kNN, kNT); the reduction K is the same for all groups.
+// The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored).
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+namespace jaxmlp::cutlass_detail {
+
+// The TMA copy of one operand, (mn, k, l) with the given strides, loading (tile mode kMode, K) boxes into one
+// stage of SmemLayout, multicast over the cluster's mode kMulticastMode.
+template <class TileShape, class ClusterShape, class GmemCopy, class SmemLayout, int kMode, int kMulticastMode,
+          class Element, class Stride>
+auto MakeOperandTma(Element const* ptr, int32_t mn, int32_t k, int32_t l, Stride stride) {
+  auto tensor = cute::make_tensor(ptr, cute::make_layout(cute::make_shape(mn, k, l), stride));
+  return cute::make_tma_copy(GmemCopy{}, tensor, SmemLayout{}(cute::_, cute::_, cute::Int<0>{}),
+                             cute::make_shape(cute::shape<kMode>(TileShape{}), cute::shape<2>(TileShape{})),
+                             cute::size<kMulticastMode>(ClusterShape{}));
+}
+
+// Base: the CollectiveMma that CUTLASS's builder makes for a ptr-array kernel (its pipeline, shared memory
+// layouts and wgmma consumer are kept; its loads and operand descriptors are replaced).
+template <class Base>
+struct VarlenMainloop : Base {
+  using typename Base::ElementA;
+  using typename Base::ElementB;
+  using typename Base::GmemTiledCopyA;
+  using typename Base::GmemTiledCopyB;
+  using typename Base::InternalElementA;
+  using typename Base::InternalElementB;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+
+  // The operands' strides with a dynamic batch mode: (M, K, 1) for A, (N, K, groups) for B. The ptr-array
+  // strides have the batch mode static; one of M/N and K is the static unit stride, the other the leading
+  // dimension.
+  using StrideA3 = decltype(cute::replace<2>(typename Base::InternalStrideA{}, int64_t{}));
+  using StrideB3 = decltype(cute::replace<2>(typename Base::InternalStrideB{}, int64_t{}));
+  template <class Stride>
+  static Stride MakeStride(int64_t ld, int64_t batch) {
+    Stride s{};
+    if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(s))>>::value) cute::get<1>(s) = ld;
+    else cute::get<0>(s) = ld;
+    cute::get<2>(s) = batch;
+    return s;
+  }
+
+  // A multicasts along the cluster's N mode (its tile is shared by the CTAs of one M), B along M.
+  using TmaA = decltype(MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyA, SmemLayoutA, 0, 1>(
+      static_cast<InternalElementA const*>(nullptr), 0, 0, 0, StrideA3{}));
+  using TmaB = decltype(MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyB, SmemLayoutB, 1, 0>(
+      static_cast<InternalElementB const*>(nullptr), 0, 0, 0, StrideB3{}));
+
+  struct Arguments {
+    ElementA const* A;          // [rows, K] or its transpose per the layout, leading dimension lda
+    int64_t rows, lda;
+    ElementB const* B;          // groups x (N, K), each packed, leading dimension ldb
+    int64_t groups, ldb;
+    int64_t N, K;               // CUTLASS's N and K of every group
+    int64_t const* offsets;     // [groups] the first row of each group in A (device)
+  };
+
+  struct Params : Base::Params {
+    TmaA tma_a;
+    TmaB tma_b;
+    int32_t rows, N, K, groups;
+    int64_t const* offsets;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    Params p{};
+    p.tma_a = MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyA, SmemLayoutA, 0, 1>(
+        reinterpret_cast<InternalElementA const*>(args.A), int32_t(args.rows), int32_t(args.K), 1,
+        MakeStride<StrideA3>(args.lda, 0));
+    p.tma_b = MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyB, SmemLayoutB, 1, 0>(
+        reinterpret_cast<InternalElementB const*>(args.B), int32_t(args.N), int32_t(args.K), int32_t(args.groups),
+        MakeStride<StrideB3>(args.ldb, args.N * args.K));
+    p.tma_transaction_bytes = Base::TmaTransactionBytes;
+    p.rows = int32_t(args.rows), p.N = int32_t(args.N), p.K = int32_t(args.K), p.groups = int32_t(args.groups);
+    p.offsets = args.offsets;
+    return p;
+  }
+
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) { return 0; }
+
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  // TMA: 16-byte aligned base addresses and leading dimensions.
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    constexpr int kA = 128 / cutlass::sizeof_bits<ElementA>::value, kB = 128 / cutlass::sizeof_bits<ElementB>::value;
+    return reinterpret_cast<uintptr_t>(args.A) % 16 == 0 && reinterpret_cast<uintptr_t>(args.B) % 16 == 0 &&
+           args.lda % kA == 0 && args.ldb % kB == 0 && args.rows < (int64_t(1) << 31) && args.groups > 0;
+  }
+
+  // The tiled coordinate tensors of group `group`, whose rows start at row `row` of A:
+  // (BLK_M, BLK_K, m, k, 1) and (BLK_N, BLK_K, n, k, 1) as the kernel expects them (it slices batch 0).
+  CUTLASS_DEVICE static auto Tiles(Params const& p, int32_t row, int32_t group) {
+    using namespace cute;
+    using X = Underscore;
+    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.K, int32_t(1)));
+    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.N, p.K, p.groups));
+    Tensor gA = local_tile(domain_offset(make_coord(row, int32_t(0), int32_t(0)), mA), TileShape{},
+                           make_coord(_, _, _), Step<_1, X, _1>{});
+    Tensor gB = local_tile(domain_offset(make_coord(int32_t(0), int32_t(0), group), mB), TileShape{},
+                           make_coord(_, _, _), Step<X, _1, _1>{});
+    return make_tuple(gA, gB);
+  }
+
+  template <class ProblemShapeMNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const&, Params const& p) const { return Tiles(p, 0, 0); }
+
+  template <class Inputs, class ProblemShapeMNKL>
+  CUTLASS_DEVICE Inputs tensors_perform_update(Inputs const&, Params const& p, ProblemShapeMNKL const&, int32_t group) {
+    return Tiles(p, int32_t(p.offsets[group]), group);
+  }
+
+  // The kernel's tensormap hooks: nothing to rewrite.
+  CUTLASS_DEVICE auto tensormaps_init(Params const&, typename Base::TensorMapStorage&, int32_t, int32_t) {
+    return cute::make_tuple(static_cast<cute::TmaDescriptor const*>(nullptr), static_cast<cute::TmaDescriptor const*>(nullptr));
+  }
+  template <class TensorMaps, class ProblemShapeMNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(typename Base::TensorMapStorage&, Params const&, TensorMaps const&,
+                                                ProblemShapeMNKL, int32_t) {}
+  template <class TensorMaps>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(typename Base::TensorMapStorage&, TensorMaps const&) {}
+  template <class TensorMaps>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMaps const&) {}
+
+  // The producer: k_tile_count k-tiles of the tile at blk_coord (m, n, _, 0) into the pipeline's stages, A and
+  // B of one stage behind one transaction barrier. One elected thread issues the copies.
+  template <class TensorA, class TensorB, class TensorMaps, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState stage,
+                           cute::tuple<TensorA, TensorB> const& inputs, TensorMaps const&, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int, uint32_t block_rank_in_cluster,
+                           TensorStorage& storage) {
+    using namespace cute;
+    if (!elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+    constexpr uint32_t cluster_m = size<0>(ClusterShape{});
+    const uint32_t in_m = block_rank_in_cluster % cluster_m, in_n = block_rank_in_cluster / cluster_m;
+    auto tma_a = p.tma_a.get_slice(in_n);
+    auto tma_b = p.tma_b.get_slice(in_m);
+    auto [m, n, k, l] = blk_coord;
+    Tensor tAgA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA, TMA_M, TMA_K, k)
+    Tensor tAsA = tma_a.partition_D(sA);                             // (TMA, TMA_M, TMA_K, PIPE)
+    Tensor tBgB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
+    Tensor tBsB = tma_b.partition_D(sB);
+    // A tile of A is shared by the cluster's CTAs of the same M (along N), one of B by those of the same N.
+    uint16_t mask_a = 0, mask_b = 0;
+    auto cluster = Layout<ClusterShape>{};  // (m, n) -> block rank
+    if constexpr (is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>)
+      for (int j = 0; j < size<1>(cluster); ++j) mask_a |= uint16_t(1) << cluster(in_m, j, Int<0>{});
+    if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>)
+      for (int i = 0; i < size<0>(cluster); ++i) mask_b |= uint16_t(1) << cluster(i, in_n, Int<0>{});
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count, ++k_tile_iter, ++stage) {
+      pipeline.producer_acquire(stage);
+      auto* barrier = pipeline.producer_get_barrier(stage);
+      copy(p.tma_a.with(*barrier, mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage.index()));
+      copy(p.tma_b.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage.index()));
+    }
+  }
+};
+
+}  // namespace jaxmlp::cutlass_detail
