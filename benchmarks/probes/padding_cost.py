@@ -27,20 +27,22 @@ from timing import measure_alternating  # noqa: E402
 
 
 def mlp_step(rows, buffer_rows, experts, d, f, dtype, fp8, zero_padding=True):
-  """call(i): fwd+bwd of the layer's expert path, dispatch -> grouped_mlp -> combine, over `rows` rows (one
-  choice a token) in equal groups, in a buffer of `buffer_rows` (a capacity of buffer_rows / experts):
-  the padding rows cost what they cost in the layer, whose combine reads only the rows that choices hold."""
+  """call(i): fwd+bwd of the layer's expert path, dispatch -> grouped_mlp -> combine, as one device of the
+  expert-parallel layer runs it: over `buffer_rows` tokens (one choice each, the gathered tokens of every
+  device) of which `rows` choose this device's experts, in equal groups, and the others another device's
+  (an expert id past the local ones: dropped, no row). The dispatched buffer has a row per choice, so the
+  rows past the groups are padding; buffer_rows == rows is the exact case."""
   keys = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(keys[0], (rows, d), dtype)
-  dy = jax.random.normal(keys[1], (rows, d), dtype)
+  x = jax.random.normal(keys[0], (buffer_rows, d), dtype)
+  dy = jax.random.normal(keys[1], (buffer_rows, d), dtype)
   w1 = jax.random.normal(keys[2], (experts, d, 2 * f), dtype) / d**0.5
   w2 = jax.random.normal(keys[3], (experts, f, d), dtype) / f**0.5
-  choices = (jnp.arange(rows, dtype=jnp.int32) * experts // rows)[:, None]  # sorted, equal groups
-  capacity = None if buffer_rows == rows else buffer_rows // experts
+  local = jnp.arange(rows, dtype=jnp.int32) * experts // rows  # sorted, equal groups
+  choices = jnp.concatenate([local, jnp.full((buffer_rows - rows,), experts, jnp.int32)])[:, None]
   recipe = fp8 and jaxmlp.Fp8Recipe(fp8, when="always")
 
   def loss(x, w1, w2):
-    x_rows, sizes, plan = jaxmlp.dispatch.dispatch(x, choices, experts, capacity=capacity, zero_padding=zero_padding)
+    x_rows, sizes, plan = jaxmlp.dispatch.dispatch(x, choices, experts, zero_padding=zero_padding)
     y_rows = jaxmlp.grouped_mlp(x_rows, w1, w2, sizes, fp8=recipe, zero_padding=zero_padding)
     y = jaxmlp.dispatch.combine(y_rows, plan, zero_padding=zero_padding)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
