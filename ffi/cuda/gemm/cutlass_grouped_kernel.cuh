@@ -90,6 +90,10 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->ldd);
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
   args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
+  // Consecutive tiles along N: the CTAs at work together share A's rows and read each group's weights
+  // (at most a few MB) from L2, where along M a large group's rows were read again for every column of
+  // tiles (skewed routing at dsv3: 0.92x cuBLASLt along M, 0.96x along N; balanced routing unchanged).
+  args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongN;
   args.hw_info.device_id = l.device;
   args.hw_info.sm_count = l.sm_count;
   if (Gemm::get_workspace_size(args) > CutlassWorkspaceBytes())
