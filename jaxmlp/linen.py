@@ -155,7 +155,7 @@ class MoE(nn.Module):
                    capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
                    z_loss_coef=self.z_loss_coef,
                    # Padding rows unwritten where the experts do not read them (see jaxmlp.nnx.MoE).
-                   zero_padding=self.impl != "jaxmlp" or self.fp8 is not None)
+                   zero_padding=self.impl != "jaxmlp")
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
     if devices > 1:
       if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
