@@ -198,12 +198,12 @@ bool RunBatched(const Problem& p, void* workspace, size_t workspace_bytes, cudaS
 }
 
 // The ptr-array arrays (pointers, strides, problem shapes) in an allocation of their own, written when the
-// problem changes: the timed launches, like the engine's, hold the CUTLASS launch alone.
-template <class Gemm>
+// problem changes: the timed launches, like the engine's, hold the CUTLASS launch alone. kVarlen: the varlen
+// kernels, whose main loop takes A's rows of all groups as one tensor (group g from row g * m) and B as one
+// [E] batch of matrices; the epilogue's per-group arrays are the same.
+template <class Gemm, bool kVarlen = false>
 static bool RunPtrArray(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream, int sm_count) {
   using K = typename Gemm::GemmKernel;
-  using SA = typename K::InternalStrideA;
-  using SB = typename K::InternalStrideB;
   using SD = typename K::InternalStrideD;
   static char* arrays = nullptr;
   static Problem written{};
@@ -220,69 +220,36 @@ static bool RunPtrArray(const Problem& p, void* workspace, size_t workspace_byte
     return at;
   };
   std::vector<GroupShape::UnderlyingProblemShape> shapes(E, {p.m, p.n, p.k});
-  std::vector<const T*> a(E), b(E);
   std::vector<T*> d(E);
-  for (int g = 0; g < E; ++g) {
-    a[g] = reinterpret_cast<const T*>(p.A) + size_t(g) * p.m * p.k;
-    b[g] = reinterpret_cast<const T*>(p.B) + size_t(g) * p.n * p.k;
-    d[g] = reinterpret_cast<T*>(p.D) + size_t(g) * p.m * p.n;
+  for (int g = 0; g < E; ++g) d[g] = reinterpret_cast<T*>(p.D) + size_t(g) * p.m * p.n;
+  std::vector<SD> sd(E, cutlass::make_cute_packed_stride(SD{}, make_shape(p.m, p.n, 1)));
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape.num_groups = E;
+  args.problem_shape.problem_shapes = static_cast<GroupShape::UnderlyingProblemShape*>(put(shapes));
+  args.problem_shape.host_problem_shapes = nullptr;
+  if constexpr (kVarlen) {
+    std::vector<int64_t> offsets(E);
+    for (int g = 0; g < E; ++g) offsets[g] = int64_t(g) * p.m;
+    // kNN: B[g] is [k, n] (ld n); kNT: B[g] is stored [n, k] (ld k). A's rows are [m, k] in both.
+    args.mainloop = {reinterpret_cast<const T*>(p.A), int64_t(E) * p.m, p.k, reinterpret_cast<const T*>(p.B), E,
+                     p.op == kNN ? p.n : p.k, p.n, p.k, static_cast<const int64_t*>(put(offsets))};
+  } else {
+    using SA = typename K::InternalStrideA;
+    using SB = typename K::InternalStrideB;
+    std::vector<const T*> a(E), b(E);
+    for (int g = 0; g < E; ++g) {
+      a[g] = reinterpret_cast<const T*>(p.A) + size_t(g) * p.m * p.k;
+      b[g] = reinterpret_cast<const T*>(p.B) + size_t(g) * p.n * p.k;
+    }
+    std::vector<SA> sa(E, cutlass::make_cute_packed_stride(SA{}, make_shape(p.m, p.k, 1)));
+    std::vector<SB> sb(E, cutlass::make_cute_packed_stride(SB{}, make_shape(p.n, p.k, 1)));
+    if constexpr (std::is_same_v<typename K::ProblemShape, RunGroupShape>) args.problem_shape.run = p.run;
+    args.mainloop.ptr_A = static_cast<const T**>(put(a));
+    args.mainloop.dA = static_cast<SA*>(put(sa));
+    args.mainloop.ptr_B = static_cast<const T**>(put(b));
+    args.mainloop.dB = static_cast<SB*>(put(sb));
   }
-  std::vector<SA> sa(E, cutlass::make_cute_packed_stride(SA{}, make_shape(p.m, p.k, 1)));
-  std::vector<SB> sb(E, cutlass::make_cute_packed_stride(SB{}, make_shape(p.n, p.k, 1)));
-  std::vector<SD> sd(E, cutlass::make_cute_packed_stride(SD{}, make_shape(p.m, p.n, 1)));
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape.num_groups = E;
-  args.problem_shape.problem_shapes = static_cast<GroupShape::UnderlyingProblemShape*>(put(shapes));
-  args.problem_shape.host_problem_shapes = nullptr;
-  if constexpr (std::is_same_v<typename K::ProblemShape, RunGroupShape>) args.problem_shape.run = p.run;
-  args.mainloop.ptr_A = static_cast<const T**>(put(a));
-  args.mainloop.dA = static_cast<SA*>(put(sa));
-  args.mainloop.ptr_B = static_cast<const T**>(put(b));
-  args.mainloop.dB = static_cast<SB*>(put(sb));
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = static_cast<const T**>(put(d));
-  args.epilogue.dC = static_cast<SD*>(put(sd));
-  args.epilogue.ptr_D = static_cast<T**>(put(d));
-  args.epilogue.dD = static_cast<SD*>(put(sd));
-  args.hw_info.sm_count = sm_count;
-  return Finish<Gemm>(args, workspace, workspace_bytes, stream);
-}
-
-// The varlen kernels: A's rows of all groups in one tensor (group g from row g * m), B one [E] batch of
-// matrices; the epilogue's per-group arrays as RunPtrArray writes them.
-template <class Gemm>
-static bool RunVarlen(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream, int sm_count) {
-  using K = typename Gemm::GemmKernel;
-  using SD = typename K::InternalStrideD;
-  static char* arrays = nullptr;
-  static Problem written{};
-  const int E = p.E;
-  if (!arrays) CK(cudaMalloc(&arrays, size_t(16) << 20));
-  char* w = arrays;
-  const bool write = std::memcmp(&written, &p, sizeof p) != 0;
-  written = p;
-  auto put = [&](const auto& v) {
-    const size_t bytes = v.size() * sizeof(v[0]);
-    if (write) CK(cudaMemcpy(w, v.data(), bytes, cudaMemcpyHostToDevice));
-    void* at = w;
-    w += (bytes + 255) / 256 * 256;
-    return at;
-  };
-  std::vector<GroupShape::UnderlyingProblemShape> shapes(E, {p.m, p.n, p.k});
-  std::vector<T*> d(E);
-  std::vector<int64_t> offsets(E);
-  for (int g = 0; g < E; ++g) d[g] = reinterpret_cast<T*>(p.D) + size_t(g) * p.m * p.n, offsets[g] = int64_t(g) * p.m;
-  std::vector<SD> sd(E, cutlass::make_cute_packed_stride(SD{}, make_shape(p.m, p.n, 1)));
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape.num_groups = E;
-  args.problem_shape.problem_shapes = static_cast<GroupShape::UnderlyingProblemShape*>(put(shapes));
-  args.problem_shape.host_problem_shapes = nullptr;
-  // kNN: B[g] is [k, n] (ld n); kNT: B[g] is stored [n, k] (ld k). A's rows are [m, k] in both.
-  args.mainloop = {reinterpret_cast<const T*>(p.A), int64_t(E) * p.m, p.k, reinterpret_cast<const T*>(p.B), E,
-                   p.op == kNN ? p.n : p.k, p.n, p.k, static_cast<const int64_t*>(put(offsets))};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   args.epilogue.ptr_C = static_cast<const T**>(put(d));
@@ -304,9 +271,11 @@ static bool RunCutlassOp(Impl impl, const Problem& p, void* workspace, size_t wo
     default:
       if constexpr (OP == kTN) return printf("  varlen: not for kTN\n"), false;
       else if (impl == kVarlen)
-        return RunVarlen<VarlenGemm<PingPtr<cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>>>(p, workspace, workspace_bytes, stream, sm_count);
+        return RunPtrArray<VarlenGemm<PingPtr<cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>>, true>(
+            p, workspace, workspace_bytes, stream, sm_count);
       else
-        return RunVarlen<VarlenGemm<PingPtr<cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>>>(p, workspace, workspace_bytes, stream, sm_count);
+        return RunPtrArray<VarlenGemm<PingPtr<cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>>, true>(
+            p, workspace, workspace_bytes, stream, sm_count);
   }
 }
 #define CAT2(a, b) a##b
