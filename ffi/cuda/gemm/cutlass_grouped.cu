@@ -8,8 +8,8 @@
 
 namespace jaxmlp {
 
-// Per SM the epilogue keeps a TMA descriptor (128 bytes) for each of C and D and each of its two consumer
-// warpgroups in the workspace: 1 MiB covers 2048 SMs.
+// Per SM the epilogue keeps three TMA descriptors (128 bytes each: C, and D for each of its two consumer
+// warpgroups) in the workspace: 1 MiB covers 2730 SMs (Launch checks the kernel's own count).
 size_t CutlassWorkspaceBytes() { return size_t(1) << 20; }
 
 bool CutlassSupports(const GemmSpec& s) {

@@ -2,18 +2,30 @@
 // kernel. The ptr-array main loop gives every group its own A and B descriptors, rewritten (in shared memory,
 // then copied to global memory behind a proxy fence) whenever a CTA's next tile lies in another group, which
 // with many small groups is nearly every tile. Here each operand is one tensor for the whole call:
-//   A: the rows of every group, one 2-D descriptor over all of them (rows sorted by group, so group g's rows
-//      are rows [offsets[g], offsets[g] + M_g)); a tile of group g loads from row offsets[g] + m * BLK_M on.
-//      Rows past the group's end belong to the next group (or are past the tensor, where TMA fills zeros):
-//      they only reach accumulator rows that the epilogue does not store (the problem's M is M_g).
+//   A: the rows of every group, one descriptor over all of them ((rows, K) and a batch mode of 1; rows sorted
+//      by group, so group g's rows are rows [offsets[g], offsets[g] + M_g)); a tile of group g loads from row
+//      offsets[g] + m * BLK_M on. Rows past the group's end belong to the next group, or are padding past
+//      the last group (any value, NaN included), or lie past the tensor (TMA fills zeros): each output row
+//      depends on its own A row only, and these reach accumulator rows that the epilogue does not store (the
+//      problem's M is M_g). TMA bounds every load by the descriptors, whatever the offsets hold.
 //   B: one 3-D descriptor over the groups' matrices (N, K, groups), a tile of group g at batch coordinate g.
 // A group change moves only the coordinates (tensors_perform_update); the kernel's tensormap hooks are empty.
 // This serves the products whose ragged dimension is M (kNN, kNT); the reduction K is the same for all groups.
 // The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored).
+//
+// This relies on how CUTLASS 4.2's ptr-array kernels drive their main loop (the build pins nvidia-cutlass
+// 4.2.*): tensors_perform_update before the first load of every group (including a CTA's first tile), the
+// tensormap hooks as the only users of per-group descriptors, no descriptor prefetch, no auxiliary load.
 #pragma once
+
+#include <cstdint>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/version.h"
+
+static_assert(CUTLASS_MAJOR == 4 && CUTLASS_MINOR == 2,
+              "jaxmlp's varlen main loop is checked against CUTLASS 4.2's ptr-array kernels only");
 
 namespace jaxmlp::cutlass_detail {
 
@@ -106,16 +118,23 @@ struct VarlenMainloop : Base {
     return cutlass::Status::kSuccess;
   }
 
-  // TMA: 16-byte aligned base addresses and leading dimensions.
+  // TMA: 16-byte aligned base addresses and leading dimensions; every extent at least 1 (a descriptor that
+  // fails to encode is only an assert in cute) and, with a tile's first row up to rows + BLK_M * cluster
+  // rows (a group's tiles are rounded up to whole clusters), within int32 coordinates.
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     constexpr int kA = 128 / cutlass::sizeof_bits<ElementA>::value, kB = 128 / cutlass::sizeof_bits<ElementB>::value;
+    constexpr int64_t kRowSlack = cute::size<0>(TileShape{}) * cute::size<0>(ClusterShape{});
+    const auto extent = [](int64_t n, int64_t most) { return n >= 1 && n <= most; };
     return reinterpret_cast<uintptr_t>(args.A) % 16 == 0 && reinterpret_cast<uintptr_t>(args.B) % 16 == 0 &&
-           args.lda % kA == 0 && args.ldb % kB == 0 && args.rows < (int64_t(1) << 31) && args.groups > 0;
+           args.lda % kA == 0 && args.ldb % kB == 0 && args.offsets != nullptr &&
+           extent(args.rows, INT32_MAX - kRowSlack) && extent(args.groups, INT32_MAX) && extent(args.N, INT32_MAX) &&
+           extent(args.K, INT32_MAX);
   }
 
-  // The tiled coordinate tensors of group `group`, whose rows start at row `row` of A:
-  // (BLK_M, BLK_K, m, k, 1) and (BLK_N, BLK_K, n, k, 1) as the kernel expects them (it slices batch 0).
+  // The tiled coordinate tensors of group `group`, whose rows start at row `row` of A: (BLK_M, BLK_K, m, k, 1)
+  // and (BLK_N, BLK_K, n, k, groups) with the origin moved to batch `group`, so that the kernel's slice at
+  // batch 0 (it passes the group's index to the epilogue only) is the group's.
   CUTLASS_DEVICE static auto Tiles(Params const& p, int32_t row, int32_t group) {
     using namespace cute;
     using X = Underscore;
