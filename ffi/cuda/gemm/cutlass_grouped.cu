@@ -49,9 +49,9 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   const int sm_count = MultiProcessorCount(device);
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
-  const CutlassLaunch l{stream, device, sm_count,  E,         s.in_type == ffi::DataType::BF16,
-                        s.lhs,  s.rhs,  rows,      s.K,       s.N,
-                        offsets, &problems, out_ptrs, s.beta, workspace};
+  const bool bf16 = s.in_type == ffi::DataType::BF16;
+  const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
+                        out_ptrs, s.beta, workspace};
   return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
 #endif
 }
