@@ -28,7 +28,9 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 
 // The tile configuration: 128x128 output tiles, two consumer warpgroups taking turns (ping-pong: one's
 // epilogue under the other's main loop), a cluster of two CTAs along M sharing B's loads (TMA multicast).
-// With the varlen main loop, the best of those measured (docs/performance.md, "The CUTLASS engine").
+// With equal groups CUTLASS's batched kernel of this configuration runs 8-16% faster than of cooperative
+// 128x256 tiles at the MoE shapes (docs/performance.md, "The CUTLASS engine"); the varlen main loop is
+// measured with this one only.
 struct Pingpong128x128 {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
