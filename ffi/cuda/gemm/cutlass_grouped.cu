@@ -19,6 +19,10 @@ bool CutlassSupports(const GemmSpec& s) {
          (s.beta == 0.0f || s.beta == 1.0f);
 }
 
+bool CutlassFusesActivation(const GemmSpec& s, Act act) {
+  return IsGated(act) && CutlassSupports(s) && s.op == GemmOp::kNN && s.beta == 0.0f && s.N % 128 == 0;
+}
+
 bool CutlassPathAvailable(int device, std::string* reason) {
 #ifndef JAXMLP_WITH_CUTLASS
   (void)device;
@@ -38,20 +42,24 @@ bool CutlassPathAvailable(int device, std::string* reason) {
 }
 
 ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, int64_t rows,
-                      const int64_t* offsets, const CutlassProblems& problems, void** out_ptrs, void* workspace) {
+                      const int64_t* offsets, const CutlassProblems& problems, void** out_ptrs, void* workspace,
+                      const CutlassActivation* activation) {
 #ifndef JAXMLP_WITH_CUTLASS
   (void)stream, (void)device, (void)s, (void)E, (void)rows, (void)offsets, (void)problems, (void)out_ptrs;
-  (void)workspace;
+  (void)workspace, (void)activation;
   return ffi::Error::Internal("jaxmlp: built without the CUTLASS engine");
 #else
   if (!CutlassSupports(s)) return ffi::Error::Internal("jaxmlp: a product the CUTLASS engine does not serve");
+  if (activation && !CutlassFusesActivation(s, activation->act.act))
+    return ffi::Error::Internal("jaxmlp: an activation the CUTLASS engine does not fuse");
   // The kernels are persistent: a CTA per SM, which the scheduler needs to know.
   const int sm_count = MultiProcessorCount(device);
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
   const bool bf16 = s.in_type == ffi::DataType::BF16;
   const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
-                        out_ptrs, s.beta, workspace};
+                        out_ptrs, s.beta, workspace, s.out, activation};
+  if (activation) return RunCutlassGatedFc1(l);
   return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
 #endif
 }

@@ -11,6 +11,8 @@
 //   kNN: (c_g, N, K)  A = lhs rows [c_g, K] (K-major)     B = rhs[g] [K, N] (N-major)  D = out rows [c_g, N]
 //   kNT: (c_g, K, N)  A = lhs rows [c_g, N] (N-major: the reduction)  B = rhs[g] [K, N] (reduction-major)
 // A group with no rows gets the problem (0, N, K), which has no tiles: nothing is read or written for it.
+// FC1 of a gated activation can take the activation in its epilogue (CutlassActivation), which no cuBLASLt
+// grouped GEMM can.
 // The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
 // ptr-array kernel at every measured shape (docs/performance.md, "The CUTLASS engine").
 #pragma once
@@ -56,6 +58,19 @@ bool CutlassSupports(const GemmSpec& s);
 // kernels), and if not, why.
 bool CutlassPathAvailable(int device, std::string* reason);
 
+// FC1 of a gated activation with the activation in the product's epilogue (cutlass_gated_epilogue.cuh): the
+// product writes h as usual and, for every row in a group, a = act(gate, up) * scales[row], the activation
+// forward (ActivationForward) of a call without b1.
+struct CutlassActivation {
+  ActParams act;
+  void* a;             // [rows, f], f = N / 2
+  const void* scales;  // [rows], or null
+};
+
+// Whether the engine runs product s with activation `act` in its epilogue: a gated activation, kNN with
+// beta 0 (no bias to add), f = N / 2 a multiple of 64 (each 128-column tile holds 64 gate and 64 up columns).
+bool CutlassFusesActivation(const GemmSpec& s, Act act);
+
 // What one launch of a kernel needs, from RunCutlass.
 struct CutlassLaunch {
   cudaStream_t stream;
@@ -70,15 +85,20 @@ struct CutlassLaunch {
   void** out_ptrs;  // [E] each group's first output row
   float beta;
   void* workspace;
+  void* out;  // the output's first row (the gated epilogue's h)
+  const CutlassActivation* activation;  // null, or the gated epilogue's
 };
 
-// The kernels of each op (cutlass_grouped_<op>.cu), built with CUTLASS's headers.
+// The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1.cu), built with CUTLASS's headers.
 ffi::Error RunCutlassNN(const CutlassLaunch& l);
 ffi::Error RunCutlassNT(const CutlassLaunch& l);
+ffi::Error RunCutlassGatedFc1(const CutlassLaunch& l);
 
 // Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote
-// them, out_ptrs the product's [E] output pointers, workspace of CutlassWorkspaceBytes().
+// them, out_ptrs the product's [E] output pointers, workspace of CutlassWorkspaceBytes(). With `activation`
+// (where CutlassFusesActivation), the activation in its epilogue.
 ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_t E, int64_t rows,
-                      const int64_t* offsets, const CutlassProblems& problems, void** out_ptrs, void* workspace);
+                      const int64_t* offsets, const CutlassProblems& problems, void** out_ptrs, void* workspace,
+                      const CutlassActivation* activation = nullptr);
 
 }  // namespace jaxmlp

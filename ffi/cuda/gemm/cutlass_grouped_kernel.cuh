@@ -18,6 +18,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cuda/gemm/cutlass_gated_epilogue.cuh"
 #include "cuda/gemm/cutlass_varlen_mainloop.cuh"
 
 namespace jaxmlp {
@@ -39,20 +40,22 @@ struct Pingpong128x128 {
 };
 
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged.
-template <typename T, typename LayoutA, typename LayoutB, typename Config>
+// kGated: FC1 of a gated activation (kNN), B's tiles in gate and up halves and the activation in the epilogue.
+template <typename T, typename LayoutA, typename LayoutB, typename Config, bool kGated = false>
 struct Grouped {
   static constexpr int kAlign = 8;  // 16 bytes: rows of K and N multiples of 8 (CutlassSupports)
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using TmaEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, cutlass::layout::RowMajor*, kAlign, T,
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
+  using Epilogue = cute::conditional_t<kGated, GatedEpilogue<TmaEpilogue>, TmaEpilogue>;  // same shared memory
   using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
       typename Config::Tile, typename Config::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename TmaEpilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, VarlenMainloop<PtrArrayMainloop>, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, VarlenMainloop<PtrArrayMainloop, kGated>, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -72,7 +75,7 @@ inline ffi::Error Check(cutlass::Status st, const char* what) {
 // persistent scheduler walks the groups there (no host copy of the group sizes). CUTLASS's (N, K) of a
 // group: kNN (N, K), B = rhs[g] [K, N] N-major; kNT (K, N), B = rhs[g] [K, N] read as [K rows of N]. In both
 // B's leading dimension is N and A's rows are CUTLASS's K long.
-template <typename Gemm>
+template <typename Gemm, bool kGated>
 ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   using Kernel = typename Gemm::GemmKernel;
   using ElementA = typename Gemm::ElementA;
@@ -85,13 +88,21 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {int(E), reinterpret_cast<ProblemShape::UnderlyingProblemShape*>(l.problems->shapes), nullptr};
   args.mainloop = {static_cast<const ElementA*>(l.lhs), l.rows, k, static_cast<const ElementB*>(l.rhs), E, l.N, n, k,
-                   l.offsets};
+                   l.offsets, l.activation ? l.N / 2 : 0};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = l.beta;
   args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.out_ptrs));
   args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->ldd);
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
   args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
+  if constexpr (kGated) {
+    args.epilogue.h = static_cast<ElementD*>(l.out);
+    args.epilogue.a = static_cast<ElementD*>(l.activation->a);
+    args.epilogue.scales = static_cast<const ElementD*>(l.activation->scales);
+    args.epilogue.offsets = l.offsets;
+    args.epilogue.f = l.N / 2;
+    args.epilogue.act = l.activation->act;
+  }
   // Consecutive tiles along N: the CTAs at work together share A's rows and read each group's weights
   // (at most a few MB) from L2, where along M a large group's rows were read again for every column of
   // tiles (skewed routing at dsv3: 0.92x cuBLASLt along M, 0.96x along N; balanced routing unchanged).
@@ -109,11 +120,12 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
 }  // namespace cutlass_detail
 
 // The body of RunCutlass<op>: bfloat16 or float16.
-template <typename LayoutA, typename LayoutB>
+template <typename LayoutA, typename LayoutB, bool kGated = false>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (l.bf16) return Launch<typename Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128>::Gemm>(l, nt);
-  return Launch<typename Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128>::Gemm>(l, nt);
+  if (l.bf16)
+    return Launch<typename Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128, kGated>::Gemm, kGated>(l, nt);
+  return Launch<typename Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128, kGated>::Gemm, kGated>(l, nt);
 }
 
 }  // namespace jaxmlp

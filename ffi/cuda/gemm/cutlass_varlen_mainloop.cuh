@@ -9,9 +9,14 @@
 //      depends on its own A row only, and these reach accumulator rows that the epilogue does not store (the
 //      problem's M is M_g). TMA bounds every load by the descriptors, whatever the offsets hold.
 //   B: one 3-D descriptor over the groups' matrices (N, K, groups), a tile of group g at batch coordinate g.
+//      With kSplitB (a gated FC1, whose epilogue pairs each gate column with its up column), output tile n
+//      is two half tiles of B's columns, [n BLK_N/2, +BLK_N/2) (gate) and [up + n BLK_N/2, +BLK_N/2) (up,
+//      Arguments::up_column), loaded into the two halves of the stage's B tile, so that accumulator columns
+//      j and j + BLK_N/2 are a gate column and its up column.
 // A group change moves only the coordinates (tensors_perform_update); the kernel's tensormap hooks are empty.
 // This serves the products whose ragged dimension is M (kNN, kNT); the reduction K is the same for all groups.
-// The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored).
+// The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored), or the gated FC1's
+// (cutlass_gated_epilogue.cuh).
 //
 // This relies on how CUTLASS 4.2's ptr-array kernels drive their main loop (the build pins nvidia-cutlass
 // 4.2.*): tensors_perform_update before the first load of every group (including a CTA's first tile), the
@@ -42,7 +47,7 @@ auto MakeOperandTma(Element const* ptr, int32_t mn, int32_t k, int32_t l, Stride
 
 // Base: the CollectiveMma that CUTLASS's builder makes for a ptr-array kernel (its pipeline, shared memory
 // layouts and wgmma consumer are kept; its loads and operand descriptors are replaced).
-template <class Base>
+template <class Base, bool kSplitB = false>
 struct VarlenMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -72,10 +77,26 @@ struct VarlenMainloop : Base {
     return s;
   }
 
+  // kSplitB: B's loads are half tiles (BLK_N / 2 columns) into the two halves of a stage. The halves must be
+  // contiguous in shared memory, as CUTLASS lays out an N-major B (its atoms along K first): then the second
+  // half starts a whole number of swizzle periods in, and one half-tile layout serves both.
+  static constexpr int kBlkN = cute::size<1>(TileShape{}), kBlkK = cute::size<2>(TileShape{});
+  static constexpr int kStages = cute::size<2>(SmemLayoutB{});
+  static constexpr int kBlkM = cute::size<0>(TileShape{});
+  using BTileShape = cute::conditional_t<kSplitB, cute::Shape<cute::Int<kBlkM>, cute::Int<kBlkN / 2>, cute::Int<kBlkK>>,
+                                         TileShape>;
+  using SmemLayoutBLoad = cute::conditional_t<kSplitB,
+      decltype(cute::composition(SmemLayoutB{}, cute::make_layout(
+          cute::make_shape(cute::Int<kBlkN / 2>{}, cute::Int<kBlkK>{}, cute::Int<kStages>{}),
+          cute::make_stride(cute::_1{}, cute::Int<kBlkN>{}, cute::Int<kBlkN * kBlkK>{})))),
+      SmemLayoutB>;
+  static constexpr int kHalfB = kBlkN / 2 * kBlkK;  // elements of one half of a stage
+  static_assert(!kSplitB || SmemLayoutB{}(kBlkN / 2, 0, 0) == kHalfB, "B's halves are not contiguous in a stage");
+
   // A multicasts along the cluster's N mode (its tile is shared by the CTAs of one M), B along M.
   using TmaA = decltype(MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyA, SmemLayoutA, 0, 1>(
       static_cast<InternalElementA const*>(nullptr), 0, 0, 0, StrideA3{}));
-  using TmaB = decltype(MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyB, SmemLayoutB, 1, 0>(
+  using TmaB = decltype(MakeOperandTma<BTileShape, ClusterShape, GmemTiledCopyB, SmemLayoutBLoad, 1, 0>(
       static_cast<InternalElementB const*>(nullptr), 0, 0, 0, StrideB3{}));
 
   struct Arguments {
@@ -85,6 +106,7 @@ struct VarlenMainloop : Base {
     int64_t groups, ldb;
     int64_t N, K;               // CUTLASS's N and K of every group
     int64_t const* offsets;     // [groups] the first row of each group in A (device)
+    int64_t up_column = 0;      // kSplitB: the first up column of B (a multiple of BLK_N / 2)
   };
 
   struct Params : Base::Params {
@@ -92,6 +114,7 @@ struct VarlenMainloop : Base {
     TmaB tma_b;
     int32_t rows, N, K, groups;
     int64_t const* offsets;
+    int32_t up_tile;  // kSplitB: up_column in half tiles
   };
 
   template <class ProblemShape>
@@ -100,12 +123,13 @@ struct VarlenMainloop : Base {
     p.tma_a = MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyA, SmemLayoutA, 0, 1>(
         reinterpret_cast<InternalElementA const*>(args.A), int32_t(args.rows), int32_t(args.K), 1,
         MakeStride<StrideA3>(args.lda, 0));
-    p.tma_b = MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyB, SmemLayoutB, 1, 0>(
+    p.tma_b = MakeOperandTma<BTileShape, ClusterShape, GmemTiledCopyB, SmemLayoutBLoad, 1, 0>(
         reinterpret_cast<InternalElementB const*>(args.B), int32_t(args.N), int32_t(args.K), int32_t(args.groups),
         MakeStride<StrideB3>(args.ldb, args.N * args.K));
     p.tma_transaction_bytes = Base::TmaTransactionBytes;
     p.rows = int32_t(args.rows), p.N = int32_t(args.N), p.K = int32_t(args.K), p.groups = int32_t(args.groups);
     p.offsets = args.offsets;
+    p.up_tile = int32_t(args.up_column / (kBlkN / 2));
     return p;
   }
 
@@ -129,22 +153,25 @@ struct VarlenMainloop : Base {
     return reinterpret_cast<uintptr_t>(args.A) % 16 == 0 && reinterpret_cast<uintptr_t>(args.B) % 16 == 0 &&
            args.lda % kA == 0 && args.ldb % kB == 0 && args.offsets != nullptr &&
            extent(args.rows, INT32_MAX - kRowSlack) && extent(args.groups, INT32_MAX) && extent(args.N, INT32_MAX) &&
-           extent(args.K, INT32_MAX);
+           extent(args.K, INT32_MAX) &&
+           (!kSplitB || (args.up_column > 0 && args.up_column % (kBlkN / 2) == 0 && args.N == 2 * args.up_column));
   }
 
   // The tiled coordinate tensors of group `group`, whose rows start at row `row` of A: (BLK_M, BLK_K, m, k, 1)
   // and (BLK_N, BLK_K, n, k, groups) with the origin moved to batch `group`, so that the kernel's slice at
-  // batch 0 (it passes the group's index to the epilogue only) is the group's.
+  // batch 0 (it passes the group's index to the epilogue only) is the group's. The kernel reads the tile
+  // counts of these two; the loads read the third, B in the tiles it loads (half tiles with kSplitB).
   CUTLASS_DEVICE static auto Tiles(Params const& p, int32_t row, int32_t group) {
     using namespace cute;
     using X = Underscore;
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.K, int32_t(1)));
-    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.N, p.K, p.groups));
+    Tensor mB = domain_offset(make_coord(int32_t(0), int32_t(0), group),
+                              p.tma_b.get_tma_tensor(make_shape(p.N, p.K, p.groups)));
     Tensor gA = local_tile(domain_offset(make_coord(row, int32_t(0), int32_t(0)), mA), TileShape{},
                            make_coord(_, _, _), Step<_1, X, _1>{});
-    Tensor gB = local_tile(domain_offset(make_coord(int32_t(0), int32_t(0), group), mB), TileShape{},
-                           make_coord(_, _, _), Step<X, _1, _1>{});
-    return make_tuple(gA, gB);
+    Tensor gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
+    Tensor gB_load = local_tile(mB, BTileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
+    return make_tuple(gA, gB, gB_load);
   }
 
   template <class ProblemShapeMNKL>
@@ -169,15 +196,15 @@ struct VarlenMainloop : Base {
 
   // The producer: k_tile_count k-tiles of the tile at blk_coord (m, n, _, 0) into the pipeline's stages, A and
   // B of one stage behind one transaction barrier. One elected thread issues the copies.
-  template <class TensorA, class TensorB, class TensorMaps, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState stage,
-                           cute::tuple<TensorA, TensorB> const& inputs, TensorMaps const&, BlockCoord const& blk_coord,
-                           KTileIterator k_tile_iter, int k_tile_count, int, uint32_t block_rank_in_cluster,
-                           TensorStorage& storage) {
+  template <class Inputs, class TensorMaps, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState stage, Inputs const& inputs,
+                           TensorMaps const&, BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int, uint32_t block_rank_in_cluster, TensorStorage& storage) {
     using namespace cute;
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+    // (BLK_N, BLK_K, PIPE), or with kSplitB its first half (BLK_N / 2, BLK_K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), SmemLayoutBLoad{});
     constexpr uint32_t cluster_m = size<0>(ClusterShape{});
     const uint32_t in_m = block_rank_in_cluster % cluster_m, in_n = block_rank_in_cluster / cluster_m;
     auto tma_a = p.tma_a.get_slice(in_n);
@@ -185,8 +212,11 @@ struct VarlenMainloop : Base {
     auto [m, n, k, l] = blk_coord;
     Tensor tAgA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA, TMA_M, TMA_K, k)
     Tensor tAsA = tma_a.partition_D(sA);                             // (TMA, TMA_M, TMA_K, PIPE)
-    Tensor tBgB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
+    Tensor tBgB = tma_b.partition_S(get<2>(inputs)(_, _, n, _, l));
     Tensor tBsB = tma_b.partition_D(sB);
+    // kSplitB: the up half, from half tile n + up_tile into the stage's second half.
+    Tensor tBgB_up = tma_b.partition_S(get<2>(inputs)(_, _, kSplitB ? n + p.up_tile : n, _, l));
+    Tensor tBsB_up = tma_b.partition_D(make_tensor(make_smem_ptr(storage.smem_B.data() + kHalfB), SmemLayoutBLoad{}));
     // A tile of A is shared by the cluster's CTAs of the same M (along N), one of B by those of the same N.
     uint16_t mask_a = 0, mask_b = 0;
     auto cluster = Layout<ClusterShape>{};  // (m, n) -> block rank
@@ -200,6 +230,8 @@ struct VarlenMainloop : Base {
       auto* barrier = pipeline.producer_get_barrier(stage);
       copy(p.tma_a.with(*barrier, mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage.index()));
       copy(p.tma_b.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage.index()));
+      if constexpr (kSplitB)
+        copy(p.tma_b.with(*barrier, mask_b), tBgB_up(_, _, _, *k_tile_iter), tBsB_up(_, _, _, stage.index()));
     }
   }
 };

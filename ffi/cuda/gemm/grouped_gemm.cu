@@ -273,6 +273,17 @@ ffi::Error GroupedGemms::RunCutlassOrGrouped(const GemmSpec& s, int i) {
                     cutlass_ws_);
 }
 
+bool GroupedGemms::FusesActivation(int i, Act act) const {
+  return path_ == GemmPath::kCutlass && i >= 0 && i < num_specs_ && CutlassFusesActivation(specs_[i], act);
+}
+
+ffi::Error GroupedGemms::RunWithActivation(int i, const CutlassActivation& activation) {
+  if (!FusesActivation(i, activation.act.act))
+    return ffi::Error::Internal("jaxmlp: a product that runs without its activation fused");
+  return RunCutlass(stream_, device_, specs_[i], E_, M_, arrays_.offsets, arrays_.cutlass[i],
+                    arrays_.ptrs + (i * 3 + 2) * E_, cutlass_ws_, &activation);
+}
+
 ffi::Error GroupedGemms::ZeroEmptyGroups(std::initializer_list<int> products) {
   if (path_ == GemmPath::kTiled) return ffi::Error::Success();
   ZeroTargets t{};

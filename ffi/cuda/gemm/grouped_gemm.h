@@ -147,6 +147,10 @@ class GroupedGemms {
   ffi::Error Prepare(std::initializer_list<GemmSpec> specs, bool padded_layout = false);
   // Enqueues product i of Prepare's list.
   ffi::Error Run(int i);
+  // Whether product i runs with the activation in its epilogue (the kCutlass path, CutlassFusesActivation),
+  // and RunWithActivation enqueues it so.
+  bool FusesActivation(int i, Act act) const;
+  ffi::Error RunWithActivation(int i, const CutlassActivation& activation);
   // Enqueues products none of which reads another's output (nor writes memory another reads or writes):
   // one launch on the tiled path, in no order between them. The cuBLAS paths enqueue them one by one in
   // the list's order, which must not be relied on: a caller whose products depend on each other calls Run

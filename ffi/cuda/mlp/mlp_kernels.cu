@@ -160,8 +160,9 @@ bool Vectorizable(std::initializer_list<int64_t> row_lengths) {
 ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                              const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, void* h,
                              const void* b1, const void* scales, void* a, void* y, const void* b2,
-                             bool zero_padding) {
+                             bool zero_padding, bool activation) {
   cudaError_t e = cudaSuccess;
+  if (!activation) f = 0;  // no columns of h and a: the rows' y work only
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);

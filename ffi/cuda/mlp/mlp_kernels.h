@@ -13,14 +13,14 @@
 
 namespace jaxmlp {
 
-// Per row r < M: h[r] += b1[g] (written back, when b1 is given), a[r] = act(h[r]) * scales[r];
-// y[r] = scales[r] * b2[g] for valid rows when b2 is given (FC2 then accumulates onto it; the scale weighs
-// the whole expert output); padding rows: y = 0 where zero_padding, h and a left alone (no product reads
-// them there).
+// Per row r < M: with `activation`, h[r] += b1[g] (written back, when b1 is given), a[r] = act(h[r]) *
+// scales[r] (without it, h and a are left alone: FC1's epilogue computed a); y[r] = scales[r] * b2[g] for
+// valid rows when b2 is given (FC2 then accumulates onto it; the scale weighs the whole expert output);
+// padding rows: y = 0 where zero_padding, h and a left alone (no product reads them there).
 ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                              const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, void* h,
                              const void* b1, const void* scales, void* a, void* y, const void* b2,
-                             bool zero_padding);
+                             bool zero_padding, bool activation = true);
 
 // Per valid row, from h (with b1 added) and da = dy @ w2^T:
 //   a_s = act(h) * s (the FC2 weight-gradient input), dh = da * s * act'(h),

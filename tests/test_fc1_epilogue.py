@@ -1,0 +1,64 @@
+"""The gated activation inside FC1's epilogue (the CUTLASS engine, f a multiple of 64, no b1): the same values
+as the activation pass it replaces, on every backend.
+
+On cuda-cutlass a call without b1 takes the fused epilogue and one with b1 = 0 the separate activation pass:
+the two give the same bits (h = x @ w1 rounded once either way), and both match the float64 reference. The
+shapes put groups across tile edges (128 rows), an empty group first and last, a group of fewer rows than a
+tile, padding rows holding NaN, and f = 64 (one tile of gate and up columns) or 192 (three: the up columns
+start at an odd tile).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, check_close, check_padding_rows_zero, skip_unless_served
+
+import jaxmlp
+import numpy_reference as ref
+
+SIZES = [0, 130, 7, 200, 0]  # 337 rows in groups of 400
+
+
+@pytest.mark.parametrize("f", [64, 192])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("act", ["swiglu", "geglu", "reglu", "clamped_swiglu"])
+@pytest.mark.parametrize("scales, b2, zero_padding", [(True, True, True), (False, False, False), (True, False, False)])
+def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act, scales, b2, zero_padding):
+  skip_unless_served(backend, dtype)
+  M, d, E = 400, 64, len(SIZES)
+  total = sum(SIZES)
+  cast = lambda a: jnp.asarray(a, dtype)
+  x = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
+  w1 = cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
+  w2 = cast(rng.standard_normal((E, f, d)) / np.sqrt(f))
+  kw = dict(scales=cast(rng.uniform(0.1, 1.0, M)) if scales else None,
+            b2=cast(rng.standard_normal((E, d)) * 0.5) if b2 else None)
+  dy = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  activation = jaxmlp.Activation(act, alpha=1.702, limit=7.0)
+
+  def run(**b1):
+    def f_(x, w1, w2, *b):
+      return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=activation, zero_padding=zero_padding,
+                                **kw, **dict(zip(b1, b)))
+    y, vjp = jax.vjp(f_, x, w1, w2, *b1.values())
+    return (y, *vjp(dy)[:3])
+
+  fused = run()
+  separate = run(b1=jnp.zeros((E, 2 * f), dtype))
+  for name, got, want in zip(["y", "dx", "dw1", "dw2"], fused, separate):
+    rows = slice(0, total) if name in ("y", "dx") else slice(None)
+    np.testing.assert_array_equal(np.asarray(got[rows], np.float32), np.asarray(want[rows], np.float32), name)
+
+  n = {k: None if v is None else np.asarray(v, np.float64) for k, v in kw.items()}
+  xr, dyr = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  xr[total:], dyr[total:] = 0, 0
+  want_y, want = ref.grouped_mlp(xr, np.asarray(w1, np.float64), np.asarray(w2, np.float64), np.asarray(SIZES),
+                                 act, None, n["b2"], n["scales"], dy=dyr, alpha=1.702, limit=7.0)
+  if act != "reglu":  # its derivative jumps at 0, where 16-bit rounding of h moves elements across
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    check_close(fused[0][:total], want_y[:total], tol, "y")
+    for name, got in zip(["x", "w1", "w2"], fused[1:]):
+      check_close(got[:total] if name == "x" else got, want[name][:total] if name == "x" else want[name], tol, name)
+  if zero_padding:
+    check_padding_rows_zero(M, SIZES, fused[0], fused[1])
