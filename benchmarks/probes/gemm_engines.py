@@ -1,7 +1,8 @@
 """The grouped-GEMM engines side by side: cuBLASLt's grouped GEMM (JAXMLP_GEMM_PATH=grouped) against
 jaxmlp's CUTLASS engine (cutlass), timed in turn in one process (timing.measure_alternating), with a dense
-GEMM of the same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, and
-each grouped product of it alone (FC1, FC2, the dgrad and the weight gradient of FC1). GPU only.
+GEMM of the same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, its
+forward alone (on the engine FC1 computes the activation in its epilogue), and each grouped product of it
+alone (FC1, FC2, the data gradients and FC1's weight gradient). GPU only.
 
   python benchmarks/probes/gemm_engines.py --shapes qwen3,128x2048x768x65536 --routings balanced,skewed
 """
@@ -37,9 +38,10 @@ def traced_on(path, build):
 
 
 def products(shape, routing):
-  """{name: build} of the step's grouped products alone."""
+  """{name: build} of the step's forward and of its grouped products alone."""
   import jax
   import jax.numpy as jnp
+  import jaxmlp
   from jaxmlp import gemm
   s = cases.shape_named(shape)
   gs = jnp.asarray(cases.group_sizes(routing, s.E, s.M))
@@ -52,8 +54,10 @@ def products(shape, routing):
 
   def build(op, lhs, rhs, out_shape):
     return lambda: (jax.jit(lambda l, r, g: gemm.grouped_gemm(op, l, r, g, out_shape, jnp.bfloat16)), (lhs, rhs, gs))
-  return {"fc1 nn": build("nn", x, w1, (s.M, 2 * s.f)), "fc2 nn": build("nn", a, w2, (s.M, s.d)),
-          "dgrad1 nt": build("nt", h, w1, (s.M, s.d)), "wgrad1 tn": build("tn", x, h, (s.E, s.d, 2 * s.f))}
+  def forward():
+    return jax.jit(lambda x, w1, w2, g: jaxmlp.grouped_mlp(x, w1, w2, g)), (x, w1, w2, gs)
+  return {"MLP fwd": forward, "fc1 nn": build("nn", x, w1, (s.M, 2 * s.f)), "fc2 nn": build("nn", a, w2, (s.M, s.d)),
+          "dgrad2 nt": build("nt", x, w2, (s.M, s.f)), "dgrad1 nt": build("nt", h, w1, (s.M, s.d)), "wgrad1 tn": build("tn", x, h, (s.E, s.d, 2 * s.f))}
 
 
 def main():
@@ -62,8 +66,25 @@ def main():
   p.add_argument("--routings", default="balanced,skewed")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--no-products", action="store_true", help="the MLP step only")
+  p.add_argument("--trace", action="store_true",
+                 help="instead: each kernel of one MLP step and of each product on either path (JAX's profiler)")
   a = p.parse_args()
   import jax
+  if a.trace:
+    for shape in a.shapes.split(","):
+      for routing in a.routings.split(","):
+        builds = {"MLP step": lambda: kernel_share.step_and_args(shape, routing, "jaxmlp"),
+                  **products(shape, routing)}
+        for what, build in builds.items():
+          for path in PATHS:
+            step, args = traced_on(path, build)
+            kernels = kernel_share.traced_kernels(lambda: [jax.block_until_ready(step(*args)) for _ in range(2)])
+            kernels = kernels[len(kernels) // 2:]  # the second call
+            print(f"{shape} {routing} {what} {path}: {sum(ns for _, ns, _ in kernels) / 1e3:.1f} us of kernels, "
+                  f"{(kernels[-1][2] + kernels[-1][1] - kernels[0][2]) / 1e3:.1f} us first start to last end")
+            for name, ns, start in kernels:
+              print(f"  {(start - kernels[0][2]) / 1e3:9.1f} {ns / 1e3:8.1f}  {name[:110]}")
+    return
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, medians of {a.rounds} rounds in turn",
         flush=True)
   print("| shape | routing | what | cuBLASLt ms | CUTLASS ms | CUTLASS speedup | dense ms | cuBLASLt, CUTLASS of dense |")
