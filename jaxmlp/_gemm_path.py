@@ -5,7 +5,8 @@ CUDA targets of the grouped products come in four variants (ffi/targets.inc):
               declared command-buffer compatible, so XLA may capture them in CUDA graphs;
   *_cutlass   jaxmlp's CUTLASS grouped GEMM engine on Hopper (sm_90a), also sync-free, for the 16-bit
               products ragged in their rows whose output dtype is the input's (cuBLASLt's grouped GEMM
-              runs the others: the weight gradients, FP8);
+              runs the others: the weight gradients, FP8); grouped_mlp's FC1 of a gated activation
+              without b1, f a multiple of 64, computes the activation in its epilogue;
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
