@@ -78,12 +78,9 @@ def main():
         for what, build in builds.items():
           for path in PATHS:
             step, args = traced_on(path, build)
-            kernels = kernel_share.traced_kernels(lambda: [jax.block_until_ready(step(*args)) for _ in range(2)])
-            kernels = kernels[len(kernels) // 2:]  # the second call
-            print(f"{shape} {routing} {what} {path}: {sum(ns for _, ns, _ in kernels) / 1e3:.1f} us of kernels, "
-                  f"{(kernels[-1][2] + kernels[-1][1] - kernels[0][2]) / 1e3:.1f} us first start to last end")
-            for name, ns, start in kernels:
-              print(f"  {(start - kernels[0][2]) / 1e3:9.1f} {ns / 1e3:8.1f}  {name[:110]}")
+            print(f"{shape} {routing} {what} {path}:")
+            kernel_share.summarize(
+                kernel_share.traced_kernels(lambda: [jax.block_until_ready(step(*args)) for _ in range(2)]))
     return
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, medians of {a.rounds} rounds in turn",
         flush=True)

@@ -57,6 +57,7 @@ struct Grouped {
       typename Config::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, VarlenMainloop<PtrArrayMainloop, kGated>, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr bool kFusesActivation = kGated;
 };
 
 // The setup kernel writes one int64 leading dimension of D per group, and three int32 per problem: the
@@ -71,12 +72,13 @@ inline ffi::Error Check(cutlass::Status st, const char* what) {
                               cutlassGetStatusString(st));
 }
 
-// Launches Gemm over the product's arrays. The problem shapes live on the device only, so the kernel's
-// persistent scheduler walks the groups there (no host copy of the group sizes). CUTLASS's (N, K) of a
+// Launches G's Gemm (G a Grouped) over the product's arrays. The problem shapes live on the device only, so
+// the kernel's persistent scheduler walks the groups there (no host copy of the group sizes). CUTLASS's (N, K) of a
 // group: kNN (N, K), B = rhs[g] [K, N] N-major; kNT (K, N), B = rhs[g] [K, N] read as [K rows of N]. In both
 // B's leading dimension is N and A's rows are CUTLASS's K long.
-template <typename Gemm, bool kGated>
+template <typename G>
 ffi::Error Launch(const CutlassLaunch& l, bool nt) {
+  using Gemm = typename G::Gemm;
   using Kernel = typename Gemm::GemmKernel;
   using ElementA = typename Gemm::ElementA;
   using ElementB = typename Gemm::ElementB;
@@ -95,7 +97,7 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->ldd);
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
   args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
-  if constexpr (kGated) {
+  if constexpr (G::kFusesActivation) {
     args.epilogue.h = static_cast<ElementD*>(l.out);
     args.epilogue.a = static_cast<ElementD*>(l.activation->a);
     args.epilogue.scales = static_cast<const ElementD*>(l.activation->scales);
@@ -123,9 +125,8 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
 template <typename LayoutA, typename LayoutB, bool kGated = false>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (l.bf16)
-    return Launch<typename Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128, kGated>::Gemm, kGated>(l, nt);
-  return Launch<typename Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128, kGated>::Gemm, kGated>(l, nt);
+  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128, kGated>>(l, nt);
+  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128, kGated>>(l, nt);
 }
 
 }  // namespace jaxmlp

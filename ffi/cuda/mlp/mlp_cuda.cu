@@ -70,21 +70,16 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   const ActParams ap{Act(act), alpha, limit};
   // On the engine FC1's epilogue computes a (without b1, which h holds and the epilogue does not add); what
   // is left of the activation pass is y's prefill with b2 (and its padding rows), or y's padding rows alone.
-  if (!m.has_b1 && gemms.FusesActivation(0, ap.act)) {
-    JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, s.a, DataIfPresent(scales)}));  // h, a
-    if (m.has_b2)
-      JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
-                                               h->untyped_data(), nullptr, DataIfPresent(scales), s.a,
-                                               y->untyped_data(), b2.untyped_data(), zero_padding != 0,
-                                               /*activation=*/false));
-    else if (zero_padding)
-      JAXMLP_RETURN_IF_ERROR(gemms.ZeroPaddingRows(1));
-    return gemms.Run(1);  // y (+)= a @ w2
-  }
-  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
-  JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
-                                           h->untyped_data(), DataIfPresent(b1), DataIfPresent(scales), s.a,
-                                           y->untyped_data(), DataIfPresent(b2), zero_padding != 0));
+  const bool fused = !m.has_b1 && gemms.FusesActivation(0, ap.act);
+  if (fused) JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, s.a, DataIfPresent(scales)}));  // h, a
+  else JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
+  if (!fused || m.has_b2)
+    JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
+                                             h->untyped_data(), DataIfPresent(b1), DataIfPresent(scales), s.a,
+                                             y->untyped_data(), DataIfPresent(b2), zero_padding != 0,
+                                             /*activation=*/!fused));
+  else if (zero_padding)
+    JAXMLP_RETURN_IF_ERROR(gemms.ZeroPaddingRows(1));
   return gemms.Run(1);  // y (+)= a @ w2
 }
 
