@@ -71,12 +71,13 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
       jax.block_until_ready((g, biased))
   print("memcheck run done")
   raise SystemExit
-# The fourth case spans two passes of the block scans (256 groups each); the fifth takes the CUTLASS engine's
-# fused FC1 epilogue (f a multiple of 64, in `plain`: no b1); the last is the host-overhead layer, which
-# takes the tiled path by itself.
+# The fourth case spans two passes of the block scans (256 groups each); the fifth and sixth take the CUTLASS
+# engine's gated epilogues (f a multiple of 64: FC1's in `plain`, without b1; the sixth FC2's data gradient's
+# too, d = 4096, its last tile half full); the last is the host-overhead layer, which takes the tiled path by
+# itself.
 for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (64, 96, [50, 0, 20, 1]),
                     (64, 96, [*rng.integers(-5, 3, 300), 2**31 - 1, 7]), (64, 128, [100, -7, 2**31 - 1, 0]),
-                    (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
+                    (4096, 192, [3, 130, 0, 2**31 - 1]), (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
   M, E = 256, len(sizes)
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
   w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)

@@ -1,15 +1,25 @@
-// The epilogue of a gated FC1 on the engine: from one output tile of x @ w1 it stores the tile's h (the gate
-// and up columns, rounded to the output type, as the unfused product stores them) and the activation output
-// a = act(gate, up) * scales[row], which the unfused path computes in a separate pass over h
-// (ActivationForward). The main loop (VarlenMainloop with kSplitB) loads B so that accumulator columns j and
-// j + 64 of a 128-column tile are gate column 64 n + j and up column f + 64 n + j.
+// The epilogues of a gated activation on the engine, for two products of the MLP:
+//   FC1 (kNN, kGrad false): from one output tile of x @ w1 it stores the tile's h (the gate and up columns,
+//     rounded to the output type, as the unfused product stores them) and the activation output
+//     a = act(gate, up) * scales[row], which the unfused path computes in a separate pass over h
+//     (ActivationForward). The main loop (VarlenMainloop with kSplitB) loads B so that accumulator columns j
+//     and j + 64 of a 128-column tile are gate column 64 n + j and up column f + 64 n + j.
+//   FC2's data gradient (kNT, kGrad true): the tile is da = dy @ w2^T, columns 128 n + j of f. With h's gate
+//     and up columns of the same rows and columns, read here, it stores what ActivationBackward computes
+//     from da: dh = da * s * (d act / d gate, d act / d up) over h's columns (dh may be h: each element is
+//     read before the warp that read it writes it, and no other tile touches it), a_s = act(gate, up) * s
+//     in da's place (the FC2 weight gradient's input), and per row and tile the partial sum of da * act
+//     (the gradient of the row's scale), which ActivationBackward adds up in tile order (the same bits on
+//     every run). da is rounded to the output type first, as the unfused product stores it, so dh and a_s
+//     are the unfused path's bits.
 //
-// Stores: each warp stages its 32 rows of a 64-column piece (gate, up, then a) in shared memory and writes
-// them out in 16-byte row segments, only the rows inside the group (a group's last tile reaches into the
-// next group's rows, which another tile writes). No TMA store: a TMA box is bounded by the tensor, not the
-// group. Row offsets come from the setup kernel's offsets, the tile's group from the scheduler, so nothing
-// here depends on the per-group output pointers. The staging buffer is Base's shared memory for C and D,
-// which nothing else uses here, so the main loop keeps the stages it has with Base's epilogue.
+// Stores and loads: each warp stages its 32 rows of a 64-column piece in shared memory and moves them in
+// 16-byte row segments (loads by cp.async), only the rows inside the group (a group's last tile reaches into
+// the next group's rows, which another tile reads and writes). No TMA stores: a TMA box is bounded by the
+// tensor, not the group. Row offsets come from the setup kernel's offsets, the tile's group from the
+// scheduler, so nothing here depends on the per-group output pointers. The staging buffer is Base's shared
+// memory for C and D, which nothing else uses here (kGrad adds a second one), so the main loop keeps the
+// stages it has with Base's epilogue.
 //
 // The ping-pong kernel runs the two consumer warpgroups' epilogues one after the other (its order barrier),
 // so they share the staging buffer.
@@ -27,7 +37,7 @@ namespace jaxmlp::cutlass_detail {
 
 // Base: the ptr-array TMA epilogue that CUTLASS's builder makes for the kernel (its pipelines and shared
 // storage types are kept, so the kernel drives this as it would drive Base; its stores are replaced).
-template <class Base>
+template <class Base, bool kGrad>
 struct GatedEpilogue : Base {
   using T = typename Base::ElementD;
   using typename Base::LoadPipeline;
@@ -35,19 +45,26 @@ struct GatedEpilogue : Base {
   using typename Base::StorePipeline;
   using typename Base::StorePipelineState;
   using typename Base::TensorMapStorage;
-  using typename Base::TensorStorage;
 
   // A warp's rows of one 64-column piece, in rows of 8 chunks of 16 bytes, chunk c of row r stored at
-  // c ^ (r % 8): conflict-free for the 4-byte writes (8 rows, 4 columns each) and the 16-byte reads (one
-  // row a quarter warp).
+  // c ^ (r % 8): conflict-free for the 4-byte accesses (8 rows, 4 columns each) and the 16-byte ones (one
+  // row a quarter warp). The first staging buffer is Base's shared memory for C and D; kGrad adds a second
+  // (the gate and the up piece side by side), which the 6 main-loop stages leave room for (Grouped checks).
   static constexpr int kWarps = 4, kRows = 32, kCols = 64, kChunk = 8;
   using Staging = T[kWarps][kRows][kCols];
-  static_assert(sizeof(Staging) <= sizeof(TensorStorage::collective), "Base's shared memory holds no staging");
+  static_assert(sizeof(Staging) <= sizeof(Base::TensorStorage::collective),
+                "Base's shared memory holds no staging");
+  struct GradStorage : Base::TensorStorage {
+    alignas(128) Staging second;
+  };
+  using TensorStorage = cute::conditional_t<kGrad, GradStorage, typename Base::TensorStorage>;
 
   struct Arguments : Base::Arguments {
-    T* h = nullptr;               // [rows, 2 f] the gate columns, then the up columns
-    T* a = nullptr;               // [rows, f]
-    T const* scales = nullptr;    // [rows] or null (1)
+    T* h = nullptr;                    // [rows, 2 f] the gate columns, then the up columns (kGrad: read)
+    T* a = nullptr;                    // [rows, f] a (FC1), a_s over da (kGrad)
+    T* dh = nullptr;                   // kGrad: [rows, 2 f], may be h
+    T const* scales = nullptr;         // [rows] or null (1)
+    float* ds = nullptr;               // kGrad with scales: [rows, ceil(f / 128)] the row sums' tile parts
     int64_t const* offsets = nullptr;  // [groups] each group's first row
     int64_t f = 0;
     ActParams act{};
@@ -56,7 +73,9 @@ struct GatedEpilogue : Base {
   struct Params : Base::Params {
     T* h;
     T* a;
+    T* dh;
     T const* scales;
+    float* ds;
     int64_t const* offsets;
     int64_t f;
     ActParams act;
@@ -66,22 +85,27 @@ struct GatedEpilogue : Base {
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
     Params p{};
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, args, workspace);
-    p.h = args.h, p.a = args.a, p.scales = args.scales, p.offsets = args.offsets, p.f = args.f, p.act = args.act;
+    p.h = args.h, p.a = args.a, p.dh = args.dh, p.scales = args.scales, p.ds = args.ds, p.offsets = args.offsets;
+    p.f = args.f, p.act = args.act;
     return p;
   }
 
-  // 16-byte rows and segments: h, a and f (and so 2 f) multiples of 8 elements; whole half tiles.
+  // 16-byte rows and segments: h, a, dh and f (and so 2 f) multiples of 8 elements; whole 64-column pieces
+  // (FC1: a tile's two halves; kGrad: the last tile may hold one).
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    const auto aligned = [](void const* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
     return Base::can_implement(shape, args) && IsGated(args.act.act) && args.h && args.a && args.offsets &&
-           args.f > 0 && args.f % kCols == 0 &&
-           reinterpret_cast<uintptr_t>(args.h) % 16 == 0 && reinterpret_cast<uintptr_t>(args.a) % 16 == 0;
+           args.f > 0 && args.f % kCols == 0 && aligned(args.h) && aligned(args.a) &&
+           (!kGrad || (args.dh && aligned(args.dh)));
   }
 
   CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& storage)
-      : Base(params, storage), p_(params), staging_(reinterpret_cast<Staging*>(&storage.collective)[0]) {}
+      : Base(params, storage), p_(params), staging_(*reinterpret_cast<Staging*>(&storage.collective)) {
+    if constexpr (kGrad) second_ = &storage.second;
+  }
 
-  // Nothing to load (no C): the kernel's epilogue load warp never calls load.
+  // Nothing to load through the epilogue's pipeline (no C): the kernel's epilogue load warp never calls load.
   CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
   template <class... Unused>
   CUTLASS_DEVICE LoadPipelineState load(LoadPipeline, LoadPipelineState state, Unused&&...) {
@@ -100,7 +124,7 @@ struct GatedEpilogue : Base {
   template <bool kIsLoad>
   CUTLASS_DEVICE void tensormaps_fence_acquire(cute::TmaDescriptor const*) {}
 
-  // The tile (m, n) of group l: problem M is the group's rows, N = 2 f.
+  // The tile (m, n) of group l: problem M is the group's rows.
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
             class TiledMma, class TensorMapD>
   CUTLASS_DEVICE auto store(LoadPipeline, LoadPipelineState load_state, StorePipeline,
@@ -115,59 +139,80 @@ struct GatedEpilogue : Base {
                   "the gated epilogue is written for 128 x 128 tiles of one warpgroup");
     static_assert(size<0>(TileShapeMNK{}) == 128 && size<1>(TileShapeMNK{}) == 128);
     const int lane = thread_idx % 32, warp = thread_idx / 32;
-    const int64_t rows = get<0>(problem), m0 = int64_t(get<0>(tile)) * 128, n = get<1>(tile);
-    const int64_t first = p_.offsets[get<3>(tile)] + m0;  // the tile's first row in h and a
-    // Rows of this thread: (mm, v1) -> row 64 mm + 16 warp + 8 v1 + lane / 4.
+    const int64_t m0 = int64_t(get<0>(tile)) * 128;
+    Rows rows{get<0>(problem) - m0, p_.offsets[get<3>(tile)] + m0, lane, warp};
     float scale[2][2];
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < 2; ++mm)
       CUTLASS_PRAGMA_UNROLL
       for (int v1 = 0; v1 < 2; ++v1) {
-        const int r = 64 * mm + 16 * warp + 8 * v1 + lane / 4;
-        scale[mm][v1] = p_.scales && m0 + r < rows ? float(p_.scales[first + r]) : 1.0f;
+        const int r = rows.Of(mm, v1);
+        scale[mm][v1] = p_.scales && rows.Valid(r) ? float(p_.scales[rows.first + r]) : 1.0f;
       }
-    const int64_t f = p_.f, ldh = 2 * f;
-    // Each piece: its 64 columns of this thread's values in registers -> staging -> 16-byte row segments.
-    auto piece = [&](auto value, T* out, int64_t ld) {
-      T(*stage)[kCols] = staging_[warp];
-      CUTLASS_PRAGMA_UNROLL
-      for (int mm = 0; mm < 2; ++mm)
+    auto acc = [&](int mm, int v1, int v2, int v0) -> float { return accumulators(make_coord(v0, v1, v2), mm, 0); };
+    auto by_act = [&](auto body) {
+      switch (p_.act.act) {  // the gated activations (CutlassFusesActivation)
+        case Act::kSwiglu: body(std::integral_constant<Act, Act::kSwiglu>{}); break;
+        case Act::kGeglu: body(std::integral_constant<Act, Act::kGeglu>{}); break;
+        case Act::kReglu: body(std::integral_constant<Act, Act::kReglu>{}); break;
+        case Act::kClampedSwiglu: body(std::integral_constant<Act, Act::kClampedSwiglu>{}); break;
+        default: break;  // ungated: refused by can_implement
+      }
+    };
+    const int64_t f = p_.f, ldh = 2 * f, n = get<1>(tile);
+    if constexpr (!kGrad) {
+      Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2, v0)); }, p_.h + 64 * n, ldh);
+      Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8, v0)); }, p_.h + f + 64 * n, ldh);
+      // From h as stored (rounded), as ActivationForward computes it.
+      by_act([&](auto kind) {
+        Store(rows, [&](int mm, int v1, int v2, int v0) {
+          const float gate = float(T(acc(mm, v1, v2, v0))), up = float(T(acc(mm, v1, v2 + 8, v0)));
+          return T(ActivationGradOf<decltype(kind)::value>(p_.act, gate, up).val * scale[mm][v1]);
+        }, p_.a + 64 * n, f);
+      });
+    } else {
+      by_act([&](auto kind) {
+        float ds[2][2] = {};
         CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < 2; ++v1)
+        for (int half = 0; half < 2; ++half) {
+          const int64_t col = 128 * n + 64 * half;
+          if (col >= f) continue;  // f is a multiple of 64: the last tile may hold one half
+          // The gate and up pieces staged side by side; each thread replaces its pairs of both by their
+          // gradients and keeps a_s in its accumulators.
+          Fetch(rows, staging_, p_.h + col, ldh);
+          Fetch(rows, *second_, p_.h + f + col, ldh);
+          FetchWait();
+          ForEachPair(rows, staging_, [&](int mm, int v1, int v2, cutlass::Array<T, 2>& gate) {
+            cutlass::Array<T, 2>& up = Pair(rows, *second_, mm, v1, v2);
+            CUTLASS_PRAGMA_UNROLL
+            for (int v0 = 0; v0 < 2; ++v0) {
+              const float da = float(T(acc(mm, v1, v2 + 8 * half, v0))), s = scale[mm][v1];
+              const ActGrad r = ActivationGradOf<decltype(kind)::value>(p_.act, float(gate[v0]), float(up[v0]));
+              ds[mm][v1] += da * r.val;
+              gate[v0] = T(da * s * r.dgate);
+              up[v0] = T(da * s * r.dup);
+              accumulators(make_coord(v0, v1, v2 + 8 * half), mm, 0) = r.val * s;
+            }
+          });
+          StoreStaged(rows, staging_, p_.dh + col, ldh);
+          StoreStaged(rows, *second_, p_.dh + f + col, ldh);
+          Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8 * half, v0)); },
+                p_.a + col, f);
+        }
+        if (!p_.ds) return;
+        // A row's sum over the tile: its 4 threads' (lanes 4 i .. 4 i + 3) sums, added in a fixed order.
+        const int64_t parts = (f + 127) / 128;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < 2; ++mm)
           CUTLASS_PRAGMA_UNROLL
-          for (int v2 = 0; v2 < 8; ++v2) {
-            const int r = 16 * mm + 8 * v1 + lane / 4, c = kChunk * (v2 ^ (r % 8)) + 2 * (lane % 4);
-            cutlass::Array<T, 2> pair;
-            pair[0] = value(mm, v1, v2, 0), pair[1] = value(mm, v1, v2, 1);
-            *reinterpret_cast<cutlass::Array<T, 2>*>(&stage[r][c]) = pair;
+          for (int v1 = 0; v1 < 2; ++v1) {
+            float sum = ds[mm][v1];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int r = rows.Of(mm, v1);
+            if (lane % 4 == 0 && rows.Valid(r)) p_.ds[(rows.first + r) * parts + n] = sum;
           }
-      __syncwarp();
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows * kCols / 8 / 32; ++i) {
-        const int q = lane + 32 * i, r = q / 8, c = kChunk * (q % 8);
-        const int row = 64 * (r / 16) + 16 * warp + r % 16;  // the staging row's row in the tile
-        if (m0 + row < rows)
-          *reinterpret_cast<uint4*>(out + (first + row) * ld + c) =
-              *reinterpret_cast<uint4 const*>(&stage[r][kChunk * ((q % 8) ^ (r % 8))]);
-      }
-      __syncwarp();
-    };
-    auto acc = [&](int mm, int v1, int v2, int v0) { return accumulators(make_coord(v0, v1, v2), mm, 0); };
-    piece([&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2, v0)); }, p_.h + 64 * n, ldh);
-    piece([&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8, v0)); }, p_.h + f + 64 * n, ldh);
-    // From h as stored (rounded), as ActivationForward computes it.
-    auto activation = [&](auto kind) {
-      piece([&](int mm, int v1, int v2, int v0) {
-        const float gate = float(T(acc(mm, v1, v2, v0))), up = float(T(acc(mm, v1, v2 + 8, v0)));
-        return T(ActivationGradOf<decltype(kind)::value>(p_.act, gate, up).val * scale[mm][v1]);
-      }, p_.a + 64 * n, f);
-    };
-    switch (p_.act.act) {  // the gated activations (CutlassFusesActivation)
-      case Act::kSwiglu: activation(std::integral_constant<Act, Act::kSwiglu>{}); break;
-      case Act::kGeglu: activation(std::integral_constant<Act, Act::kGeglu>{}); break;
-      case Act::kReglu: activation(std::integral_constant<Act, Act::kReglu>{}); break;
-      case Act::kClampedSwiglu: activation(std::integral_constant<Act, Act::kClampedSwiglu>{}); break;
-      default: break;  // ungated: refused by can_implement
+      });
     }
     return make_tuple(load_state, store_state);
   }
@@ -178,8 +223,76 @@ struct GatedEpilogue : Base {
   }
 
  private:
+  // The tile's rows as one warp sees them: the first at row `first` of the tensors, `count` the group's
+  // rows from there on (tile rows at or past it belong to the next group or to no group).
+  struct Rows {
+    int64_t count, first;
+    int lane, warp;
+    // The tile row of this thread's values (mm, v1), and of the staging buffer's row r.
+    CUTLASS_DEVICE int Of(int mm, int v1) const { return 64 * mm + 16 * warp + 8 * v1 + lane / 4; }
+    CUTLASS_DEVICE int OfStaged(int r) const { return 64 * (r / 16) + 16 * warp + r % 16; }
+    CUTLASS_DEVICE bool Valid(int row) const { return row < count; }
+  };
+
+  // This thread's pair of columns 8 v2 + 2 (lane % 4) + {0, 1} of its rows (mm, v1) in a staging buffer.
+  CUTLASS_DEVICE static cutlass::Array<T, 2>& Pair(Rows const& rows, Staging& staging, int mm, int v1, int v2) {
+    const int r = 16 * mm + 8 * v1 + rows.lane / 4, c = kChunk * (v2 ^ (r % 8)) + 2 * (rows.lane % 4);
+    return *reinterpret_cast<cutlass::Array<T, 2>*>(&staging[rows.warp][r][c]);
+  }
+
+  // f(mm, v1, v2, pair) for each of this thread's pairs in a staging buffer.
+  template <class F>
+  CUTLASS_DEVICE static void ForEachPair(Rows const& rows, Staging& staging, F&& f) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < 2; ++mm)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < 2; ++v1)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < 8; ++v2) f(mm, v1, v2, Pair(rows, staging, mm, v1, v2));
+    __syncwarp();
+  }
+
+  // 64 columns of the warp's rows in the group, at `global` (leading dimension ld), to or from a staging
+  // buffer: StoreStaged stores; Fetch issues asynchronous copies (cp.async: no registers held, so several
+  // pieces are in flight at once), which FetchWait waits for.
+  template <class F>
+  CUTLASS_DEVICE static void ForEachSegment(Rows const& rows, Staging& staging, T const* global, int64_t ld, F&& f) {
+    T(*stage)[kCols] = staging[rows.warp];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows * kCols / 8 / 32; ++i) {
+      const int q = rows.lane + 32 * i, r = q / 8, row = rows.OfStaged(r);
+      if (rows.Valid(row))
+        f(const_cast<T*>(global) + (rows.first + row) * ld + kChunk * (q % 8), &stage[r][kChunk * ((q % 8) ^ (r % 8))]);
+    }
+  }
+  CUTLASS_DEVICE static void StoreStaged(Rows const& rows, Staging& staging, T* global, int64_t ld) {
+    ForEachSegment(rows, staging, global, ld, [](T* g, T* sh) {
+      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<uint4 const*>(sh);
+    });
+    __syncwarp();
+  }
+  CUTLASS_DEVICE static void Fetch(Rows const& rows, Staging& staging, T const* global, int64_t ld) {
+    ForEachSegment(rows, staging, global, ld, [](T* g, T* sh) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cute::cast_smem_ptr_to_uint(sh)), "l"(g));
+    });
+  }
+  CUTLASS_DEVICE static void FetchWait() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncwarp();
+  }
+
+  // value(mm, v1, v2, v0) for this thread's values of a 64-column piece -> staging -> `out`.
+  template <class Value>
+  CUTLASS_DEVICE void Store(Rows const& rows, Value&& value, T* out, int64_t ld) {
+    ForEachPair(rows, staging_, [&](int mm, int v1, int v2, cutlass::Array<T, 2>& pair) {
+      pair[0] = value(mm, v1, v2, 0), pair[1] = value(mm, v1, v2, 1);
+    });
+    StoreStaged(rows, staging_, out, ld);
+  }
+
   Params const& p_;
-  T (*staging_)[kRows][kCols];
+  Staging& staging_;
+  Staging* second_ = nullptr;  // kGrad
 };
 
 }  // namespace jaxmlp::cutlass_detail

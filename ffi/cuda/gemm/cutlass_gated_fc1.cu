@@ -5,7 +5,8 @@
 namespace jaxmlp {
 
 ffi::Error RunCutlassGatedFc1(const CutlassLaunch& l) {
-  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::RowMajor, /*kGated=*/true>(l, /*nt=*/false);
+  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass_detail::Fusion::kGatedFc1>(
+      l, /*nt=*/false);
 }
 
 }  // namespace jaxmlp

@@ -19,8 +19,17 @@ bool CutlassSupports(const GemmSpec& s) {
          (s.beta == 0.0f || s.beta == 1.0f);
 }
 
+// FC2's data gradient takes the activation's backward only where its reduction (d, the spec's N) is long:
+// the epilogue (h's loads, dh's and a_s's stores and the activation, by one warpgroup) takes longer than a
+// 128 x 128 tile's main loop over d = 2048 on an H200, so the ping-pong kernel no longer hides it, and the
+// product slows by more than the activation pass costs (d = 2048: 267 us against 165 + 72; d = 4096 and
+// 7168: 8% and 6% faster than the product and the pass; docs/performance.md).
+constexpr int32_t kGatedDgradMinReduction = 4096;
+
 bool CutlassFusesActivation(const GemmSpec& s, Act act) {
-  return IsGated(act) && CutlassSupports(s) && s.op == GemmOp::kNN && s.beta == 0.0f && s.N % 128 == 0;
+  if (!IsGated(act) || !CutlassSupports(s) || s.beta != 0.0f) return false;
+  return (s.op == GemmOp::kNN && s.N % 128 == 0) ||
+         (s.op == GemmOp::kNT && s.K % 64 == 0 && s.N >= kGatedDgradMinReduction);
 }
 
 bool CutlassPathAvailable(int device, std::string* reason) {
@@ -59,7 +68,7 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   const bool bf16 = s.in_type == ffi::DataType::BF16;
   const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
                         out_ptrs, s.beta, workspace, s.out, activation};
-  if (activation) return RunCutlassGatedFc1(l);
+  if (activation) return s.op == GemmOp::kNN ? RunCutlassGatedFc1(l) : RunCutlassGatedDgrad(l);
   return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
 #endif
 }

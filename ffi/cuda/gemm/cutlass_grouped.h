@@ -11,8 +11,8 @@
 //   kNN: (c_g, N, K)  A = lhs rows [c_g, K] (K-major)     B = rhs[g] [K, N] (N-major)  D = out rows [c_g, N]
 //   kNT: (c_g, K, N)  A = lhs rows [c_g, N] (N-major: the reduction)  B = rhs[g] [K, N] (reduction-major)
 // A group with no rows gets the problem (0, N, K), which has no tiles: nothing is read or written for it.
-// FC1 of a gated activation can take the activation in its epilogue (CutlassActivation), which no cuBLASLt
-// grouped GEMM can.
+// FC1 of a gated activation can take the activation in its epilogue, and FC2's data gradient the
+// activation's backward (CutlassActivation), which no cuBLASLt grouped GEMM can.
 // The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
 // ptr-array kernel at every measured shape (docs/performance.md, "The CUTLASS engine").
 #pragma once
@@ -58,17 +58,26 @@ bool CutlassSupports(const GemmSpec& s);
 // kernels), and if not, why.
 bool CutlassPathAvailable(int device, std::string* reason);
 
-// FC1 of a gated activation with the activation in the product's epilogue (cutlass_gated_epilogue.cuh): the
-// product writes h as usual and, for every row in a group, a = act(gate, up) * scales[row], the activation
-// forward (ActivationForward) of a call without b1.
+// A gated activation in a product's epilogue (cutlass_gated_epilogue.cuh), for two products of the MLP:
+//   FC1 (kNN, N = 2 f): the product writes h as usual and, for every row in a group, a = act(gate, up) *
+//     scales[row]: the activation forward (ActivationForward) of a call without b1.
+//   FC2's data gradient (kNT, da = dy w2^T, K = f): for every row in a group, dh = da * scales[row] *
+//     act'(h) (dh may be h), a_s = act(h) * scales[row] in the product's output instead of da, and with
+//     scales the partial sums of da * act(h) per row and 128 columns, ds_parts[row, ceil(f / 128)]: what
+//     ActivationBackward computes from da, but the scales' gradients, which it then adds from ds_parts.
 struct CutlassActivation {
   ActParams act;
-  void* a;             // [rows, f], f = N / 2
   const void* scales;  // [rows], or null
+  void* a;             // FC1: [rows, f]
+  const void* h;       // FC2's data gradient: [rows, 2 f] FC1's output
+  void* dh;            // FC2's data gradient: [rows, 2 f]
+  float* ds_parts;     // FC2's data gradient with scales: [rows, ceil(f / 128)]; else null
 };
 
-// Whether the engine runs product s with activation `act` in its epilogue: a gated activation, kNN with
-// beta 0 (no bias to add), f = N / 2 a multiple of 64 (each 128-column tile holds 64 gate and 64 up columns).
+// Whether the engine runs product s with activation `act` in its epilogue: a gated activation, beta 0 (no
+// bias to add), and either FC1 (kNN, f = N / 2 a multiple of 64: each 128-column tile holds 64 gate and 64
+// up columns) or FC2's data gradient (kNT, f = K a multiple of 64: whole 64-column pieces; d = N at least
+// 4096, where the main loop hides the epilogue: cutlass_grouped.cu).
 bool CutlassFusesActivation(const GemmSpec& s, Act act);
 
 // What one launch of a kernel needs, from RunCutlass.
@@ -85,14 +94,16 @@ struct CutlassLaunch {
   void** out_ptrs;  // [E] each group's first output row
   float beta;
   void* workspace;
-  void* out;  // the output's first row (the gated epilogue's h)
+  void* out;  // the output's first row (the gated epilogues' h or a_s)
   const CutlassActivation* activation;  // null, or the gated epilogue's
 };
 
-// The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1.cu), built with CUTLASS's headers.
+// The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1.cu, cutlass_gated_dgrad.cu), built
+// with CUTLASS's headers.
 ffi::Error RunCutlassNN(const CutlassLaunch& l);
 ffi::Error RunCutlassNT(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedFc1(const CutlassLaunch& l);
+ffi::Error RunCutlassGatedDgrad(const CutlassLaunch& l);
 
 // Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote
 // them, out_ptrs the product's [E] output pointers, workspace of CutlassWorkspaceBytes(). With `activation`

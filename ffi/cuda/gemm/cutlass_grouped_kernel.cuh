@@ -39,9 +39,13 @@ struct Pingpong128x128 {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
+// What a kernel computes beside its product, in its epilogue (cutlass_gated_epilogue.cuh) for a gated
+// activation: kGatedFc1 FC1's activation (kNN; B's tiles in gate and up halves), kGatedDgrad the activation's
+// backward from FC2's data gradient (kNT).
+enum class Fusion { kNone, kGatedFc1, kGatedDgrad };
+
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged.
-// kGated: FC1 of a gated activation (kNN), B's tiles in gate and up halves and the activation in the epilogue.
-template <typename T, typename LayoutA, typename LayoutB, typename Config, bool kGated = false>
+template <typename T, typename LayoutA, typename LayoutB, typename Config, Fusion kFusion = Fusion::kNone>
 struct Grouped {
   static constexpr int kAlign = 8;  // 16 bytes: rows of K and N multiples of 8 (CutlassSupports)
   using TmaEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -49,15 +53,21 @@ struct Grouped {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, cutlass::layout::RowMajor*, kAlign, T,
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
-  using Epilogue = cute::conditional_t<kGated, GatedEpilogue<TmaEpilogue>, TmaEpilogue>;  // same shared memory
+  using Epilogue = cute::conditional_t<kFusion == Fusion::kNone, TmaEpilogue,
+                                       GatedEpilogue<TmaEpilogue, kFusion == Fusion::kGatedDgrad>>;  // same smem
   using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
       typename Config::Tile, typename Config::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename TmaEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename TmaEpilogue::SharedStorage) + sizeof(typename Epilogue::TensorStorage) -
+          sizeof(typename TmaEpilogue::TensorStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, VarlenMainloop<PtrArrayMainloop, kGated>, Epilogue>;
+  using Mainloop = VarlenMainloop<PtrArrayMainloop, /*kSplitB=*/kFusion == Fusion::kGatedFc1>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static constexpr bool kFusesActivation = kGated;
+  static constexpr Fusion kFuses = kFusion;
+  // The gated epilogues' staging leaves the main loop the stages it has without them (6).
+  static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= 6, "the epilogue's shared memory costs main-loop stages");
 };
 
 // The setup kernel writes one int64 leading dimension of D per group, and three int32 per problem: the
@@ -90,20 +100,24 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {int(E), reinterpret_cast<ProblemShape::UnderlyingProblemShape*>(l.problems->shapes), nullptr};
   args.mainloop = {static_cast<const ElementA*>(l.lhs), l.rows, k, static_cast<const ElementB*>(l.rhs), E, l.N, n, k,
-                   l.offsets, l.activation ? l.N / 2 : 0};
+                   l.offsets, G::kFuses == Fusion::kGatedFc1 ? l.N / 2 : 0};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = l.beta;
   args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.out_ptrs));
   args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->ldd);
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
   args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
-  if constexpr (G::kFusesActivation) {
-    args.epilogue.h = static_cast<ElementD*>(l.out);
-    args.epilogue.a = static_cast<ElementD*>(l.activation->a);
-    args.epilogue.scales = static_cast<const ElementD*>(l.activation->scales);
+  if constexpr (G::kFuses != Fusion::kNone) {
+    constexpr bool kFc1 = G::kFuses == Fusion::kGatedFc1;
+    const CutlassActivation& act = *l.activation;
+    args.epilogue.h = static_cast<ElementD*>(kFc1 ? l.out : const_cast<void*>(act.h));
+    args.epilogue.a = static_cast<ElementD*>(kFc1 ? act.a : l.out);
+    args.epilogue.dh = static_cast<ElementD*>(act.dh);
+    args.epilogue.scales = static_cast<const ElementD*>(act.scales);
+    args.epilogue.ds = act.ds_parts;
     args.epilogue.offsets = l.offsets;
-    args.epilogue.f = l.N / 2;
-    args.epilogue.act = l.activation->act;
+    args.epilogue.f = kFc1 ? l.N / 2 : l.K;
+    args.epilogue.act = act.act;
   }
   // Consecutive tiles along N: the CTAs at work together share A's rows and read each group's weights
   // (at most a few MB) from L2, where along M a large group's rows were read again for every column of
@@ -122,11 +136,11 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
 }  // namespace cutlass_detail
 
 // The body of RunCutlass<op>: bfloat16 or float16.
-template <typename LayoutA, typename LayoutB, bool kGated = false>
+template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = cutlass_detail::Fusion::kNone>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128, kGated>>(l, nt);
-  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128, kGated>>(l, nt);
+  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128, kFusion>>(l, nt);
+  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128, kFusion>>(l, nt);
 }
 
 }  // namespace jaxmlp

@@ -33,15 +33,19 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, int esize) {
 // shapes): dw1 is written by the last GEMM, after a_s has been consumed by the dw2 GEMM. The tiled path
 // computes dw2 and dw1 in one launch, so there da needs its own buffer (small, as the problem is); on the
 // cuBLAS paths the dw1 product is enqueued after dw2's (MlpBackward), not in one RunIndependent list.
+// On the engine FC2's data gradient can take the activation's backward in its epilogue, which leaves the
+// scales' gradients as partial sums per row and 128 columns (ds_parts), added up by ActivationBackward.
 struct BackwardScratch {
   void* da;              // [M, f] gradient of the FC2 input, then a_s; null: use the dw1 result
   float* bias_partials;  // BiasGradients' scratch
+  float* ds_parts;       // the engine: [M, ceil(f / 128)] (used with scales; the size query does not know them)
 };
 BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int esize) {
   BackwardScratch s;
   const bool in_dw1 = path != GemmPath::kTiled && m.E * m.d * m.F1 >= m.M * m.f;
   s.da = in_dw1 ? nullptr : c.Take<char>(m.M * m.f * esize);
   s.bias_partials = (m.has_b1 || m.has_b2) ? c.Take<float>(BiasGradientsScratch(m)) : nullptr;
+  s.ds_parts = path == GemmPath::kCutlass ? c.Take<float>(m.M * ScaleGradientParts(m.f)) : nullptr;
   return s;
 }
 
@@ -71,7 +75,7 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   // On the engine FC1's epilogue computes a (without b1, which h holds and the epilogue does not add); what
   // is left of the activation pass is y's prefill with b2 (and its padding rows), or y's padding rows alone.
   const bool fused = !m.has_b1 && gemms.FusesActivation(0, ap.act);
-  if (fused) JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, s.a, DataIfPresent(scales)}));  // h, a
+  if (fused) JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, DataIfPresent(scales), s.a}));  // h, a
   else JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
   if (!fused || m.has_b2)
     JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
@@ -111,12 +115,23 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
       {GemmOp::kNT, d, F1, dh->untyped_data(), w1.untyped_data(), dx->untyped_data(), t, t, 0.0f, false, true},
       {GemmOp::kTN, d, F1, x.untyped_data(), dh->untyped_data(), dw1->untyped_data(), t, t, 0.0f, true, false},
   }));
-  JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
-  JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ActParams{Act(act), alpha, limit}, gemms.offsets(), m.E,
-                                            m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), s.da,
-                                            dh->untyped_data(), m.has_scales ? dscales->untyped_data() : nullptr,
-                                            dx->untyped_data(), dy.untyped_data(), DataIfPresent(b2),
-                                            zero_padding != 0));
+  const ActParams ap{Act(act), alpha, limit};
+  // On the engine the activation's backward runs in the da product's epilogue (a_s over da, dh over h); what
+  // is left of the activation pass is the scales' gradients (from the epilogue's partial sums) and dx's
+  // padding rows, or dx's padding rows alone.
+  const bool fused = gemms.FusesActivation(0, ap.act);
+  void* ds = m.has_scales ? dscales->untyped_data() : nullptr;
+  if (fused)
+    JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(
+        0, {ap, DataIfPresent(scales), nullptr, h.untyped_data(), dh->untyped_data(), ds ? s.ds_parts : nullptr}));
+  else JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
+  if (!fused || ds)
+    JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
+                                              h.untyped_data(), s.da, DataIfPresent(scales), s.da,
+                                              dh->untyped_data(), ds, dx->untyped_data(), dy.untyped_data(),
+                                              DataIfPresent(b2), zero_padding != 0, fused ? s.ds_parts : nullptr));
+  else if (zero_padding)
+    JAXMLP_RETURN_IF_ERROR(gemms.ZeroPaddingRows(2));
   // RunIndependent's promise: none of its products reads another's output (the tiled path runs them in one
   // launch, in no order). dx (2), dw2 (1) and dw1 (3) read dh, w1, a_s (in da), dy and x, and write dx, dw2
   // and dw1, except where da lives in dw1's buffer (the cuBLAS paths at MoE shapes, CarveBackward): then dw1's

@@ -64,7 +64,8 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, int64_t d, const T* h, const T* da,
                                                               const T* scales, T* a_s, T* dh, T* dscales,
-                                                              T* dx, const T* dy, const T* b2, bool zero_padding) {
+                                                              T* dx, const T* dy, const T* b2, bool zero_padding,
+                                                              const float* ds_parts, int64_t parts) {
   WaitForPrevious();
   constexpr bool kGated = IsGated(kAct);
   const int64_t row = blockIdx.x;
@@ -93,6 +94,8 @@ __global__ void __launch_bounds__(kThreads) ActBackwardKernel(ActParams p, const
     Store<T, V>(dh + row * F1 + j, dg);
     if (kGated) Store<T, V>(dh + row * F1 + f + j, du);
   }
+  if (ds_parts && threadIdx.x == 0)
+    for (int64_t i = 0; i < parts; ++i) ds += ds_parts[row * parts + i];
   if (dscales && b2) ds += BiasDotShare<T, V>(dy + row * d, b2 + GroupOf(offsets, E, row) * d, d);
   if (dscales) {
     ds = BlockSum<kThreads / 32>(ds);
@@ -182,15 +185,17 @@ ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, c
 ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                               const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
                               const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
-                              const void* dy, const void* b2, bool zero_padding) {
+                              const void* dy, const void* b2, bool zero_padding, const float* ds_parts) {
   cudaError_t e = cudaSuccess;
+  const int64_t parts = ScaleGradientParts(f);
+  if (ds_parts) f = 0;  // no columns of h, da, a_s and dh: the rows' scale gradients and padding only
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     auto args = std::make_tuple(p, offsets, E, f, d, static_cast<const T*>(h), static_cast<const T*>(da),
                                 static_cast<const T*>(scales), static_cast<T*>(a_s), static_cast<T*>(dh),
                                 static_cast<T*>(dscales), static_cast<T*>(dx), static_cast<const T*>(dy),
-                                static_cast<const T*>(b2), zero_padding);
+                                static_cast<const T*>(b2), zero_padding, ds_parts, parts);
     ByAct(p.act, [&](auto act) {
       constexpr Act A = decltype(act)::value;
       auto kernel = Vectorizable<T>({f, d}) ? ActBackwardKernel<T, V, A> : ActBackwardKernel<T, 1, A>;

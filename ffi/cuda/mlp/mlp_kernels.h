@@ -29,10 +29,15 @@ ffi::Error ActivationForward(cudaStream_t stream, int device, ffi::DataType t, c
 // alone (no product reads it there).
 // In place is allowed: a_s may be da and dh may be h (each element is read before it is written, by the
 // thread that writes it).
+// With ds_parts (FC2's data gradient computed a_s and dh in its epilogue, CutlassActivation), h, da, a_s and
+// dh are left alone and the first sum of dscales is ds_parts[row, :] (ScaleGradientParts(f) of them), added
+// in order.
 ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
                               const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
                               const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
-                              const void* dy, const void* b2, bool zero_padding);
+                              const void* dy, const void* b2, bool zero_padding, const float* ds_parts = nullptr);
+// The partial sums of one row's scale gradient that the engine's epilogue leaves: one per 128 columns.
+inline int64_t ScaleGradientParts(int64_t f) { return (f + 127) / 128; }
 
 // The biases' gradients, each where the MLP has that bias (m.has_b1, m.has_b2): db1 [E, F1] the sums of dh
 // [M, F1] over each group's rows, db2 [E, d] those of dy [M, d] weighted by the rows' scales (null: 1), as

@@ -1,11 +1,14 @@
-"""The gated activation inside FC1's epilogue (the CUTLASS engine, f a multiple of 64, no b1): the same values
-as the activation pass it replaces, on every backend.
+"""The gated activation in the CUTLASS engine's epilogues (f a multiple of 64): FC1's (without b1) and FC2's
+data gradient's (the activation's backward: dh, a_s and the scales' gradient in partial sums; d at least
+4096), the same values as the activation passes they replace, on every backend.
 
-On cuda-cutlass a call without b1 takes the fused epilogue and one with b1 = 0 the separate activation pass:
-the two give the same bits (h = x @ w1 rounded once either way), and both match the float64 reference. The
-shapes put groups across tile edges (128 rows), an empty group first and last, a group of fewer rows than a
-tile, padding rows holding NaN, and f = 64 (one tile of gate and up columns) or 192 (three: the up columns
-start at an odd tile).
+On cuda-cutlass a call without b1 takes FC1's epilogue and one with b1 = 0 the separate activation pass: the
+two give the same bits (h = x @ w1 rounded once either way). Both take FC2's data-gradient epilogue, whose dh
+and a_s follow the separate backward pass's formulas on the same rounded da; both match the float64
+reference, the scales' gradient included. The shapes put groups across tile edges (128 rows), an empty group
+first and last, a group of fewer rows than a tile, padding rows holding NaN, and f = 64 (one tile of gate and
+up columns in FC1; one half tile in the data gradient), 192 (three in FC1, the up columns starting at an odd
+tile; the data gradient's last tile half full) or 256 (whole tiles).
 """
 import jax
 import jax.numpy as jnp
@@ -19,13 +22,14 @@ import numpy_reference as ref
 SIZES = [0, 130, 7, 200, 0]  # 337 rows in groups, of M = 400
 
 
-@pytest.mark.parametrize("f", [64, 192])
+@pytest.mark.parametrize("f", [64, 192, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("act", ["swiglu", "geglu", "reglu", "clamped_swiglu"])
 @pytest.mark.parametrize("scales, b2, zero_padding", [(True, True, True), (False, False, False), (True, False, False)])
 def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act, scales, b2, zero_padding):
   skip_unless_served(backend, dtype)
-  M, d, E = 400, 64, len(SIZES)
+  # d = 4096 where FC2's data gradient takes the epilogue; elsewhere the same semantics at a smaller d.
+  M, d, E = 400, 4096 if backend == "cuda-cutlass" else 64, len(SIZES)
   total = sum(SIZES)
   cast = lambda a: jnp.asarray(a, dtype)
   x = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
@@ -36,18 +40,19 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act
   dy = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
   sizes = jnp.asarray(SIZES, jnp.int32)
   activation = jaxmlp.Activation(act, alpha=1.702, limit=7.0)
+  names = ["y", "dx", "dw1", "dw2"] + (["dscales"] if scales else [])
 
   def run(**b1):
-    def f_(x, w1, w2, *b):
+    def f_(x, w1, w2, scales, *b):
       return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=activation, zero_padding=zero_padding,
-                                **kw, **dict(zip(b1, b)))
-    y, vjp = jax.vjp(f_, x, w1, w2, *b1.values())
-    return (y, *vjp(dy)[:3])
+                                scales=scales, b2=kw["b2"], **dict(zip(b1, b)))
+    y, vjp = jax.vjp(f_, x, w1, w2, kw["scales"], *b1.values())
+    return (y, *vjp(dy)[:len(names) - 1])
 
   fused = run()
   separate = run(b1=jnp.zeros((E, 2 * f), dtype))
-  for name, got, want in zip(["y", "dx", "dw1", "dw2"], fused, separate):
-    rows = slice(0, total) if name in ("y", "dx") else slice(None)
+  for name, got, want in zip(names, fused, separate):
+    rows = slice(0, total) if name in ("y", "dx", "dscales") else slice(None)
     np.testing.assert_array_equal(np.asarray(got[rows], np.float32), np.asarray(want[rows], np.float32), name)
 
   n = {k: None if v is None else np.asarray(v, np.float64) for k, v in kw.items()}
@@ -58,8 +63,8 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act
   if act != "reglu":  # its derivative jumps at 0, where 16-bit rounding of h moves elements across
     tol = TOLERANCE[jnp.dtype(dtype).name]
     check_close(fused[0][:total], want_y[:total], tol, "y")
-    for name, got in zip(["x", "w1", "w2"], fused[1:]):
-      rows = slice(0, total) if name == "x" else slice(None)
+    for name, got in zip(["x", "w1", "w2", "scales"], fused[1:]):
+      rows = slice(0, total) if name in ("x", "scales") else slice(None)
       check_close(got[rows], want[name][rows], tol, name)
   if zero_padding:
-    check_padding_rows_zero(M, SIZES, fused[0], fused[1])
+    check_padding_rows_zero(M, SIZES, *fused[:2], *fused[4:])

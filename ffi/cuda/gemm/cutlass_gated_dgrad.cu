@@ -1,0 +1,12 @@
+// The engine's kernels for FC2's data gradient of a gated activation (cutlass_grouped.h, CutlassActivation):
+// kNT with the activation's backward in the epilogue (cutlass_gated_epilogue.cuh).
+#include "cuda/gemm/cutlass_grouped_kernel.cuh"
+
+namespace jaxmlp {
+
+ffi::Error RunCutlassGatedDgrad(const CutlassLaunch& l) {
+  return LaunchLayouts<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass_detail::Fusion::kGatedDgrad>(
+      l, /*nt=*/true);
+}
+
+}  // namespace jaxmlp
