@@ -3,12 +3,12 @@ data gradient's (the activation's backward: dh, a_s and the scales' gradient in 
 4096), the same values as the activation passes they replace, on every backend.
 
 On cuda-cutlass a call without b1 takes FC1's epilogue and one with b1 = 0 the separate activation pass: the
-two give the same bits (h = x @ w1 rounded once either way). Both take FC2's data-gradient epilogue, whose dh
-and a_s follow the separate backward pass's formulas on the same rounded da; both match the float64
-reference, the scales' gradient included. The shapes put groups across tile edges (128 rows), an empty group
-first and last, a group of fewer rows than a tile, padding rows holding NaN, and f = 64 (one tile of gate and
-up columns in FC1; one half tile in the data gradient), 192 (three in FC1, the up columns starting at an odd
-tile; the data gradient's last tile half full) or 256 (whole tiles).
+two give the same bits (h = x @ w1 rounded once either way); both match the float64 reference, the scales'
+gradient included. Both take FC2's data-gradient epilogue; the second test checks it against the separate
+backward pass bit for bit (the engine takes the epilogue by d). The shapes put groups across tile edges
+(128 rows), an empty group first and last, a group of fewer rows than a tile, padding rows holding NaN, and
+f = 64 (one tile of gate and up columns in FC1; one half tile in the data gradient), 192 (three in FC1, the
+up columns starting at an odd tile; the data gradient's last tile half full) or 256 (whole tiles).
 """
 import jax
 import jax.numpy as jnp
@@ -20,11 +20,12 @@ import jaxmlp
 import numpy_reference as ref
 
 SIZES = [0, 130, 7, 200, 0]  # 337 rows in groups, of M = 400
+ACTS = ["swiglu", "geglu", "reglu", "clamped_swiglu"]
 
 
 @pytest.mark.parametrize("f", [64, 192, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("act", ["swiglu", "geglu", "reglu", "clamped_swiglu"])
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("scales, b2, zero_padding", [(True, True, True), (False, False, False), (True, False, False)])
 def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act, scales, b2, zero_padding):
   skip_unless_served(backend, dtype)
@@ -68,3 +69,40 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act
       check_close(got[rows], want[name][rows], tol, name)
   if zero_padding:
     check_padding_rows_zero(M, SIZES, *fused[:2], *fused[4:])
+
+
+@pytest.mark.parametrize("f", [64, 192, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("act", ACTS)
+def test_fused_backward_equals_the_activation_pass(backend, rng, f, dtype, act):
+  """The engine takes FC2's data-gradient epilogue from d = 4096 and the product and the separate pass below.
+  The same problem at d = 64 and zero-padded to d = 4096 (x's and dy's columns, w1's rows and w2's and b2's
+  columns past 64 zero: every product adds the same terms, then zeros) gives the same h and da, and so the
+  same dh: dx's first 64 columns, which the engine computes from dh alone, bit for bit. a_s reaches dw2 and
+  the scales' gradient, whose sums are added in another order: within the tolerance."""
+  if backend != "cuda-cutlass":
+    pytest.skip("the engine's choice by d (cutlass_grouped.cu)")
+  M, d, E, D = 400, 64, len(SIZES), 4096
+  total = sum(SIZES)
+  cast = lambda a: jnp.asarray(a, dtype)
+  pad = lambda a, axis: jnp.pad(a, [(0, D - d) if i == axis else (0, 0) for i in range(a.ndim)])
+  x = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
+  w1 = cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
+  w2 = cast(rng.standard_normal((E, f, d)) / np.sqrt(f))
+  b2 = cast(rng.standard_normal((E, d)) * 0.5)
+  scales = cast(rng.uniform(0.1, 1.0, M))
+  dy = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  activation = jaxmlp.Activation(act, alpha=1.702, limit=7.0)
+
+  def grads(x, w1, w2, b2, dy):
+    mlp = lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=activation, scales=s, b2=b2)
+    return jax.vjp(mlp, x, w1, w2, scales)[1](dy)
+
+  separate = grads(x, w1, w2, b2, dy)
+  fused = grads(pad(x, 1), pad(w1, 1), pad(w2, 2), pad(b2, 1), pad(dy, 1))
+  np.testing.assert_array_equal(np.asarray(fused[0][:total, :d], np.float32),
+                                np.asarray(separate[0][:total], np.float32), "dx")
+  tol = TOLERANCE[jnp.dtype(dtype).name]
+  check_close(fused[2][:, :, :d], separate[2], tol, "dw2")
+  check_close(fused[3][:total], separate[3][:total], tol, "dscales")

@@ -18,8 +18,8 @@
 // the next group's rows, which another tile reads and writes). No TMA stores: a TMA box is bounded by the
 // tensor, not the group. Row offsets come from the setup kernel's offsets, the tile's group from the
 // scheduler, so nothing here depends on the per-group output pointers. The staging buffer is Base's shared
-// memory for C and D, which nothing else uses here (kGrad adds a second one), so the main loop keeps the
-// stages it has with Base's epilogue.
+// memory for C and D, which nothing else uses here, so the main loop keeps the stages it has with Base's
+// epilogue; kGrad adds a second one, which fits in what those stages leave (Grouped's static_assert).
 //
 // The ping-pong kernel runs the two consumer warpgroups' epilogues one after the other (its order barrier),
 // so they share the staging buffer.
@@ -201,7 +201,7 @@ struct GatedEpilogue : Base {
         }
         if (!p_.ds) return;
         // A row's sum over the tile: its 4 threads' (lanes 4 i .. 4 i + 3) sums, added in a fixed order.
-        const int64_t parts = (f + 127) / 128;
+        const int64_t parts = (f + 127) / 128;  // ScaleGradientParts (mlp_kernels.h): one per column tile
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < 2; ++mm)
           CUTLASS_PRAGMA_UNROLL
