@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "activations.h"
+#include "cuda/gemm/cutlass_grouped.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_conversion.h"
@@ -201,7 +202,7 @@ struct GatedEpilogue : Base {
         }
         if (!p_.ds) return;
         // A row's sum over the tile: its 4 threads' (lanes 4 i .. 4 i + 3) sums, added in a fixed order.
-        const int64_t parts = (f + 127) / 128;  // ScaleGradientParts (mlp_kernels.h): one per column tile
+        const int64_t parts = ScaleGradientParts(f);
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < 2; ++mm)
           CUTLASS_PRAGMA_UNROLL

@@ -58,6 +58,10 @@ bool CutlassSupports(const GemmSpec& s);
 // kernels), and if not, why.
 bool CutlassPathAvailable(int device, std::string* reason);
 
+// The partial sums of one row's scale gradient that FC2's data-gradient epilogue leaves: one per 128-column
+// tile of f.
+__host__ __device__ inline int64_t ScaleGradientParts(int64_t f) { return (f + 127) / 128; }
+
 // A gated activation in a product's epilogue (cutlass_gated_epilogue.cuh), for two products of the MLP:
 //   FC1 (kNN, N = 2 f): the product writes h as usual and, for every row in a group, a = act(gate, up) *
 //     scales[row]: the activation forward (ActivationForward) of a call without b1.

@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "mlp_checks.h"
+#include "cuda/gemm/cutlass_grouped.h"
 
 namespace jaxmlp {
 
@@ -36,8 +37,6 @@ ffi::Error ActivationBackward(cudaStream_t stream, int device, ffi::DataType t, 
                               const int64_t* offsets, int64_t E, int64_t M, int64_t f, int64_t d, const void* h,
                               const void* da, const void* scales, void* a_s, void* dh, void* dscales, void* dx,
                               const void* dy, const void* b2, bool zero_padding, const float* ds_parts = nullptr);
-// The partial sums of one row's scale gradient that the engine's epilogue leaves: one per 128 columns.
-inline int64_t ScaleGradientParts(int64_t f) { return (f + 127) / 128; }
 
 // The biases' gradients, each where the MLP has that bias (m.has_b1, m.has_b2): db1 [E, F1] the sums of dh
 // [M, F1] over each group's rows, db2 [E, d] those of dy [M, d] weighted by the rows' scales (null: 1), as
