@@ -43,9 +43,9 @@ if [ "$what" = test ]; then
   # Every test, not only the GPU ones: the CPU tests meet a GPU's defaults here (XLA's TF32 products).
   python3 -P -m pytest -q -p no:cacheprovider -rs "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
   # memcheck: every path, adversarial and skewed group sizes, forward and backward.
-  memcheck=" ${MEMCHECK-fallback grouped cutlass tiled fp8 dispatch} "
+  memcheck=" ${MEMCHECK-fallback grouped cutlass fused tiled fp8 dispatch} "
   for path in $(echo $memcheck | tr ' ' '\n' | grep -v dispatch); do
-    available=$([ $path = fp8 ] && echo fp8_available || echo ${path}_available)
+    case $path in fp8) available=fp8_available ;; fused) available=cutlass_available ;; *) available=${path}_available ;; esac
     if [ $path != fallback ] && ! grep -q "\"$available\": true" "$OUT/backend_info.json"; then
       echo "memcheck $path: skipped, unavailable here (backend_info)" | tee -a "$OUT/summary.txt"; continue
     fi

@@ -1,12 +1,15 @@
 """The GEMM-path policy: which CUDA engine serves a call, chosen at trace time, and why.
 
-CUDA targets of the grouped products come in four variants (ffi/targets.inc):
+CUDA targets of the grouped products come in five variants (ffi/targets.inc):
   *_grouped   cuBLASLt grouped GEMM, group sizes read on the device: no host sync, and the handlers are
               declared command-buffer compatible, so XLA may capture them in CUDA graphs;
   *_cutlass   jaxmlp's CUTLASS grouped GEMM engine on Hopper (sm_90a), also sync-free, for the 16-bit
               products ragged in their rows whose output dtype is the input's (cuBLASLt's grouped GEMM
               runs the others: the weight gradients, FP8); grouped_mlp's FC1 of a gated activation
               without b1, f a multiple of 64, computes the activation in its epilogue;
+  *_fused     cuBLASLt's grouped GEMM, except that FC1 of such a gated activation runs on the engine with
+              the activation in its epilogue: what `auto` picks for those forwards where it measured faster
+              (FUSED_ROWS_PER_GROUP), as the engine's plain products trail cuBLASLt's kernels by 1-6%;
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
@@ -20,6 +23,7 @@ import warnings
 
 import jax.numpy as jnp
 
+from . import _checks
 from ._library import cuda_module, cuda_status
 
 # The tiled kernel beats the cuBLAS grouped GEMM while a product's expert weights (E * K * N elements) and
@@ -28,29 +32,42 @@ from ._library import cuda_module, cuda_status
 TILED_MAX_WEIGHTS = 1 << 21
 TILED_MAX_MACS = 1 << 30
 
+# The rows per group (M / E) where `auto` runs a fusable forward on the fused path: measured 1-8% faster than
+# cuBLASLt's FC1 and activation pass at 256, 512 and 1024 rows a group, even at 2048, 0.58x at 32 (one
+# 128-row tile a group leaves half of the engine's 2x1 clusters idle); from 128, a group fills its tile
+# (docs/performance.md, "The fused path").
+FUSED_ROWS_PER_GROUP = (128, 1024)
 
-def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None) -> tuple[str, str]:
-  """Which CUDA GEMM path a call takes, and why: ("grouped" | "cutlass" | "tiled" | "fallback", reason).
+PATHS = ("grouped", "cutlass", "fused", "tiled", "fallback")
+
+
+def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None,
+              fusion: bool = False) -> tuple[str, str]:
+  """Which CUDA GEMM path a call takes, and why: ("grouped" | "cutlass" | "fused" | "tiled" | "fallback",
+  reason).
 
   row_lengths: the K and N of the call's products (the sync-free paths need multiples of 8);
-  problem: (E, M, K, N) of its largest product (None: a large one). JAXMLP_GEMM_PATH=grouped|cutlass|tiled
-  forces that path for every call it can serve (`unservable`); the others take the fallback.
+  problem: (E, M, K, N) of its largest product (None: a large one); fusion: the call is an MLP forward
+  whose FC1 the engine can compute with its activation (`fc1_fusable`). JAXMLP_GEMM_PATH=grouped|cutlass|
+  fused|tiled forces that path for every call it can serve (`unservable`); the others take the fallback.
   """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
-  if forced not in ("auto", "grouped", "cutlass", "tiled", "fallback"):
-    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, grouped, cutlass, tiled or fallback")
+  if forced not in ("auto", *PATHS):
+    raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, {', '.join(PATHS[:-1])} or fallback")
   status = cuda_status()  # first, even for the fallback: it loads cuBLAS, searching the wheel's folder
   if forced == "fallback":
     return "fallback", "forced by JAXMLP_GEMM_PATH=fallback"
   if forced == "tiled" and not status.get("tiled_available"):
     raise RuntimeError(f"JAXMLP_GEMM_PATH=tiled, but the tiled kernel cannot run: "
                        f"{status.get('tiled_reason', 'no CUDA device')}")
-  if forced in ("grouped", "cutlass") and not status.get("grouped_available"):
+  if forced in ("grouped", "cutlass", "fused") and not status.get("grouped_available"):
     raise RuntimeError(f"JAXMLP_GEMM_PATH={forced}, but the cuBLASLt grouped GEMM is unavailable: "
                        f"{status.get('grouped_reason', 'no CUDA device')}")
-  if forced == "cutlass" and not status.get("cutlass_available"):
-    raise RuntimeError("JAXMLP_GEMM_PATH=cutlass, but jaxmlp's CUTLASS engine cannot run: "
+  if forced in ("cutlass", "fused") and not status.get("cutlass_available"):
+    raise RuntimeError(f"JAXMLP_GEMM_PATH={forced}, but jaxmlp's CUTLASS engine cannot run: "
                        f"{status.get('cutlass_reason', 'no CUDA device')}")
+  if problem is not None and not all(map(_checks.is_static, problem)):
+    problem = None  # a symbolic size (jax.export): decided as a large problem
   why_not = unservable(dtype, *row_lengths)
   if why_not:
     return "fallback", f"{why_not}: cublasGemmGroupedBatchedEx serves it"
@@ -60,7 +77,22 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
     return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
   if not status.get("grouped_available"):
     return "fallback", status.get("grouped_reason", "no CUDA device")
+  if fusion and status.get("cutlass_available") and problem is not None and _fusion_pays(*problem):
+    return "fused", ("cuBLASLt grouped GEMM, FC1 with its activation on jaxmlp's CUTLASS engine (rows per group "
+                     f"within {FUSED_ROWS_PER_GROUP})")
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
+
+
+def fc1_fusable(act, has_b1: bool, f: int) -> bool:
+  """Whether the engine can compute an MLP forward's activation in FC1's epilogue (CutlassFusesActivation,
+  ffi/cuda/gemm/cutlass_grouped.cu): a gated activation, no b1 (h holds it, the epilogue does not add it),
+  FC1's width 2f a multiple of the 128-column tile."""
+  return act.gated and not has_b1 and f % 64 == 0
+
+
+def _fusion_pays(E: int, M: int, K: int, N: int) -> bool:
+  low, high = FUSED_ROWS_PER_GROUP
+  return low * E <= M <= high * E
 
 
 def unservable(dtype, *row_lengths: int) -> str | None:
@@ -77,12 +109,12 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
   return E * K * N <= TILED_MAX_WEIGHTS and M * K * N <= TILED_MAX_MACS
 
 
-def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int]) -> str:
+def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int], fusion: bool = False) -> str:
   """gemm_path's choice inside a CUDA branch (RuntimeError where the CUDA handlers are unavailable). The
   fallback taken for a call the fast paths cannot serve, without JAXMLP_GEMM_PATH asking for it, is
   warned of once per reason: it copies the group sizes to the host and syncs on every call."""
   cuda_module()
-  path = gemm_path(dtype, *row_lengths, problem=problem)[0]
+  path = gemm_path(dtype, *row_lengths, problem=problem, fusion=fusion)[0]
   unserved = unservable(dtype, *row_lengths)
   if path == "fallback" and unserved and os.environ.get("JAXMLP_GEMM_PATH", "auto") == "auto":
     _warn_once(unserved)

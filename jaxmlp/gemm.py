@@ -72,12 +72,12 @@ def _gemm_dtypes(path: str, dtype, out_dtype) -> tuple:
   upcast) and the caller rounds its result once to out_dtype: cublasGemmGroupedBatchedEx takes one dtype
   in and out, and cuBLASLt's grouped GEMM writes a 16-bit product only in its own dtype or float32
   (float16 to bfloat16 "is not supported", cuBLAS 13.10); on the CUTLASS path cuBLASLt's grouped GEMM runs
-  the products whose output dtype is not the input's."""
+  the products whose output dtype is not the input's (on the fused path, every plain product)."""
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
   if path == "fallback":
     wide = jnp.promote_types(dtype, out_dtype)
     return wide, wide
-  if path in ("grouped", "cutlass") and out_dtype not in (dtype, jnp.float32):
+  if path in ("grouped", "cutlass", "fused") and out_dtype not in (dtype, jnp.float32):
     return dtype, jnp.dtype(jnp.float32)
   return dtype, out_dtype
 

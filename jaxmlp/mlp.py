@@ -108,8 +108,9 @@ def _mlp_bwd(act, shape, zero_padding, res, dy):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: bool) -> tuple[str, int]:
-  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1))
+def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: bool,
+                            fusion: bool = False) -> tuple[str, int]:
+  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1), fusion=fusion)
   ws = _library.cuda_module().mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E,
                                                   _library.dtype_code(dtype), biases)
   return path, ws
@@ -130,7 +131,8 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _che
     return _library.call("jaxmlp_mlp_fwd", outs, *a, **attrs)
 
   def cuda(*a):
-    path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None)
+    path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None,
+                                       fusion=_gemm_path.fc1_fusable(act, b1 is not None, s.f))
     return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, zero_padding=np.int32(zero_padding),
                          **attrs)
 

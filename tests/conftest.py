@@ -133,7 +133,7 @@ def cuda_reason(path):
     return "no CUDA device"
   if path == "grouped" and not _library.cuda_status().get("grouped_available"):
     return "cuBLASLt grouped GEMM unavailable: " + _library.cuda_status().get("grouped_reason", "")
-  if path == "cutlass" and not _library.cuda_status().get("cutlass_available"):
+  if path in ("cutlass", "fused") and not _library.cuda_status().get("cutlass_available"):
     return "CUTLASS engine unavailable: " + _library.cuda_status().get("cutlass_reason", "")
   if path == "tiled" and not _library.cuda_status().get("tiled_available"):
     return "tiled kernel unavailable: " + _library.cuda_status().get("tiled_reason", "")
@@ -144,6 +144,7 @@ BACKENDS = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda-grouped", id="cuda-grouped", marks=pytest.mark.gpu),
     pytest.param("cuda-cutlass", id="cuda-cutlass", marks=pytest.mark.gpu),
+    pytest.param("cuda-fused", id="cuda-fused", marks=pytest.mark.gpu),
     pytest.param("cuda-tiled", id="cuda-tiled", marks=pytest.mark.gpu),
     pytest.param("cuda-fallback", id="cuda-fallback", marks=pytest.mark.gpu),
 ]
@@ -156,7 +157,7 @@ float32_backends = pytest.mark.parametrize(
 def backend(request, monkeypatch):
   """Runs the test's jaxmlp calls on one platform (and, on CUDA, one GEMM path).
 
-  On the grouped, cutlass or tiled path, a test none of whose calls took that path fails: it would test the
+  On the grouped, cutlass, fused or tiled path, a test none of whose calls took that path fails: it would test the
   fallback (or, with no custom call, nothing) under another name. Float32-only tests take
   `float32_backends`; `skip_unless_served` skips single cases."""
   name = request.param
@@ -194,9 +195,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def skip_unless_served(backend, dtype, *row_lengths, empty=False):
-  """Skips a case the forced grouped, cutlass or tiled path does not run, which cpu and cuda-fallback do:
+  """Skips a case the forced grouped, cutlass, fused or tiled path does not run, which cpu and cuda-fallback do:
   float32 or unaligned rows (the fallback serves them), or an empty problem (no custom call at all)."""
-  if backend not in ("cuda-grouped", "cuda-cutlass", "cuda-tiled"):
+  if backend not in ("cuda-grouped", "cuda-cutlass", "cuda-fused", "cuda-tiled"):
     return
   why_not = "an empty problem makes no custom call" if empty else _gemm_path.unservable(dtype, *row_lengths)
   if why_not:

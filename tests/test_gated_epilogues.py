@@ -2,9 +2,10 @@
 data gradient's (the activation's backward: dh, a_s and the scales' gradient in partial sums; d at least
 4096), the same values as the activation passes they replace, on every backend.
 
-On cuda-cutlass a call without b1 takes FC1's epilogue and one with b1 = 0 the separate activation pass: the
-two give the same bits (h = x @ w1 rounded once either way); both match the float64 reference, the scales'
-gradient included. Both take FC2's data-gradient epilogue; the second test checks it against the separate
+On cuda-cutlass and cuda-fused a call without b1 takes FC1's epilogue and one with b1 = 0 the separate
+activation pass (on cuda-fused after cuBLASLt's FC1, whose sums over d = 64 the engine's equal): the two give
+the same bits (h = x @ w1 rounded once either way); both match the float64 reference, the scales' gradient
+included. On cuda-cutlass both take FC2's data-gradient epilogue; the second test checks it against the separate
 backward pass bit for bit (the engine takes the epilogue by d). The shapes put groups across tile edges
 (128 rows), an empty group first and last, a group of fewer rows than a tile, padding rows holding NaN, and
 f = 64 (one tile of gate and up columns in FC1; one half tile in the data gradient), 192 (three in FC1, the

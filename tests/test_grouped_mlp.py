@@ -302,7 +302,7 @@ def test_vmap_over_a_batch_of_calls(backend, rng, dtype):
       check_close(g[i], want[k], tol, k)
 
 
-@pytest.mark.parametrize("path", ["grouped", "cutlass", "tiled"])
+@pytest.mark.parametrize("path", ["grouped", "cutlass", "fused", "tiled"])
 def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
   """The CUDA branch is traced on every machine. Forcing its GEMM path leaves CPU calls alone, except
   where CUDA devices cannot run the forced path: there the setting is an error, for every call, at trace
@@ -311,7 +311,8 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
   args = make_inputs(rng, 40, 16, 16, [15, 25], "swiglu", jnp.float32)
   n = numpy_args(args)
   with jax.default_device(jax.devices("cpu")[0]):
-    if _library.cuda_devices() and not _library.cuda_status().get(f"{path}_available"):
+    engine = "cutlass" if path == "fused" else path  # the fused path runs FC1 on the CUTLASS engine
+    if _library.cuda_devices() and not _library.cuda_status().get(f"{engine}_available"):
       with pytest.raises(RuntimeError, match=f"JAXMLP_GEMM_PATH={path}, but"):
         jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
       # The diagnostic still answers, and says why.
@@ -320,6 +321,38 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
       return
     got = jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
   assert rel_error(got, ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu")) < 1e-5
+
+
+def test_auto_takes_the_fused_path_for_a_fusable_forward_where_it_measured_faster(monkeypatch):
+  """The policy alone (a GPU's status stubbed): `auto` runs an MLP forward whose FC1 the engine can fuse on
+  the fused path within FUSED_ROWS_PER_GROUP, and everything else as before; forcing the fused path where the
+  engine cannot run is an error naming it."""
+  from jaxmlp import _gemm_path
+  from jaxmlp.activations import resolve
+  status = {"grouped_available": True, "tiled_available": True, "cutlass_available": True}
+  monkeypatch.setattr(_gemm_path, "cuda_status", lambda: status)
+  monkeypatch.delenv("JAXMLP_GEMM_PATH", raising=False)
+  low, high = _gemm_path.FUSED_ROWS_PER_GROUP
+  E, d, f = 128, 2048, 768
+
+  def path(rows_per_group, fusion=True):
+    return _gemm_path.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, rows_per_group * E, d, 2 * f),
+                                fusion=fusion)[0]
+
+  assert path(low) == path(high) == "fused"
+  assert path(low - 1) == path(high + 1) == path(low, fusion=False) == "grouped"
+  m = jax.export.symbolic_shape("m")[0]  # jax.export: a symbolic M is decided as a large problem
+  assert _gemm_path.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, m, d, 2 * f), fusion=True)[0] == "grouped"
+  status["cutlass_available"] = False
+  assert path(low) == "grouped"
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "fused")
+  with pytest.raises(RuntimeError, match="JAXMLP_GEMM_PATH=fused, but jaxmlp's CUTLASS engine cannot run"):
+    path(low)
+  swiglu = resolve("swiglu")
+  assert _gemm_path.fc1_fusable(swiglu, False, 768)
+  assert not _gemm_path.fc1_fusable(swiglu, True, 768)  # b1: h holds it, the epilogue does not add it
+  assert not _gemm_path.fc1_fusable(swiglu, False, 96)  # 2f = 192 is not a whole number of 128-column tiles
+  assert not _gemm_path.fc1_fusable(resolve("gelu"), False, 768)
 
 
 def test_check_group_sizes_raises_the_documented_errors(rng):
@@ -497,6 +530,7 @@ def test_backend_info_reports_each_platform():
   if info["cuda"]["devices"]:
     assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
     assert info["cuda"]["small_gemm_path"] in ("tiled", "grouped", "fallback") and info["cuda"]["small_why"]
+    assert info["cuda"]["mlp_forward_path"] in ("fused", "grouped", "fallback") and info["cuda"]["mlp_forward_why"]
     assert info["cuda"]["cublaslt_version"] > 0
 
 

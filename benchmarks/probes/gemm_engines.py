@@ -1,8 +1,9 @@
 """The grouped-GEMM engines side by side: cuBLASLt's grouped GEMM (JAXMLP_GEMM_PATH=grouped) against
-jaxmlp's CUTLASS engine (cutlass), timed in turn in one process (timing.measure_alternating), with a dense
-GEMM of the same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, its
-forward alone (on the engine FC1 computes the activation in its epilogue), and each grouped product of it
-alone (FC1, FC2, the data gradients and FC1's weight gradient). GPU only.
+jaxmlp's CUTLASS engine (cutlass) and the two together (fused: cuBLASLt, FC1 with its activation on the
+engine), and `auto`, timed in turn in one process (timing.measure_alternating), with a dense GEMM of the
+same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, its forward alone
+(on the engine FC1 computes the activation in its epilogue), and each grouped product of it alone (FC1,
+FC2, the data gradients and FC1's weight gradient). GPU only.
 
   python benchmarks/probes/gemm_engines.py --shapes qwen3,128x2048x768x65536 --routings balanced,skewed
 """
@@ -17,12 +18,9 @@ import cases  # noqa: E402
 import kernel_share  # noqa: E402
 from timing import measure_alternating  # noqa: E402
 
-PATHS = ("grouped", "cutlass")
-
-
 def traced_on(path, build):
   """build() -> (jitted fn, args), traced and compiled with JAXMLP_GEMM_PATH=path (the path is picked at
-  trace time)."""
+  trace time; "auto" is the policy's own choice)."""
   import jax
   before = os.environ.get("JAXMLP_GEMM_PATH")
   os.environ["JAXMLP_GEMM_PATH"] = path
@@ -65,10 +63,14 @@ def main():
   p.add_argument("--shapes", default="qwen3,128x2048x768x65536,dsv3,gptoss,mixtral,8x4096x14336x256")
   p.add_argument("--routings", default="balanced,skewed")
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--paths", default="grouped,cutlass,fused", help="JAXMLP_GEMM_PATH values; the first is the baseline")
   p.add_argument("--no-products", action="store_true", help="the MLP step only")
+  p.add_argument("--what", default=None, help="only these products (comma-separated: 'MLP fwd', 'fc1 nn', ...; "
+                                                 "with --trace also 'MLP step')")
   p.add_argument("--trace", action="store_true",
                  help="instead: each kernel of one MLP step and of each product on either path (JAX's profiler)")
   a = p.parse_args()
+  paths = a.paths.split(",")
   import jax
   if a.trace:
     for shape in a.shapes.split(","):
@@ -76,35 +78,44 @@ def main():
         builds = {"MLP step": lambda: kernel_share.step_and_args(shape, routing, "jaxmlp"),
                   **products(shape, routing)}
         for what, build in builds.items():
-          for path in PATHS:
+          if a.what and what not in a.what.split(","):
+            continue
+          for path in paths:
             step, args = traced_on(path, build)
             print(f"{shape} {routing} {what} {path}:")
             kernel_share.summarize(
                 kernel_share.traced_kernels(lambda: [jax.block_until_ready(step(*args)) for _ in range(2)]))
     return
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, medians of {a.rounds} rounds in turn",
-        flush=True)
-  print("| shape | routing | what | cuBLASLt ms | CUTLASS ms | CUTLASS speedup | dense ms | cuBLASLt, CUTLASS of dense |")
-  print("|---|---|---|---|---|---|---|---|")
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, medians of {a.rounds} rounds in turn; "
+        f"speedups over {paths[0]}", flush=True)
+  print(f"| shape | routing | what | {' | '.join(f'{q} ms' for q in paths)} | "
+        f"{' | '.join(f'{q} speedup' for q in paths[1:])} | dense ms | of dense |")
+  print("|---" * (4 + 2 * len(paths)) + "|")
+
+  def row(shape, routing, what, t, dense=None):
+    ms = [t[q]["s"] * 1e3 for q in paths]
+    tail = f" {dense:.3f} | {', '.join(f'{dense / m:.0%}' for m in ms)} |" if dense else " | |"
+    print(f"| {shape} | {routing} | {what} | {' | '.join(f'{m:.3f}' for m in ms)} | "
+          f"{' | '.join(f'{ms[0] / m:.3f}x' for m in ms[1:])} |{tail}", flush=True)
+
   for shape in a.shapes.split(","):
     for routing in a.routings.split(","):
-      steps = {path: traced_on(path, lambda: kernel_share.step_and_args(shape, routing, "jaxmlp")) for path in PATHS}
+      steps = {path: traced_on(path, lambda: kernel_share.step_and_args(shape, routing, "jaxmlp")) for path in paths}
       dense = kernel_share.step_and_args(shape, routing, "dense")
       calls = {path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in steps.items()}
       calls["dense"] = lambda i, fa=dense: fa[0](*fa[1])
       t = measure_alternating(calls, jax.block_until_ready, rounds=a.rounds)
-      g, c, d = (t[k]["s"] * 1e3 for k in ("grouped", "cutlass", "dense"))
-      print(f"| {shape} | {routing} | MLP fwd+bwd | {g:.3f} | {c:.3f} | {g / c:.3f}x | {d:.3f} | "
-            f"{d / g:.0%}, {d / c:.0%} |", flush=True)
+      row(shape, routing, "MLP fwd+bwd", t, t["dense"]["s"] * 1e3)
       del steps, dense, calls
       if a.no_products:
         continue
       for name, build in products(shape, routing).items():
-        fns = {path: traced_on(path, build) for path in PATHS}
+        if a.what and name not in a.what.split(","):
+          continue
+        fns = {path: traced_on(path, build) for path in paths}
         t = measure_alternating({path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in fns.items()},
                                 jax.block_until_ready, rounds=a.rounds)
-        g, c = (t[k]["s"] * 1e3 for k in PATHS)
-        print(f"| {shape} | {routing} | {name} | {g:.3f} | {c:.3f} | {g / c:.3f}x | | |", flush=True)
+        row(shape, routing, name, t)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ namespace nb = nanobind;
   extern "C" XLA_FFI_Error* cuda##Grouped(XLA_FFI_CallFrame*);  \
   extern "C" XLA_FFI_Error* cuda##Tiled(XLA_FFI_CallFrame*);    \
   extern "C" XLA_FFI_Error* cuda##Fallback(XLA_FFI_CallFrame*); \
-  extern "C" XLA_FFI_Error* cuda##Cutlass(XLA_FFI_CallFrame*);
+  extern "C" XLA_FFI_Error* cuda##Cutlass(XLA_FFI_CallFrame*);  \
+  extern "C" XLA_FFI_Error* cuda##Fused(XLA_FFI_CallFrame*);
 #define JAXMLP_TARGET(name, cpu, cuda) extern "C" XLA_FFI_Error* cuda(XLA_FFI_CallFrame*);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
 #include "targets.inc"
@@ -41,7 +42,9 @@ jaxmlp::GemmPath PathOf(const std::string& path) {
   if (path == "tiled") return jaxmlp::GemmPath::kTiled;
   if (path == "fallback") return jaxmlp::GemmPath::kFallback;
   if (path == "cutlass") return jaxmlp::GemmPath::kCutlass;
-  throw std::invalid_argument("jaxmlp: unknown GEMM path '" + path + "': expected grouped, tiled, fallback or cutlass");
+  if (path == "fused") return jaxmlp::GemmPath::kFused;
+  throw std::invalid_argument("jaxmlp: unknown GEMM path '" + path +
+                              "': expected grouped, tiled, fallback, cutlass or fused");
 }
 
 // What backend_info() and the trace-time path choice read, about CUDA device `device` (an ordinal, as JAX's
@@ -84,7 +87,8 @@ NB_MODULE(_cuda, m) {
   d[name "_grouped"] = Capsule(cuda##Grouped);   \
   d[name "_tiled"] = Capsule(cuda##Tiled);       \
   d[name "_fallback"] = Capsule(cuda##Fallback); \
-  d[name "_cutlass"] = Capsule(cuda##Cutlass);
+  d[name "_cutlass"] = Capsule(cuda##Cutlass);   \
+  d[name "_fused"] = Capsule(cuda##Fused);
 #define JAXMLP_TARGET(name, cpu, cuda) d[name] = Capsule(cuda);
 #define JAXMLP_CUDA_TARGET(name, cuda) JAXMLP_TARGET(name, , cuda)
 #include "targets.inc"

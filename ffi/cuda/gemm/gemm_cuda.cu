@@ -52,3 +52,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmGrouped, jaxmlp::Gemm<GemmPath::kGrouped>, jax
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFallback, jaxmlp::Gemm<GemmPath::kFallback>, jaxmlp::BindGemm());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmTiled, jaxmlp::Gemm<GemmPath::kTiled>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCutlass, jaxmlp::Gemm<GemmPath::kCutlass>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFused, jaxmlp::Gemm<GemmPath::kFused>, jaxmlp::BindGemm(), jaxmlp::kGraphSafe);

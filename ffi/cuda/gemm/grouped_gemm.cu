@@ -173,11 +173,12 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   arrays_.padded_starts = ws.Take<int64_t>(E + 1);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
   for (CutlassProblems& c : arrays_.cutlass) {
-    const bool engine = path == GemmPath::kCutlass;
+    const bool engine = path == GemmPath::kCutlass || path == GemmPath::kFused;
     c.shapes = engine ? ws.Take<int32_t>(3 * E) : nullptr;
     c.ldd = engine ? ws.Take<int64_t>(E) : nullptr;
   }
-  cutlass_ws_ = path == GemmPath::kCutlass ? ws.Take<char>(CutlassWorkspaceBytes()) : nullptr;
+  const bool engine = path == GemmPath::kCutlass || path == GemmPath::kFused;
+  cutlass_ws_ = engine ? ws.Take<char>(CutlassWorkspaceBytes()) : nullptr;
 }
 
 size_t GroupedGemmsWorkspaceBytes(GemmPath path, int64_t E, bool split_k) {
@@ -192,8 +193,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool pad
   bool padded = padded_layout;
   int64_t pad = 16;
   for (const GemmSpec& s : specs) {
-    if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) && path_ != GemmPath::kGrouped &&
-        path_ != GemmPath::kCutlass)
+    if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) &&
+        (path_ == GemmPath::kTiled || path_ == GemmPath::kFallback))
       return ffi::Error::Internal("jaxmlp: FP8 products run on cuBLASLt's grouped GEMM only");
     if (s.scaling == Fp8Scaling::kBlocks && s.op != GemmOp::kNT && s.op != GemmOp::kTNPadded)
       return ffi::Error::Internal("jaxmlp: block-scaled FP8 products are kNT or kTNPadded");
@@ -256,7 +257,7 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
   for (int i : products) {
     if (i < 0 || i >= num_specs_ || n == kMaxGemms) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
     specs[n++] = &specs_[i];
-    if (path_ == GemmPath::kGrouped) JAXMLP_RETURN_IF_ERROR(RunGrouped(specs_[i], i));
+    if (path_ == GemmPath::kGrouped || path_ == GemmPath::kFused) JAXMLP_RETURN_IF_ERROR(RunGrouped(specs_[i], i));
     if (path_ == GemmPath::kCutlass) JAXMLP_RETURN_IF_ERROR(RunCutlassOrGrouped(specs_[i], i));
     if (path_ == GemmPath::kFallback) JAXMLP_RETURN_IF_ERROR(RunFallback(specs_[i], i));
   }
@@ -274,7 +275,9 @@ ffi::Error GroupedGemms::RunCutlassOrGrouped(const GemmSpec& s, int i) {
 }
 
 bool GroupedGemms::FusesActivation(int i, Act act) const {
-  return path_ == GemmPath::kCutlass && i >= 0 && i < num_specs_ && CutlassFusesActivation(specs_[i], act);
+  if (i < 0 || i >= num_specs_) return false;
+  const bool engine = path_ == GemmPath::kCutlass || (path_ == GemmPath::kFused && specs_[i].op == GemmOp::kNN);
+  return engine && CutlassFusesActivation(specs_[i], act);
 }
 
 ffi::Error GroupedGemms::RunWithActivation(int i, const CutlassActivation& activation) {

@@ -197,3 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardCutlass, jaxmlp::MlpForward<GemmPath::kC
                               jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardCutlass, jaxmlp::MlpBackward<GemmPath::kCutlass>, jaxmlp::BindBackward(),
                               jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardFused, jaxmlp::MlpForward<GemmPath::kFused>, jaxmlp::BindForward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFused, jaxmlp::MlpBackward<GemmPath::kFused>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
