@@ -8,8 +8,10 @@ CUDA targets of the grouped products come in five variants (ffi/targets.inc):
               runs the others: the weight gradients, FP8); grouped_mlp's FC1 of a gated activation
               without b1, f a multiple of 64, computes the activation in its epilogue;
   *_fused     cuBLASLt's grouped GEMM, except that FC1 of such a gated activation runs on the engine with
-              the activation in its epilogue: what `auto` picks for those forwards where it measured faster
-              (FUSED_ROWS_PER_GROUP), as the engine's plain products trail cuBLASLt's kernels by 1-6%;
+              the activation in its epilogue.
+`auto` runs grouped_mlp on the engine where it measured faster than cuBLASLt (ENGINE_ROWS_PER_GROUP and
+ENGINE_MAX_EXPERT_WEIGHTS: small experts, skewed routing included), else a fusable forward on the fused path
+(FUSED_ROWS_PER_GROUP), else on cuBLASLt, whose plain products the engine's trail by 1-6% at larger experts:
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
@@ -37,18 +39,24 @@ TILED_MAX_MACS = 1 << 30
 # 128-row tile a group leaves half of the engine's 2x1 clusters idle); from 128, a group fills its tile
 # (docs/performance.md, "The fused path").
 FUSED_ROWS_PER_GROUP = (128, 1024)
+# Where `auto` runs grouped_mlp's forward and backward on the engine: more than one 128-row tile a group, at
+# most 1024 rows, and FC1's weights at most this many elements an expert, where the engine runs without
+# clusters (kSmallExpertWeights, cutlass_grouped_kernel.cuh) and measured ahead of cuBLASLt, most with
+# skewed routing (docs/performance.md, "The cluster").
+ENGINE_ROWS_PER_GROUP = (129, 1024)
+ENGINE_MAX_EXPERT_WEIGHTS = 4 << 20
 
 PATHS = ("grouped", "cutlass", "fused", "tiled", "fallback")
 
 
-def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None,
+def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None, mlp: bool = False,
               fusion: bool = False) -> tuple[str, str]:
   """Which CUDA GEMM path a call takes, and why: ("grouped" | "cutlass" | "fused" | "tiled" | "fallback",
   reason).
 
   row_lengths: the K and N of the call's products (the sync-free paths need multiples of 8);
-  problem: (E, M, K, N) of its largest product (None: a large one); fusion: the call is an MLP forward
-  whose FC1 the engine can compute with its activation (`fc1_fusable`). JAXMLP_GEMM_PATH=grouped|cutlass|
+  problem: (E, M, K, N) of its largest product (None: a large one); mlp: the call is grouped_mlp's forward
+  or backward; fusion: an MLP forward whose FC1 the engine can compute with its activation (`fc1_fusable`). JAXMLP_GEMM_PATH=grouped|cutlass|
   fused|tiled forces that path for every call it can serve (`unservable`); the others take the fallback.
   """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
@@ -77,7 +85,11 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
     return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
   if not status.get("grouped_available"):
     return "fallback", status.get("grouped_reason", "no CUDA device")
-  if fusion and status.get("cutlass_available") and problem is not None and _fusion_pays(*problem):
+  engine = status.get("cutlass_available") and problem is not None
+  if engine and mlp and _engine_pays(*problem):
+    return "cutlass", (f"jaxmlp's CUTLASS engine (rows per group within {ENGINE_ROWS_PER_GROUP}, experts of at "
+                       f"most {ENGINE_MAX_EXPERT_WEIGHTS} weights)")
+  if engine and fusion and _fusion_pays(*problem):
     return "fused", ("cuBLASLt grouped GEMM, FC1 with its activation on jaxmlp's CUTLASS engine (rows per group "
                      f"within {FUSED_ROWS_PER_GROUP})")
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
@@ -95,6 +107,11 @@ def _fusion_pays(E: int, M: int, K: int, N: int) -> bool:
   return low * E <= M <= high * E
 
 
+def _engine_pays(E: int, M: int, K: int, N: int) -> bool:
+  low, high = ENGINE_ROWS_PER_GROUP
+  return low * E <= M <= high * E and K * N <= ENGINE_MAX_EXPERT_WEIGHTS
+
+
 def unservable(dtype, *row_lengths: int) -> str | None:
   """Why the grouped and tiled paths cannot serve a call, or None: both take 16-bit inputs, with row
   lengths that are multiples of 8 (16-byte aligned group pointers)."""
@@ -109,12 +126,13 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
   return E * K * N <= TILED_MAX_WEIGHTS and M * K * N <= TILED_MAX_MACS
 
 
-def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int], fusion: bool = False) -> str:
+def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int], mlp: bool = False,
+              fusion: bool = False) -> str:
   """gemm_path's choice inside a CUDA branch (RuntimeError where the CUDA handlers are unavailable). The
   fallback taken for a call the fast paths cannot serve, without JAXMLP_GEMM_PATH asking for it, is
   warned of once per reason: it copies the group sizes to the host and syncs on every call."""
   cuda_module()
-  path = gemm_path(dtype, *row_lengths, problem=problem, fusion=fusion)[0]
+  path = gemm_path(dtype, *row_lengths, problem=problem, mlp=mlp, fusion=fusion)[0]
   unserved = unservable(dtype, *row_lengths)
   if path == "fallback" and unserved and os.environ.get("JAXMLP_GEMM_PATH", "auto") == "auto":
     _warn_once(unserved)

@@ -13,8 +13,10 @@ def backend_info() -> dict:
   """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes: large
   problems (`gemm_path`), and small ones (`small_gemm_path`, e.g. E=8, M=256, d=256, f=512; the limits
   are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product), the
-  forward of a gated MLP at 256 rows per expert (`mlp_forward_path`: "fused" where FC1 takes its activation
-  in the engine's epilogue, `fused_rows_per_group` the range of M / E where it does); and `summary`, one
+  forward of a gated MLP at Qwen3-30B-A3B's shape (`mlp_forward_path`, E 128, 256 rows per expert, d 2048,
+  f 768: "cutlass" where jaxmlp's engine runs it, within `engine_rows_per_group` and
+  `engine_max_expert_weights`; "fused" where only FC1 does, with the activation in its epilogue, within
+  `fused_rows_per_group`); and `summary`, one
   sentence on what runs where; `fp8_when`, at which shapes a call with an FP8 recipe runs
   in FP8 (jaxmlp.Fp8Recipe's `when`).
 
@@ -39,14 +41,17 @@ def backend_info() -> dict:
     try:
       path, why = _gemm_path.gemm_path(jnp.bfloat16, 8)
       small_path, small_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(8, 256, 256, 1024))
-      mlp_path, mlp_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(128, 32768, 2048, 1536), fusion=True)
+      mlp_path, mlp_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(128, 32768, 2048, 1536), mlp=True,
+                                               fusion=True)
       cuda.update(gemm_path=path, why=why, small_gemm_path=small_path, small_why=small_why,
                   mlp_forward_path=mlp_path, mlp_forward_why=mlp_why,
                   float32_gemm_path=_gemm_path.gemm_path(jnp.float32, 8)[0])
     except RuntimeError as e:  # JAXMLP_GEMM_PATH forces a path this GPU cannot run: every call would raise
       cuda.update(gemm_path=None, why=str(e))
     cuda.update(tiled_max_weights=_gemm_path.TILED_MAX_WEIGHTS, tiled_max_macs=_gemm_path.TILED_MAX_MACS,
-                fused_rows_per_group=_gemm_path.FUSED_ROWS_PER_GROUP)
+                fused_rows_per_group=_gemm_path.FUSED_ROWS_PER_GROUP,
+                engine_rows_per_group=_gemm_path.ENGINE_ROWS_PER_GROUP,
+                engine_max_expert_weights=_gemm_path.ENGINE_MAX_EXPERT_WEIGHTS)
     fp8_ok, fp8_why = fp8_status()
     cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
                 fp8_blockwise="jaxmlp's CUDA quantizers, products on cuBLASLt's block-scaled FP8 grouped GEMM",
@@ -71,4 +76,4 @@ def _summary(cuda: dict) -> str:
   fp8 = "FP8 on FP8 tensor cores" if cuda["fp8_available"] else f"FP8 unavailable ({cuda['fp8_why']})"
   return (f"CUDA ({cuda.get('device_name', 'unknown device')}): the grouped products on the {cuda['gemm_path']} "
           f"path ({cuda['why']}), small ones on the {cuda.get('small_gemm_path')} path, a gated MLP's forward at "
-          f"256 rows per expert on the {cuda.get('mlp_forward_path')} path; {fp8}")
+          f"Qwen3-30B-A3B's shape on the {cuda.get('mlp_forward_path')} path; {fp8}")

@@ -110,7 +110,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: bool,
                             fusion: bool = False) -> tuple[str, int]:
-  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1), fusion=fusion)
+  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1), mlp=True, fusion=fusion)
   ws = _library.cuda_module().mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E,
                                                   _library.dtype_code(dtype), biases)
   return path, ws

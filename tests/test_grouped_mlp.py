@@ -323,31 +323,38 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
   assert rel_error(got, ref.grouped_mlp(n["x"], n["w1"], n["w2"], n["group_sizes"], "swiglu")) < 1e-5
 
 
-def test_auto_takes_the_fused_path_for_a_fusable_forward_where_it_measured_faster(monkeypatch):
-  """The policy alone (a GPU's status stubbed): `auto` runs an MLP forward whose FC1 the engine can fuse on
-  the fused path within FUSED_ROWS_PER_GROUP, and everything else as before; forcing the fused path where the
-  engine cannot run is an error naming it."""
+def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
+  """The policy alone (a GPU's status stubbed): `auto` runs grouped_mlp on the engine within
+  ENGINE_ROWS_PER_GROUP for small experts, a fusable forward of larger experts on the fused path within
+  FUSED_ROWS_PER_GROUP, everything else (ragged_dot's products too) on cuBLASLt; forcing the fused path
+  where the engine cannot run is an error naming it."""
   from jaxmlp import _gemm_path
   from jaxmlp.activations import resolve
   status = {"grouped_available": True, "tiled_available": True, "cutlass_available": True}
   monkeypatch.setattr(_gemm_path, "cuda_status", lambda: status)
   monkeypatch.delenv("JAXMLP_GEMM_PATH", raising=False)
-  low, high = _gemm_path.FUSED_ROWS_PER_GROUP
-  E, d, f = 128, 2048, 768
+  E = 128
 
-  def path(rows_per_group, fusion=True):
-    return _gemm_path.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, rows_per_group * E, d, 2 * f),
+  def path(rows_per_group, d, f, mlp=True, fusion=True):
+    return _gemm_path.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, rows_per_group * E, d, 2 * f), mlp=mlp,
                                 fusion=fusion)[0]
 
-  assert path(low) == path(high) == "fused"
-  assert path(low - 1) == path(high + 1) == path(low, fusion=False) == "grouped"
+  small, large = (2048, 768), (2880, 2880)  # qwen3's experts (3.1M weights in FC1), gpt-oss's (16.6M)
+  low, high = _gemm_path.ENGINE_ROWS_PER_GROUP
+  assert path(low, *small) == path(high, *small) == path(low, *small, fusion=False) == "cutlass"
+  assert path(low, *small, mlp=False, fusion=False) == "grouped"  # ragged_dot
+  assert path(low, *large) == path(high, *large) == "fused"
+  assert path(low, *large, fusion=False) == "grouped"
+  low, high = _gemm_path.FUSED_ROWS_PER_GROUP
+  assert path(low, *small) == "fused"  # one tile a group: no engine, but its fused FC1
+  assert path(low - 1, *large) == path(high + 1, *large) == path(high + 1, *small) == "grouped"
   m = jax.export.symbolic_shape("m")[0]  # jax.export: a symbolic M is decided as a large problem
-  assert _gemm_path.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, m, d, 2 * f), fusion=True)[0] == "grouped"
+  assert _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(E, m, 2048, 1536), mlp=True, fusion=True)[0] == "grouped"
   status["cutlass_available"] = False
-  assert path(low) == "grouped"
+  assert path(256, *small) == path(256, *large) == "grouped"
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "fused")
   with pytest.raises(RuntimeError, match="JAXMLP_GEMM_PATH=fused, but jaxmlp's CUTLASS engine cannot run"):
-    path(low)
+    path(256, *small)
   swiglu = resolve("swiglu")
   assert _gemm_path.fc1_fusable(swiglu, False, 768)
   assert not _gemm_path.fc1_fusable(swiglu, True, 768)  # b1: h holds it, the epilogue does not add it
@@ -530,7 +537,8 @@ def test_backend_info_reports_each_platform():
   if info["cuda"]["devices"]:
     assert info["cuda"]["gemm_path"] in ("grouped", "fallback") and info["cuda"]["why"]
     assert info["cuda"]["small_gemm_path"] in ("tiled", "grouped", "fallback") and info["cuda"]["small_why"]
-    assert info["cuda"]["mlp_forward_path"] in ("fused", "grouped", "fallback") and info["cuda"]["mlp_forward_why"]
+    assert info["cuda"]["mlp_forward_path"] in ("cutlass", "fused", "grouped", "fallback")
+    assert info["cuda"]["mlp_forward_why"]
     assert info["cuda"]["cublaslt_version"] > 0
 
 

@@ -167,7 +167,8 @@ def test_explicitly_sharded_weights_with_fp8(rng, recipe):
   x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((40, 16), (2, 16, 64), (2, 32, 16)))
   gs = jnp.asarray([15, 20], jnp.int32)
   loss = lambda x, w1, w2: jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=recipe).astype(jnp.float32) ** 2)  # noqa
-  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+  with jax.default_device(jax.devices("cpu")[0]):  # the mesh's platform (on a GPU machine: not the GPU's FP8)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
   with jax.set_mesh(mesh):
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, *(jax.sharding.reshard(w, P("e")) for w in (w1, w2)))
     assert [g.sharding.spec for g in got] == [P(None, None), P("e", None, None), P("e", None, None)]

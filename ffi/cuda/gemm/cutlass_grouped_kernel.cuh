@@ -31,13 +31,27 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 // epilogue under the other's main loop), a cluster of two CTAs along M sharing B's loads (TMA multicast).
 // With equal groups CUTLASS's batched kernel of this configuration runs 8-16% faster than of cooperative
 // 128x256 tiles at the MoE shapes (docs/performance.md, "The CUTLASS engine"); the varlen main loop is
-// measured with this one only.
+// measured with this one, with and without the cluster (below).
 struct Pingpong128x128 {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+
+// The same without the cluster, for products where sharing B's loads gains less than the cluster costs:
+// groups of one 128-row tile, where the cluster's second CTA gets a tile past the group's rows and computes
+// nothing (half the SMs idle at decode sizes), and skewed routing over small experts, where many groups have
+// an odd number of tiles; with an expert's weights at most kSmallExpertWeights elements, L2 serves the
+// repeated loads of B that the cluster would have shared. Larger experts' steps (gptoss, dsv3) lose 6-10%
+// without it (docs/performance.md, "The cluster").
+struct Pingpong128x128NoCluster : Pingpong128x128 {
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+constexpr int64_t kSmallExpertWeights = int64_t(4) << 20;
+inline bool WithoutCluster(const CutlassLaunch& l) {
+  return l.rows <= 128 * l.E || l.K * l.N <= kSmallExpertWeights;
+}
 
 // What a kernel computes beside its product, in its epilogue (cutlass_gated_epilogue.cuh) for a gated
 // activation: kGatedFc1 FC1's activation (kNN; B's tiles in gate and up halves), kGatedDgrad the activation's
@@ -136,12 +150,18 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
 
 }  // namespace cutlass_detail
 
-// The body of RunCutlass<op>: bfloat16 or float16.
+// The body of RunCutlass<op>: bfloat16 or float16, with or without the cluster.
+template <typename LayoutA, typename LayoutB, typename Config, cutlass_detail::Fusion kFusion>
+ffi::Error LaunchTypes(const CutlassLaunch& l, bool nt) {
+  using namespace cutlass_detail;
+  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Config, kFusion>>(l, nt);
+  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Config, kFusion>>(l, nt);
+}
 template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = cutlass_detail::Fusion::kNone>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Pingpong128x128, kFusion>>(l, nt);
-  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Pingpong128x128, kFusion>>(l, nt);
+  if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, Pingpong128x128NoCluster, kFusion>(l, nt);
+  return LaunchTypes<LayoutA, LayoutB, Pingpong128x128, kFusion>(l, nt);
 }
 
 }  // namespace jaxmlp
