@@ -8,14 +8,14 @@ CUDA targets of the grouped products come in five variants (ffi/targets.inc):
               runs the others: the weight gradients, FP8); grouped_mlp's FC1 of a gated activation
               without b1, f a multiple of 64, computes the activation in its epilogue;
   *_fused     cuBLASLt's grouped GEMM, except that FC1 of such a gated activation runs on the engine with
-              the activation in its epilogue.
-`auto` runs grouped_mlp on the engine where it measured faster than cuBLASLt (ENGINE_ROWS_PER_GROUP and
-ENGINE_MAX_EXPERT_WEIGHTS: small experts, skewed routing included), else a fusable forward on the fused path
-(FUSED_ROWS_PER_GROUP), else on cuBLASLt, whose plain products the engine's trail by 1-6% at larger experts:
+              the activation in its epilogue;
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
               and stream sync per call).
+`auto` runs grouped_mlp on the engine where it measured faster than cuBLASLt (ENGINE_ROWS_PER_GROUP and
+ENGINE_MAX_EXPERT_WEIGHTS: small experts, skewed routing included), else a fusable forward on the fused path
+(FUSED_ROWS_PER_GROUP), else on cuBLASLt, whose plain products the engine's trail by 1-6% at larger experts.
 """
 from __future__ import annotations
 
@@ -35,9 +35,8 @@ TILED_MAX_WEIGHTS = 1 << 21
 TILED_MAX_MACS = 1 << 30
 
 # The rows per group (M / E) where `auto` runs a fusable forward on the fused path: measured 1-8% faster than
-# cuBLASLt's FC1 and activation pass at 256, 512 and 1024 rows a group, even at 2048, 0.58x at 32 (one
-# 128-row tile a group leaves half of the engine's 2x1 clusters idle); from 128, a group fills its tile
-# (docs/performance.md, "The fused path").
+# cuBLASLt's FC1 and activation pass at 256, 512 and 1024 rows a group, even at 2048 (mixtral); from 128, where
+# a group fills a tile (docs/performance.md, "The fused path").
 FUSED_ROWS_PER_GROUP = (128, 1024)
 # Where `auto` runs grouped_mlp's forward and backward on the engine: more than one 128-row tile a group, at
 # most 1024 rows, and FC1's weights at most this many elements an expert, where the engine runs without
@@ -56,8 +55,9 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
 
   row_lengths: the K and N of the call's products (the sync-free paths need multiples of 8);
   problem: (E, M, K, N) of its largest product (None: a large one); mlp: the call is grouped_mlp's forward
-  or backward; fusion: an MLP forward whose FC1 the engine can compute with its activation (`fc1_fusable`). JAXMLP_GEMM_PATH=grouped|cutlass|
-  fused|tiled forces that path for every call it can serve (`unservable`); the others take the fallback.
+  or backward; fusion: an MLP forward whose FC1 the engine can compute with its activation (`fc1_fusable`).
+  JAXMLP_GEMM_PATH=grouped|cutlass|fused|tiled forces that path for every call it can serve (`unservable`);
+  the others take the fallback.
   """
   forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
   if forced not in ("auto", *PATHS):

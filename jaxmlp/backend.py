@@ -12,13 +12,12 @@ from .fp8.recipe import fp8_when
 def backend_info() -> dict:
   """Per platform, the handlers in use and the GEMM path a bf16 call with aligned shapes takes: large
   problems (`gemm_path`), and small ones (`small_gemm_path`, e.g. E=8, M=256, d=256, f=512; the limits
-  are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product), the
-  forward of a gated MLP at Qwen3-30B-A3B's shape (`mlp_forward_path`, E 128, 256 rows per expert, d 2048,
-  f 768: "cutlass" where jaxmlp's engine runs it, within `engine_rows_per_group` and
-  `engine_max_expert_weights`; "fused" where only FC1 does, with the activation in its epilogue, within
-  `fused_rows_per_group`); and `summary`, one
-  sentence on what runs where; `fp8_when`, at which shapes a call with an FP8 recipe runs
-  in FP8 (jaxmlp.Fp8Recipe's `when`).
+  are `tiled_max_weights` expert-weight elements and `tiled_max_macs` multiply-adds per product); the
+  forward of a gated MLP at Qwen3-30B-A3B's shape (`mlp_forward_path`; E 128, 256 rows per expert, d 2048,
+  f 768): "cutlass" where jaxmlp's engine runs grouped_mlp (within `engine_rows_per_group` and
+  `engine_max_expert_weights`), "fused" where only FC1 does, with the activation in its epilogue (within
+  `fused_rows_per_group`); `summary`, one sentence on what runs where; `fp8_when`, at which shapes a call
+  with an FP8 recipe runs in FP8 (jaxmlp.Fp8Recipe's `when`).
 
   Example (H200, cuBLAS 13.10): {"summary": "CUDA (NVIDIA H200): ...", "cpu": {...}, "cuda": {"built":
   True, "gemm_path": "grouped", "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled",

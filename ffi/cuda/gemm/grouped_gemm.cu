@@ -172,12 +172,11 @@ GroupedGemms::GroupedGemms(GemmPath path, cudaStream_t stream, int device, const
   arrays_.padded = ws.Take<int32_t>(2 * E);
   arrays_.padded_starts = ws.Take<int64_t>(E + 1);
   cublas_ws_ = ws.Take<char>(kLtWorkspaceBytes);
+  const bool engine = path == GemmPath::kCutlass || path == GemmPath::kFused;
   for (CutlassProblems& c : arrays_.cutlass) {
-    const bool engine = path == GemmPath::kCutlass || path == GemmPath::kFused;
     c.shapes = engine ? ws.Take<int32_t>(3 * E) : nullptr;
     c.ldd = engine ? ws.Take<int64_t>(E) : nullptr;
   }
-  const bool engine = path == GemmPath::kCutlass || path == GemmPath::kFused;
   cutlass_ws_ = engine ? ws.Take<char>(CutlassWorkspaceBytes()) : nullptr;
 }
 
