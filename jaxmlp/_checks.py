@@ -20,6 +20,7 @@ class MlpShape:
   f: int  # hidden width per expert
   F1: int  # FC1 output width: 2f for gated activations, f otherwise
   E: int  # experts (groups)
+  in_use: int | None = None  # rows expected in use where M is a padded buffer's (the GEMM-path policy's)
 
 
 def _shape(a) -> tuple[int, ...]:

@@ -13,12 +13,15 @@ CUDA targets of the grouped products come in five variants (ffi/targets.inc):
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
               and stream sync per call).
-`auto` runs grouped_mlp on the engine where it measured faster than cuBLASLt (ENGINE_ROWS_PER_GROUP and
-ENGINE_MAX_EXPERT_WEIGHTS: small experts, skewed routing included), else a fusable forward on the fused path
-(FUSED_ROWS_PER_GROUP), else on cuBLASLt, whose plain products the engine's trail by 1-6% at larger experts.
+`auto` runs a grouped_mlp whose FC1 the engine fuses (`fc1_fusable`) on the engine where it measured faster
+than cuBLASLt (ENGINE_ROWS_PER_GROUP and ENGINE_MAX_EXPERT_WEIGHTS: small experts, skewed routing included),
+else its forward on the fused path (FUSED_ROWS_PER_GROUP), else on cuBLASLt, whose plain products the
+engine's trail by 1-6% at larger experts; by the rows a call is expected to have in use (`padded_buffers`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import warnings
@@ -34,28 +37,30 @@ from ._library import cuda_module, cuda_status
 TILED_MAX_WEIGHTS = 1 << 21
 TILED_MAX_MACS = 1 << 30
 
-# The rows per group (M / E) where `auto` runs a fusable forward on the fused path: measured 1-8% faster than
-# cuBLASLt's FC1 and activation pass at 256, 512 and 1024 rows a group, even at 2048 (mixtral); from 128, where
-# a group fills a tile (docs/performance.md, "The fused path").
+# The rows per group (M / E) where `auto` runs a fusable forward on the fused path: measured 1-4% faster
+# forwards than cuBLASLt's FC1 and activation pass at gptoss's 512 and dsv3's 1024 rows a group, nothing
+# gained at mixtral's 2048; from 128, where a group fills a tile (docs/performance.md, "The cluster").
 FUSED_ROWS_PER_GROUP = (128, 1024)
-# Where `auto` runs grouped_mlp's forward and backward on the engine: more than one 128-row tile a group, at
-# most 1024 rows, and FC1's weights at most this many elements an expert, where the engine runs without
-# clusters (kSmallExpertWeights, cutlass_grouped_kernel.cuh) and measured ahead of cuBLASLt, most with
-# skewed routing (docs/performance.md, "The cluster").
+# Where `auto` runs a fusable grouped_mlp's forward and backward on the engine: more than one 128-row tile a
+# group, at most 1024 rows, and FC1's weights at most this many elements an expert, where the engine runs
+# without clusters (kSmallExpertWeights, cutlass_grouped_kernel.cuh, the same number) and measured ahead of
+# cuBLASLt, most with skewed routing (docs/performance.md, "The cluster"). Only gated activations without
+# b1 were measured, so only those calls take it.
 ENGINE_ROWS_PER_GROUP = (129, 1024)
 ENGINE_MAX_EXPERT_WEIGHTS = 4 << 20
 
 PATHS = ("grouped", "cutlass", "fused", "tiled", "fallback")
 
 
-def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None, mlp: bool = False,
-              fusion: bool = False) -> tuple[str, str]:
+def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None, mlp: str | None = None,
+              fusable: bool = False) -> tuple[str, str]:
   """Which CUDA GEMM path a call takes, and why: ("grouped" | "cutlass" | "fused" | "tiled" | "fallback",
   reason).
 
   row_lengths: the K and N of the call's products (the sync-free paths need multiples of 8);
-  problem: (E, M, K, N) of its largest product (None: a large one); mlp: the call is grouped_mlp's forward
-  or backward; fusion: an MLP forward whose FC1 the engine can compute with its activation (`fc1_fusable`).
+  problem: (E, M, K, N) of its largest product (None: a large one), M the rows the call is expected to have
+  in use (`expected_rows`); mlp: "forward" or "backward" for grouped_mlp's calls; fusable: its FC1 is one
+  the engine computes with its activation (`fc1_fusable`).
   JAXMLP_GEMM_PATH=grouped|cutlass|fused|tiled forces that path for every call it can serve (`unservable`);
   the others take the fallback.
   """
@@ -74,8 +79,6 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
   if forced in ("cutlass", "fused") and not status.get("cutlass_available"):
     raise RuntimeError(f"JAXMLP_GEMM_PATH={forced}, but jaxmlp's CUTLASS engine cannot run: "
                        f"{status.get('cutlass_reason', 'no CUDA device')}")
-  if problem is not None and not all(map(_checks.is_static, problem)):
-    problem = None  # a symbolic size (jax.export): decided as a large problem
   why_not = unservable(dtype, *row_lengths)
   if why_not:
     return "fallback", f"{why_not}: cublasGemmGroupedBatchedEx serves it"
@@ -85,14 +88,36 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
     return "tiled", f"small problem (E, M, K, N) = {problem}: jaxmlp's tiled kernel"
   if not status.get("grouped_available"):
     return "fallback", status.get("grouped_reason", "no CUDA device")
-  engine = status.get("cutlass_available") and problem is not None
-  if engine and mlp and _engine_pays(*problem):
+  engine = status.get("cutlass_available") and problem is not None and mlp is not None and fusable
+  if engine and _engine_pays(*problem):
     return "cutlass", (f"jaxmlp's CUTLASS engine (rows per group within {ENGINE_ROWS_PER_GROUP}, experts of at "
                        f"most {ENGINE_MAX_EXPERT_WEIGHTS} weights)")
-  if engine and fusion and _fusion_pays(*problem):
+  if engine and mlp == "forward" and _fusion_pays(*problem):
     return "fused", ("cuBLASLt grouped GEMM, FC1 with its activation on jaxmlp's CUTLASS engine (rows per group "
                      f"within {FUSED_ROWS_PER_GROUP})")
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
+
+
+# Within `padded_buffers`: how many times the rows a grouped_mlp call will have in use its buffer may hold.
+_BUFFER_OVER_ROWS = contextvars.ContextVar("jaxmlp_buffer_over_rows", default=1.0)
+
+
+@contextlib.contextmanager
+def padded_buffers(factor: float):
+  """Within it, the grouped_mlp calls traced hold up to `factor` times the rows they will have in use on
+  average (the expert-parallel layer sizes its buffers for every token choosing this device's experts):
+  the path policy decides by the average (`expected_rows`), not by the buffer."""
+  token = _BUFFER_OVER_ROWS.set(max(1.0, float(factor)))
+  try:
+    yield
+  finally:
+    _BUFFER_OVER_ROWS.reset(token)
+
+
+def expected_rows(M: int) -> int:
+  """The rows a grouped_mlp call over a buffer of M rows is expected to have in use (padded_buffers)."""
+  factor = _BUFFER_OVER_ROWS.get()
+  return M if factor == 1.0 or not _checks.is_static(M) else int(M / factor)
 
 
 def fc1_fusable(act, has_b1: bool, f: int) -> bool:
@@ -126,13 +151,13 @@ def _small(E: int, M: int, K: int, N: int) -> bool:
   return E * K * N <= TILED_MAX_WEIGHTS and M * K * N <= TILED_MAX_MACS
 
 
-def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int], mlp: bool = False,
-              fusion: bool = False) -> str:
+def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int], mlp: str | None = None,
+              fusable: bool = False) -> str:
   """gemm_path's choice inside a CUDA branch (RuntimeError where the CUDA handlers are unavailable). The
   fallback taken for a call the fast paths cannot serve, without JAXMLP_GEMM_PATH asking for it, is
   warned of once per reason: it copies the group sizes to the host and syncs on every call."""
   cuda_module()
-  path = gemm_path(dtype, *row_lengths, problem=problem, mlp=mlp, fusion=fusion)[0]
+  path = gemm_path(dtype, *row_lengths, problem=problem, mlp=mlp, fusable=fusable)[0]
   unserved = unservable(dtype, *row_lengths)
   if path == "fallback" and unserved and os.environ.get("JAXMLP_GEMM_PATH", "auto") == "auto":
     _warn_once(unserved)

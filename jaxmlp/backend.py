@@ -40,8 +40,8 @@ def backend_info() -> dict:
     try:
       path, why = _gemm_path.gemm_path(jnp.bfloat16, 8)
       small_path, small_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(8, 256, 256, 1024))
-      mlp_path, mlp_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(128, 32768, 2048, 1536), mlp=True,
-                                               fusion=True)
+      mlp_path, mlp_why = _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(128, 32768, 2048, 1536), mlp="forward",
+                                               fusable=True)
       cuda.update(gemm_path=path, why=why, small_gemm_path=small_path, small_why=small_why,
                   mlp_forward_path=mlp_path, mlp_forward_why=mlp_why,
                   float32_gemm_path=_gemm_path.gemm_path(jnp.float32, 8)[0])

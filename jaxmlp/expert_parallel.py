@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.lax import all_gather, psum_scatter, ragged_all_to_all
 from jax.sharding import PartitionSpec as P
 
-from . import _checks
+from . import _checks, _gemm_path
 from .dispatch import combine, dispatch
 from .moe import route, router_losses
 from .reference_moe import sort_by_expert
@@ -175,7 +175,9 @@ def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp,
   bound = all_tokens.shape[0] if capacity is None else min(capacity, all_tokens.shape[0])
   rows, group_sizes, plan = dispatch(all_tokens, all_experts - me * local_experts, local_experts, capacity=bound,
                                      zero_padding=zero_padding)
-  partial = combine(expert_mlp(params, rows, group_sizes), plan, all_weights, zero_padding=zero_padding)
+  with _padded(rows, all_experts.size // jax.lax.axis_size(axis)):  # all tokens' choices, 1/P of them here
+    out = expert_mlp(params, rows, group_sizes)
+  partial = combine(out, plan, all_weights, zero_padding=zero_padding)
   return psum_scatter(partial, axis, tiled=True)
 
 
@@ -202,9 +204,17 @@ def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, ax
   slot_expert = _slot_experts(received.shape[0], starts, recv_counts)
   local_rows, local_sizes, local_plan = _local_dispatch(received, slot_expert[:, None], local_experts,
                                                         zero_padding=zero_padding)
-  out = _local_combine(expert_mlp(params, local_rows, local_sizes), local_plan, zero_padding=zero_padding)
+  with _padded(local_rows, experts.size):  # as many choices come here as this device's tokens make
+    out = expert_mlp(params, local_rows, local_sizes)
+  out = _local_combine(out, local_plan, zero_padding=zero_padding)
   return _local_combine(send.backward(out, rows.shape[0]), plan, weights)
 
+
+def _padded(rows, in_use: int):
+  """The expert MLP's buffer `rows` against the `in_use` rows it holds on average (routing choices that
+  reach this device's experts): the GEMM path is chosen by the average (jaxmlp._gemm_path.padded_buffers),
+  not by the buffer sized for the worst case."""
+  return _gemm_path.padded_buffers(rows.shape[0] / max(1, in_use))
 
 def _local_dispatch(tokens, experts, num_experts, keep=None, zero_padding=True):
   """Rows of tokens [T, d] for the pairs of experts [T, k] sorted by expert (jaxmlp.dispatch: no sort);

@@ -6,6 +6,7 @@ goes to jaxmlp.fp8.mlp instead. jaxmlp.reference.grouped_mlp defines what both c
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -68,6 +69,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
                             act, b1, b2, scales)
   if recipe is not None:
     fp8_recipe.check_call(x, recipe, shape, w1, w2)
+  shape = dataclasses.replace(shape, in_use=_gemm_path.expected_rows(shape.M))
   if check_group_sizes:
     _groups.check_at_run_time(group_sizes, shape.M)
   group_sizes = _groups.host_sizes_as_int32(group_sizes, shape.M)
@@ -108,9 +110,12 @@ def _mlp_bwd(act, shape, zero_padding, res, dy):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, forward: bool, biases: bool,
-                            fusion: bool = False) -> tuple[str, int]:
-  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.M, s.d, s.F1), mlp=True, fusion=fusion)
+def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, act: Activation, forward: bool, b1, b2) -> tuple[str, int]:
+  in_use = s.M if s.in_use is None else s.in_use
+  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, in_use, s.d, s.F1),
+                              mlp="forward" if forward else "backward",
+                              fusable=_gemm_path.fc1_fusable(act, b1 is not None, s.f))
+  biases = b1 is not None or b2 is not None
   ws = _library.cuda_module().mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E,
                                                   _library.dtype_code(dtype), biases)
   return path, ws
@@ -131,8 +136,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _che
     return _library.call("jaxmlp_mlp_fwd", outs, *a, **attrs)
 
   def cuda(*a):
-    path, ws = _mlp_path_and_workspace(dt, s, forward=True, biases=b1 is not None or b2 is not None,
-                                       fusion=_gemm_path.fc1_fusable(act, b1 is not None, s.f))
+    path, ws = _mlp_path_and_workspace(dt, s, act, True, b1, b2)
     return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, zero_padding=np.int32(zero_padding),
                          **attrs)
 
@@ -155,7 +159,7 @@ def mlp_backward(x, w1, w2, group_sizes, b1, b2, scales, h, dy, act: Activation,
     return _library.call("jaxmlp_mlp_bwd", outs, *a, **attrs)
 
   def cuda(*a):
-    path, ws = _mlp_path_and_workspace(dt, s, forward=False, biases=b1 is not None or b2 is not None)
+    path, ws = _mlp_path_and_workspace(dt, s, act, False, b1, b2)
     # dh is written over the residual h (dead after this call): one [M, F1] buffer less at the peak.
     dh = ((s.M, s.F1), dt)
     return _library.call(f"jaxmlp_mlp_bwd_{path}", outs + [dh], *a, workspace=ws, input_output_aliases={7: 6},

@@ -12,6 +12,7 @@ from conftest import TOLERANCE, check_close, rel_error
 from flax import nnx
 from jax.sharding import AxisType
 
+import jaxmlp
 import jaxmlp.linen
 import jaxmlp.nnx
 from jaxmlp import expert_parallel, moe
@@ -240,6 +241,29 @@ def test_ragged_exchange_equals_one_device(rng, monkeypatch, capacity_factor):
   with jax.set_mesh(mesh_of(8)):
     for exchange in expert_parallel.EXCHANGES:
       check_same(value_and_grads(lambda *a: parallel(*a, exchange), tokens, logits, params, dy), want)
+
+
+def test_the_gemm_path_is_chosen_by_the_rows_in_use(rng, monkeypatch):
+  """The expert MLP's buffer holds every token's choices of this device's experts: 48 tokens, k = 3 and 2
+  experts a device give 96 rows, of which 48 * 3 / 8 = 18 are in use on average; grouped_mlp's GEMM-path
+  policy sees the 18 (jaxmlp._gemm_path.padded_buffers), with either exchange, forward and backward."""
+  from jaxmlp import _gemm_path
+  monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+  seen = []
+  expected_rows = _gemm_path.expected_rows
+  monkeypatch.setattr(_gemm_path, "expected_rows", lambda M: seen.append((M, expected_rows(M))) or seen[-1][1])
+  _, parallel, params = moe_functions(rng, dict(top_k=TOP_K))
+  tokens, logits = jnp.zeros((48, D)), jnp.zeros((48, E))
+  with jax.set_mesh(mesh_of(8)):
+    for exchange in expert_parallel.EXCHANGES:
+      seen.clear()
+      loss = lambda *a: jnp.sum(parallel(*a, exchange)[0])  # noqa: B023
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(tokens, logits, params)
+      assert seen == [(96, 18)], (exchange, seen)
+  seen.clear()
+  x = jnp.zeros((96, D))
+  jaxmlp.grouped_mlp(x, params["w1"][...], params["w2"][...], jnp.asarray([18] + [0] * (E - 1), jnp.int32))
+  assert seen == [(96, 96)]  # outside the layer: the buffer is the rows
 
 
 def test_ragged_exchange_traces_with_its_gradient(rng):

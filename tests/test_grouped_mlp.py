@@ -324,10 +324,10 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
 
 
 def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
-  """The policy alone (a GPU's status stubbed): `auto` runs grouped_mlp on the engine within
-  ENGINE_ROWS_PER_GROUP for small experts, a fusable forward of larger experts on the fused path within
-  FUSED_ROWS_PER_GROUP, everything else (ragged_dot's products too) on cuBLASLt; forcing the fused path
-  where the engine cannot run is an error naming it."""
+  """The policy alone (a GPU's status stubbed): `auto` runs a gated grouped_mlp without b1 on the engine
+  within ENGINE_ROWS_PER_GROUP for small experts, forward and backward; a larger experts' forward on the
+  fused path within FUSED_ROWS_PER_GROUP; everything else (other activations, b1, ragged_dot's products)
+  on cuBLASLt; forcing the fused path where the engine cannot run is an error naming it."""
   from jaxmlp import _gemm_path
   from jaxmlp.activations import resolve
   status = {"grouped_available": True, "tiled_available": True, "cutlass_available": True}
@@ -335,21 +335,19 @@ def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
   monkeypatch.delenv("JAXMLP_GEMM_PATH", raising=False)
   E = 128
 
-  def path(rows_per_group, d, f, mlp=True, fusion=True):
+  def path(rows_per_group, d, f, mlp="forward", fusable=True):
     return _gemm_path.gemm_path(jnp.bfloat16, d, f, 2 * f, problem=(E, rows_per_group * E, d, 2 * f), mlp=mlp,
-                                fusion=fusion)[0]
+                                fusable=fusable)[0]
 
   small, large = (2048, 768), (2880, 2880)  # qwen3's experts (3.1M weights in FC1), gpt-oss's (16.6M)
   low, high = _gemm_path.ENGINE_ROWS_PER_GROUP
-  assert path(low, *small) == path(high, *small) == path(low, *small, fusion=False) == "cutlass"
-  assert path(low, *small, mlp=False, fusion=False) == "grouped"  # ragged_dot
+  assert path(low, *small) == path(high, *small) == path(low, *small, mlp="backward") == "cutlass"
+  assert path(low, *small, fusable=False) == path(low, *small, mlp=None) == "grouped"  # unmeasured; ragged_dot
   assert path(low, *large) == path(high, *large) == "fused"
-  assert path(low, *large, fusion=False) == "grouped"
+  assert path(low, *large, mlp="backward") == path(low, *large, fusable=False) == "grouped"
   low, high = _gemm_path.FUSED_ROWS_PER_GROUP
   assert path(low, *small) == "fused"  # one tile a group: no engine, but its fused FC1
   assert path(low - 1, *large) == path(high + 1, *large) == path(high + 1, *small) == "grouped"
-  m = jax.export.symbolic_shape("m")[0]  # jax.export: a symbolic M is decided as a large problem
-  assert _gemm_path.gemm_path(jnp.bfloat16, 8, problem=(E, m, 2048, 1536), mlp=True, fusion=True)[0] == "grouped"
   status["cutlass_available"] = False
   assert path(256, *small) == path(256, *large) == "grouped"
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "fused")
@@ -360,6 +358,11 @@ def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
   assert not _gemm_path.fc1_fusable(swiglu, True, 768)  # b1: h holds it, the epilogue does not add it
   assert not _gemm_path.fc1_fusable(swiglu, False, 96)  # 2f = 192 is not a whole number of 128-column tiles
   assert not _gemm_path.fc1_fusable(resolve("gelu"), False, 768)
+  # A padded buffer (the expert-parallel layer's): the policy decides by the rows expected in use.
+  assert _gemm_path.expected_rows(1000) == 1000
+  with _gemm_path.padded_buffers(4.0):
+    assert _gemm_path.expected_rows(1000) == 250
+  assert _gemm_path.expected_rows(1000) == 1000
 
 
 def test_check_group_sizes_raises_the_documented_errors(rng):

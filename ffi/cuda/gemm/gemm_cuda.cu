@@ -1,6 +1,6 @@
 // CUDA handler: the grouped GEMM behind jaxmlp.ragged_dot, one product per call. It is registered once per
-// GEMM path (grouped_gemm.h): the cuBLASLt grouped, CUTLASS and tiled paths never sync, so their handlers are
-// declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
+// GEMM path (grouped_gemm.h): the cuBLASLt grouped, CUTLASS, fused and tiled paths never sync, so their
+// handlers are declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
 #include "cuda/gemm/grouped_gemm.h"

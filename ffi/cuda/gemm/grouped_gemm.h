@@ -131,7 +131,7 @@ struct GroupArrays {
   int32_t* padded;   // [2][E]: kTNPadded's group sizes rounded up to 16, and its leading dimension
   int64_t* padded_starts;  // [E + 1]: kTNPadded's first column of each group (group sizes rounded up to the
                            // pad); padded_starts[E]: the end of the last one
-  CutlassProblems cutlass[kMaxGemms];  // kCutlass: each product's problems; null elsewhere
+  CutlassProblems cutlass[kMaxGemms];  // kCutlass, kFused: each product's problems; null elsewhere
 };
 
 // The grouped products of one FFI call, on one stream.
@@ -184,7 +184,7 @@ class GroupedGemms {
   int64_t E_, M_;
   GroupArrays arrays_;
   void* cublas_ws_;
-  void* cutlass_ws_;  // kCutlass: the engine's workspace (CutlassWorkspaceBytes), else null
+  void* cutlass_ws_;  // kCutlass, kFused: the engine's workspace (CutlassWorkspaceBytes), else null
   int32_t* split_arrivals_;  // tiled path with split_k: the split-K scratch (TiledGroups), else null
   float* split_partials_;
   GemmSpec specs_[kMaxGemms];

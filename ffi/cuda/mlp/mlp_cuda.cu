@@ -1,6 +1,6 @@
 // CUDA handlers: the grouped MLP forward and backward, one custom call each. Each is registered once per
-// GEMM path (grouped_gemm.h): the cuBLASLt grouped, CUTLASS and tiled paths never sync, so their handlers are
-// declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
+// GEMM path (grouped_gemm.h): the cuBLASLt grouped, CUTLASS, fused and tiled paths never sync, so their
+// handlers are declared command-buffer compatible; the cublasGemmGroupedBatchedEx fallback syncs once per call.
 #include <cuda_runtime.h>
 
 
