@@ -105,11 +105,11 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("path, fp8", [("grouped", None), ("cutlass", None), ("tiled", None), ("grouped", "tensorwise"),
-                                       ("grouped", "blockwise")])
+@pytest.mark.parametrize("path, fp8", [("grouped", None), ("cutlass", None), ("fused", None), ("tiled", None),
+                                       ("grouped", "tensorwise"), ("grouped", "blockwise")])
 def test_sync_free_paths_inside_command_buffers(path, fp8):
-  """The grouped-, CUTLASS- and tiled-path handlers, and the FP8 recipes' (quantizers and products), are captured
-  into an XLA command buffer and give identical results."""
+  """The grouped-, CUTLASS-, fused- and tiled-path handlers, and the FP8 recipes' (quantizers and products), are
+  captured into an XLA command buffer and give identical results."""
   reason = cuda_reason(path) or (fp8 and not fp8_status()[0] and fp8_status()[1])
   if reason:
     pytest.skip(reason)
@@ -144,6 +144,9 @@ def test_workspace_sizes_reject_an_unknown_gemm_path():
   assert cuda.gemm_workspace_bytes("tiled", 8) < cuda.gemm_workspace_bytes("grouped", 8)  # no cuBLAS workspace
   # A ragged_dot call is one tiled launch, which never splits: the group arrays only, no split-K scratch.
   assert cuda.gemm_workspace_bytes("tiled", 8) <= 1024
+  # The fused path carves the engine's arrays and workspace besides cuBLASLt's, as the CUTLASS path does.
+  assert cuda.gemm_workspace_bytes("fused", 8) == cuda.gemm_workspace_bytes("cutlass", 8) > \
+      cuda.gemm_workspace_bytes("grouped", 8)
   # The bias gradients' float sums, E * max(F1, d) of them, only where there are biases.
   assert (cuda.mlp_workspace_bytes("grouped", False, 256, 256, 512, 1024, 8, 1, True) -
           cuda.mlp_workspace_bytes("grouped", False, 256, 256, 512, 1024, 8, 1, False)) >= 8 * 1024 * 4
