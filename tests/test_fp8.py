@@ -282,6 +282,10 @@ def test_fp8_runs_only_where_it_pays_by_default(platform, rng, monkeypatch, reci
       reference = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs, fp8=recipe)
       reference_bf16 = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs)
       assert (rel_error(reference, reference_bf16) == 0) != fp8_runs
+  # A buffer that holds twice the rows in use (the expert-parallel layer's) decides by the rows in use.
+  with jaxmlp._gemm_path.padded_buffers(2.0):
+    got = run(call(recipe), args, gs, dy, "swiglu")
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(bf16, np.float32))
 
 
 def test_fp8_when_bad_values_name_the_setting(monkeypatch):
