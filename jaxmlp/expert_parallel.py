@@ -216,6 +216,7 @@ def _padded(rows, in_use: int):
   not by the buffer sized for the worst case."""
   return _gemm_path.padded_buffers(rows.shape[0] / max(1, in_use))
 
+
 def _local_dispatch(tokens, experts, num_experts, keep=None, zero_padding=True):
   """Rows of tokens [T, d] for the pairs of experts [T, k] sorted by expert (jaxmlp.dispatch: no sort);
   pairs not kept (keep [T, k] False) get no row. Returns (rows [T*k, d], group_sizes [num_experts] of kept
