@@ -20,7 +20,12 @@ class MlpShape:
   f: int  # hidden width per expert
   F1: int  # FC1 output width: 2f for gated activations, f otherwise
   E: int  # experts (groups)
-  in_use: int | None = None  # rows expected in use where M is a padded buffer's (the GEMM-path policy's)
+  in_use: int | None = None  # rows expected in use where M is a padded buffer's (None: M)
+
+  @property
+  def rows_in_use(self) -> int:
+    """The rows the shape-based choices (the GEMM path, FP8's `when`) decide by."""
+    return self.M if self.in_use is None else self.in_use
 
 
 def _shape(a) -> tuple[int, ...]:

@@ -127,14 +127,16 @@ def fc1_fusable(act, has_b1: bool, f: int) -> bool:
   return act.gated and not has_b1 and f % 64 == 0
 
 
+def _rows_within(bounds: tuple[int, int], E: int, M: int) -> bool:
+  return bounds[0] * E <= M <= bounds[1] * E
+
+
 def _fusion_pays(E: int, M: int, K: int, N: int) -> bool:
-  low, high = FUSED_ROWS_PER_GROUP
-  return low * E <= M <= high * E
+  return _rows_within(FUSED_ROWS_PER_GROUP, E, M)
 
 
 def _engine_pays(E: int, M: int, K: int, N: int) -> bool:
-  low, high = ENGINE_ROWS_PER_GROUP
-  return low * E <= M <= high * E and K * N <= ENGINE_MAX_EXPERT_WEIGHTS
+  return _rows_within(ENGINE_ROWS_PER_GROUP, E, M) and K * N <= ENGINE_MAX_EXPERT_WEIGHTS
 
 
 def unservable(dtype, *row_lengths: int) -> str | None:

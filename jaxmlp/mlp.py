@@ -111,8 +111,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, act: Activation, forward: bool, b1, b2) -> tuple[str, int]:
-  in_use = s.M if s.in_use is None else s.in_use
-  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, in_use, s.d, s.F1),
+  path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.rows_in_use, s.d, s.F1),
                               mlp="forward" if forward else "backward",
                               fusable=_gemm_path.fc1_fusable(act, b1 is not None, s.f))
   biases = b1 is not None or b2 is not None

@@ -137,8 +137,7 @@ def in_fp8(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> bool:
   """Whether a checked grouped_mlp call runs its recipe (Fp8Recipe.runs_fp8, by the rows expected in use:
   an expert-parallel layer's buffer holds more, jaxmlp._gemm_path.padded_buffers); False without one."""
   cached = isinstance(w1, Fp8Weights) and isinstance(w2, Fp8Weights)
-  rows = shape.M if shape.in_use is None else shape.in_use
-  return recipe is not None and recipe.runs_fp8(rows, shape.E, cached)
+  return recipe is not None and recipe.runs_fp8(shape.rows_in_use, shape.E, cached)
 
 
 def weights_of(w):
