@@ -40,9 +40,9 @@ struct Pingpong128x128 {
 };
 
 // The same without the cluster, for products where sharing B's loads gains less than the cluster costs:
-// groups of one 128-row tile (on average: M <= 128 E), where the cluster's second CTA gets a tile past the group's rows and computes
-// nothing (half the SMs idle at decode sizes), and skewed routing over small experts, where many groups have
-// an odd number of tiles; with an expert's weights at most kSmallExpertWeights elements, L2 serves the
+// groups of one 128-row tile (on average: M <= 128 E), where the cluster's second CTA gets a tile past the
+// group's rows and computes nothing (half the SMs idle at decode sizes), and skewed routing over small
+// experts, where many groups have an odd number of tiles; with an expert's weights at most kSmallExpertWeights elements, L2 serves the
 // repeated loads of B that the cluster would have shared. Larger experts' steps (gptoss, dsv3) lose 6-10%
 // without it (docs/performance.md, "The cluster").
 struct Pingpong128x128NoCluster : Pingpong128x128 {
@@ -50,7 +50,8 @@ struct Pingpong128x128NoCluster : Pingpong128x128 {
 };
 constexpr int64_t kSmallExpertWeights = int64_t(4) << 20;
 inline bool WithoutCluster(const CutlassLaunch& l) {
-  return l.rows <= 128 * l.E || l.K * l.N <= kSmallExpertWeights;
+  constexpr int64_t kTileRows = cute::size<0>(Pingpong128x128::Tile{});
+  return l.rows <= kTileRows * l.E || l.K * l.N <= kSmallExpertWeights;
 }
 
 // What a kernel computes beside its product, in its epilogue (cutlass_gated_epilogue.cuh) for a gated
