@@ -88,7 +88,12 @@ for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (
                .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
   plain = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
   r = jax.grad(lambda a, b: jaxmlp.ragged_dot(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
-  jax.block_until_ready((g, plain, r))
+  # Rows gathered from 100 tokens by a plan whose slot_of_row holds anything (FC1's loads on the engine).
+  slots = jnp.asarray(np.r_[rng.integers(-3, 230, M - 3), 2**31 - 1, -2**31, 199], jnp.int32)
+  plan = jaxmlp.dispatch.Plan(jnp.asarray(rng.integers(-1, M, (100, 2)), jnp.int32), slots, jnp.zeros(E, jnp.int32))
+  gathered = jax.grad(lambda t, w1: jaxmlp.grouped_mlp(t, w1, w2, gs, gather=plan).astype(jnp.float32).sum(),
+                      argnums=(0, 1))(x[:100], w1)
+  jax.block_until_ready((g, plain, r, gathered))
 print("memcheck run done")
 PY
     echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"

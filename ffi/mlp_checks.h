@@ -48,10 +48,11 @@ struct MlpDims {
 };
 
 // The shapes of CheckMlp alone (the FP8 backward checks the dtypes of its e4m3 x, w1 and w2 itself).
+// rows >= 0: the call's M where x holds tokens that the call gathers rows from (the gathered forward).
 inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
                                  const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
                                  const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,
-                                 MlpDims* out) {
+                                 MlpDims* out, int64_t rows = -1) {
   if (act < 0 || act >= static_cast<int32_t>(Act::kCount))
     return ffi::Error::InvalidArgument("jaxmlp: unknown activation id " + std::to_string(act));
   if (x.dimensions().size() != 2 || w1.dimensions().size() != 3 || w2.dimensions().size() != 3)
@@ -59,7 +60,7 @@ inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
                                        Dims(x.dimensions()) + ", " + Dims(w1.dimensions()) + ", " +
                                        Dims(w2.dimensions()));
   MlpDims m;
-  m.M = x.dimensions()[0];
+  m.M = rows >= 0 ? rows : x.dimensions()[0];
   m.d = x.dimensions()[1];
   m.E = w1.dimensions()[0];
   m.F1 = w1.dimensions()[2];
@@ -69,7 +70,7 @@ inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
                                        std::to_string(m.F1));
   JAXMLP_RETURN_IF_ERROR(CheckShape("w1", w1, {m.E, m.d, m.F1}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("w2", w2, {m.E, m.f, m.d}));
-  JAXMLP_RETURN_IF_ERROR(CheckExtents({m.M, m.d, m.F1, m.E}));
+  JAXMLP_RETURN_IF_ERROR(CheckExtents({m.M, x.dimensions()[0], m.d, m.F1, m.E}));
   JAXMLP_RETURN_IF_ERROR(CheckShape("group_sizes", group_sizes, {m.E}));
   if (group_sizes.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("jaxmlp: group_sizes must be int32");
@@ -88,8 +89,8 @@ inline ffi::Error CheckMlpShapes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
 inline ffi::Error CheckMlp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w1, const ffi::AnyBuffer& w2,
                            const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& b1,
                            const ffi::AnyBuffer& b2, const ffi::AnyBuffer& scales, int32_t act,
-                           MlpDims* out) {
-  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, out));
+                           MlpDims* out, int64_t rows = -1) {
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, out, rows));
   ffi::DataType t = x.element_type();
   if (!IsFloat(t)) return ffi::Error::InvalidArgument("jaxmlp: x must be float32, bfloat16 or float16");
   for (const ffi::AnyBuffer* b : {&w1, &w2, &b1, &b2, &scales})

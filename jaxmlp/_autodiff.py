@@ -49,6 +49,9 @@ def not_differentiable(call, *args):
 
 
 def _is_operand(a) -> bool:
+  """Arrays, None, and tuples of them (a dispatch Plan)."""
+  if isinstance(a, tuple):
+    return all(_is_operand(b) for b in a)
   return a is None or isinstance(a, (jax.Array, np.ndarray, np.generic))
 
 

@@ -127,6 +127,22 @@ def fc1_fusable(act, has_b1: bool, f: int) -> bool:
   return act.gated and not has_b1 and f % 64 == 0
 
 
+# grouped_mlp(..., gather=plan) with FC1 reading the rows from the tokens in the engine's loads (cp.async
+# from the producer warp) ran the forward 2.5x as long as over TMA-loaded rows at Qwen3's shape (the same with
+# the rows in order: the one warp's copies, not the gather, are the limit; docs/performance.md, "Rows gathered
+# in FC1's loads"). So `auto` gathers the rows with XLA first, and only JAXMLP_GEMM_PATH=cutlass or fused,
+# which ask for the engine, takes the gathered loads.
+GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: one producer warp's cp.async loads make FC1's "
+                     "forward 2.5x as long as TMA's")
+
+
+def gathers_in_fc1(path: str, act, has_b1: bool, f: int) -> bool:
+  """Whether a grouped_mlp forward with `gather` on CUDA path `path` reads its rows in FC1's loads
+  (GATHER_IN_FC1_WHY), else XLA gathers them first."""
+  forced = os.environ.get("JAXMLP_GEMM_PATH", "auto") in ("cutlass", "fused")
+  return forced and path in ("cutlass", "fused") and fc1_fusable(act, has_b1, f)
+
+
 def _rows_within(bounds: tuple[int, int], E: int, M: int) -> bool:
   return bounds[0] * E <= M <= bounds[1] * E
 

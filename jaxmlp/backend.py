@@ -16,8 +16,9 @@ def backend_info() -> dict:
   forward of a gated MLP at Qwen3-30B-A3B's shape (`mlp_forward_path`; E 128, 256 rows per expert, d 2048,
   f 768): "cutlass" where jaxmlp's engine runs grouped_mlp (within `engine_rows_per_group` and
   `engine_max_expert_weights`), "fused" where only FC1 does, with the activation in its epilogue (within
-  `fused_rows_per_group`); `summary`, one sentence on what runs where; `fp8_when`, at which shapes a call
-  with an FP8 recipe runs in FP8 (jaxmlp.Fp8Recipe's `when`).
+  `fused_rows_per_group`); `gather_in_fc1`, when grouped_mlp(gather=...) reads its rows in FC1's loads;
+  `summary`, one sentence on what runs where; `fp8_when`, at which shapes a call with an FP8 recipe runs in
+  FP8 (jaxmlp.Fp8Recipe's `when`).
 
   Example (H200, cuBLAS 13.10): {"summary": "CUDA (NVIDIA H200): ...", "cpu": {...}, "cuda": {"built":
   True, "gemm_path": "grouped", "why": "cuBLASLt grouped GEMM ...", "small_gemm_path": "tiled",
@@ -50,7 +51,8 @@ def backend_info() -> dict:
     cuda.update(tiled_max_weights=_gemm_path.TILED_MAX_WEIGHTS, tiled_max_macs=_gemm_path.TILED_MAX_MACS,
                 fused_rows_per_group=_gemm_path.FUSED_ROWS_PER_GROUP,
                 engine_rows_per_group=_gemm_path.ENGINE_ROWS_PER_GROUP,
-                engine_max_expert_weights=_gemm_path.ENGINE_MAX_EXPERT_WEIGHTS)
+                engine_max_expert_weights=_gemm_path.ENGINE_MAX_EXPERT_WEIGHTS,
+                gather_in_fc1=_gemm_path.GATHER_IN_FC1_WHY)
     fp8_ok, fp8_why = fp8_status()
     cuda.update(fp8_available=fp8_ok, fp8_why=fp8_why,
                 fp8_blockwise="jaxmlp's CUDA quantizers, products on cuBLASLt's block-scaled FP8 grouped GEMM",

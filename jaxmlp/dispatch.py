@@ -4,6 +4,8 @@
   scales = row_weights(weights, plan)            # router weights [T, k] -> per row [R], for grouped_mlp
   y = combine(grouped_mlp(rows, ..., group_sizes, scales=scales), plan)
   # or, weighting in the combine instead: y = combine(grouped_mlp(rows, ...), plan, weights)
+  # or, the rows taken from x inside the MLP, not kept for its backward: grouped_mlp(x, ..., gather=plan)
+  rows = gather(x, plan)                         # dispatch's rows again, from x
 
 dispatch sorts the T*k routing choices of experts [T, k] by expert with a stable counting sort on the
 device (no XLA sort, no host sync) and gathers the token rows into that order; combine sums each token's
@@ -36,9 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _library, reference_moe
-from .plan import Plan, check_combine_args, check_dispatch_args, check_row_weights_args, num_rows, take_or_zero
+from .plan import (Plan, check_combine_args, check_dispatch_args, check_gather_args, check_row_weights_args, num_rows,
+                   take_or_zero, take_rows)
 
-__all__ = ["Plan", "combine", "dispatch", "num_rows", "row_weights", "top_k"]
+__all__ = ["Plan", "combine", "dispatch", "gather", "num_rows", "row_weights", "top_k"]
 
 
 def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int | None = None,
@@ -93,6 +96,14 @@ def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None, *,
   if weights is None:
     return _combine_unweighted(rows, plan, zero_padding)
   return _combine_weighted(rows, plan, weights.astype(jnp.float32), zero_padding)
+
+
+def gather(x: jax.Array, plan: Plan) -> jax.Array:
+  """The rows [R, d] that dispatch made for `plan` from tokens x [T, d], gathered again (XLA's gather): row r
+  is token plan.slot_of_row[r] // k, zeros on padding rows. Differentiable in x: its gradient sums each
+  token's rows' gradients, as dispatch's (a combine: no scatter-add)."""
+  check_gather_args(x, plan)
+  return _gather(x, plan)
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -186,11 +197,34 @@ def _dispatch_fwd(x, experts, num_experts, capacity, pad_to, zero_padding):
 
 
 def _dispatch_bwd(num_experts, capacity, pad_to, zero_padding, plan, cotangents):
-  drows = cotangents[0]
-  return _combine_call(drows, plan.row_of_slot, None), None  # dx[t]: the sum of its rows' gradients
+  return combine_row_gradients(cotangents[0], plan), None  # dx[t]: the sum of its rows' gradients
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def combine_row_gradients(drows, plan: Plan):
+  """The gradient of tokens x [T, d] whose rows a dispatch or gather took by plan, from the rows' gradients
+  drows: each token's rows summed (float32, choice order). Reads no row that holds no choice."""
+  if 0 in drows.shape or 0 in plan.row_of_slot.shape:
+    return reference_moe.combine(drows, plan)
+  return _combine_call(drows, plan.row_of_slot, None)
+
+
+@jax.custom_vjp
+def _gather(x, plan):
+  return take_rows(x, plan.slot_of_row, plan.row_of_slot.shape[1])
+
+
+def _gather_fwd(x, plan):
+  return _gather(x, plan), plan
+
+
+def _gather_bwd(plan, drows):
+  return combine_row_gradients(drows, plan), _zero_plan_cotangent(plan)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 @jax.custom_vjp

@@ -2,7 +2,9 @@
 
   grouped_mlp -> _mlp (custom_vjp) -> mlp_forward / mlp_backward -> "jaxmlp_mlp_fwd" / "jaxmlp_mlp_bwd"
   (ffi/cpu/mlp_cpu.cc; on CUDA one handler per GEMM path, ffi/cuda/mlp/). With an FP8 recipe the call
-goes to jaxmlp.fp8.mlp instead. jaxmlp.reference.grouped_mlp defines what both compute.
+goes to jaxmlp.fp8.mlp instead. jaxmlp.reference.grouped_mlp defines what both compute. With `gather` (rows
+taken from tokens by a dispatch plan) _gathered_mlp instead of _mlp: the engine's FC1 reads the rows from
+the tokens ("jaxmlp_mlp_fwd_gathered") where _gemm_path.gathers_in_fc1, elsewhere XLA gathers them first.
 """
 from __future__ import annotations
 
@@ -13,17 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _gemm_path, _groups, _library, reference
+from . import _checks, _gemm_path, _groups, _library, dispatch, reference
 from ._autodiff import gathered, integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
 from ._library import ABSENT, optional
 from .activations import Activation, resolve
 from .fp8 import mlp as fp8_mlp
 from .fp8 import recipe as fp8_recipe
+from .plan import Plan, check_gather_args, take_rows
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
                 scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipe.Fp8Recipe | None = None,
-                zero_padding: bool = True):
+                zero_padding: bool = True, gather: Plan | None = None):
   """Mixture-of-Experts expert MLP over rows sorted by expert: `scales * (act(x @ w1[g] + b1[g]) @ w2[g] + b2[g])`.
 
   Args:
@@ -53,6 +56,14 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       gradient of jaxmlp.dispatch do not: it saves writing them, most of the rows where the buffer is
       sized for the worst case (the expert-parallel MoE layer's). Without fp8, grouped_mlp itself reads no
       row past the groups of x or of the result's cotangent, whatever they hold.
+    gather: a jaxmlp.dispatch.Plan: x is then the tokens [T, d] the plan was made for, and the rows are the
+      ones jaxmlp.dispatch made (jaxmlp.dispatch.gather(x, gather), [M, d] with M the plan's rows): the
+      result is grouped_mlp of those rows, and x's gradient sums each token's rows' gradients. The rows
+      are not kept for the backward, which gathers them again: one [M, d] less of activation memory for
+      one more gather. With JAXMLP_GEMM_PATH=cutlass or fused on Hopper, where the engine runs FC1 with its
+      activation (a gated activation without b1, f a multiple of 64, 16-bit operands), FC1 reads the rows
+      from x in its loads, no copy of them written (today slower than the copy:
+      backend_info()["cuda"]["gather_in_fc1"]); elsewhere XLA gathers them first.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
@@ -65,8 +76,15 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   _checks.check_flag("zero_padding", zero_padding)
   recipe = fp8_recipe.resolve_with_weights(fp8, w1, w2)
   dtype = jnp.result_type(x)
-  shape = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes,
+  rows = x
+  if gather is not None:
+    check_gather_args(x, gather)
+    rows = jax.ShapeDtypeStruct((gather.slot_of_row.shape[0], x.shape[1]), dtype)
+  shape = _checks.check_mlp(rows, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes,
                             act, b1, b2, scales)
+  if gather is not None and (recipe is not None or 0 in (shape.M, shape.d, shape.f, x.shape[0])):
+    # FP8 quantizes the rows themselves, and an empty problem runs the reference below: the rows first.
+    x, gather = dispatch.gather(x, gather), None
   if recipe is not None:
     fp8_recipe.check_call(x, recipe, shape, w1, w2)
   shape = dataclasses.replace(shape, in_use=_gemm_path.expected_rows(shape.M))
@@ -84,6 +102,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape)
   if recipe is not None:  # not in FP8 at this shape: Fp8Weights' weights, whose gradient they take
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
+  if gather is not None:
+    return _gathered_mlp(x, Plan(*gathered(*gather)), *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape,
+                         zero_padding)
   return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding)
 
 
@@ -110,6 +131,31 @@ def _mlp_bwd(act, shape, zero_padding, res, dy):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
+# _mlp over rows gathered from tokens x by a dispatch plan: the residuals hold the tokens, not the rows, which
+# the backward gathers again (the weight gradient of FC1 reads them); x's gradient is a combine of the rows'.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _gathered_mlp(x, plan, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding):
+  return _gathered_mlp_fwd(x, plan, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding)[0]
+
+
+def _gathered_mlp_fwd(x, plan, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding):
+  y, h = not_differentiable(mlp_forward, x, w1, w2, group_sizes, b1, b2, scales, act, shape, zero_padding, plan)
+  return y, (x, plan, w1, w2, group_sizes, b1, b2, scales, h)
+
+
+def _gathered_mlp_bwd(act, shape, zero_padding, res, dy):
+  x, plan, w1, w2, group_sizes, b1, b2, scales, h = res
+  rows = take_rows(x, plan.slot_of_row, plan.row_of_slot.shape[1])
+  # The rows' gradients past the groups hold no choice, which the combine does not read: left unwritten.
+  grads = not_differentiable(mlp_backward, rows, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape, False)
+  drows, dw1, dw2, db1, db2, dscales = map(summed_like, grads, (rows, w1, w2, b1, b2, scales))
+  dx = dispatch.combine_row_gradients(drows, plan)
+  return dx, Plan(None, None, None), dw1, dw2, integer_cotangent(group_sizes), db1, db2, dscales
+
+
+_gathered_mlp.defvjp(_gathered_mlp_fwd, _gathered_mlp_bwd)
+
+
 def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, act: Activation, forward: bool, b1, b2) -> tuple[str, int]:
   path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.rows_in_use, s.d, s.F1),
                               mlp="forward" if forward else "backward",
@@ -121,23 +167,31 @@ def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, act: Activation, forward
 
 
 def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _checks.MlpShape,
-                zero_padding: bool = True):
+                zero_padding: bool = True, gather: Plan | None = None):
   """One custom call: FC1, activation, FC2. Returns (y [M, d], h [M, F1]), h being the saved FC1 output
   (its rows past the groups unwritten on CUDA; y's too unless zero_padding). The CPU handler writes zeros
-  there whatever zero_padding says."""
+  there whatever zero_padding says. With `gather`, x holds the tokens the plan's rows are taken from: the
+  engine's FC1 reads them in its loads where _gemm_path.gathers_in_fc1, elsewhere XLA gathers them first."""
   dt = x.dtype
-  args = (x, w1, w2, _groups.handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
+  slots = () if gather is None else (gather.slot_of_row,)
+  args = (x, *slots, w1, w2, _groups.handler_sizes(group_sizes, s.M), optional(b1, dt), optional(b2, dt),
           optional(scales, dt))
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt)]
   attrs = _library.activation_attrs(act)
 
-  def cpu(*a):
-    return _library.call("jaxmlp_mlp_fwd", outs, *a, **attrs)
+  def rows_of(x, *slots):
+    return x if not slots else take_rows(x, slots[0], gather.row_of_slot.shape[1])
 
-  def cuda(*a):
+  def cpu(x, *a):
+    return _library.call("jaxmlp_mlp_fwd", outs, rows_of(x, *a[:len(slots)]), *a[len(slots):], **attrs)
+
+  def cuda(x, *a):
     path, ws = _mlp_path_and_workspace(dt, s, act, True, b1, b2)
-    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *a, workspace=ws, zero_padding=np.int32(zero_padding),
-                         **attrs)
+    options = dict(workspace=ws, zero_padding=np.int32(zero_padding), **attrs)
+    if slots and _gemm_path.gathers_in_fc1(path, act, b1 is not None, s.f):
+      return _library.call("jaxmlp_mlp_fwd_gathered", outs, x, *a, top_k=np.int32(gather.row_of_slot.shape[1]),
+                           fc2_on_engine=np.int32(path == "cutlass"), **options)
+    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, rows_of(x, *a[:len(slots)]), *a[len(slots):], **options)
 
   return _library.on_platforms(*args, cpu=cpu, cuda=cuda)
 

@@ -71,3 +71,22 @@ def take_or_zero(values: jax.Array, index: jax.Array) -> jax.Array:
   """values[index] for a 1-D values, and 0 where index is -1 (jnp.take would wrap it) or out of range."""
   index = jnp.where(index < 0, values.shape[0], index)
   return jnp.take(values, index, mode="fill", fill_value=0)
+
+
+def check_gather_args(x, plan) -> None:
+  """Trace-time validation of a gather of x's rows by a dispatch plan (jaxmlp.dispatch.gather)."""
+  if not isinstance(plan, Plan):
+    raise TypeError(f"gather: expected a jaxmlp.dispatch.Plan (dispatch's third result), got {type(plan).__name__}")
+  T, k = jnp.shape(plan.row_of_slot)
+  if jnp.ndim(x) != 2 or jnp.shape(x)[0] != T:
+    raise ValueError(f"x: got shape {tuple(jnp.shape(x))}, expected the plan's tokens [T, d] = [{T}, d]")
+  if jnp.ndim(plan.slot_of_row) != 1 or jnp.result_type(plan.slot_of_row) != jnp.int32:
+    raise TypeError(f"gather: the plan's slot_of_row must be int32 [R], got {jnp.result_type(plan.slot_of_row)} "
+                    f"{tuple(jnp.shape(plan.slot_of_row))}")
+
+
+def take_rows(x: jax.Array, slot_of_row: jax.Array, top_k: int) -> jax.Array:
+  """The rows a dispatch made from tokens x [T, d]: row r is token slot_of_row[r] // top_k, zeros where
+  slot_of_row[r] is -1 (padding) or names no token."""
+  token = jnp.where(slot_of_row >= 0, slot_of_row // top_k, x.shape[0])
+  return jnp.take(x, token, axis=0, mode="fill", fill_value=0)

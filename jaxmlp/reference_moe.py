@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .plan import Plan, check_combine_args, check_dispatch_args, check_row_weights_args, num_rows, take_or_zero
+from .plan import (Plan, check_combine_args, check_dispatch_args, check_gather_args, check_row_weights_args, num_rows,
+                   take_or_zero, take_rows)
 
 
 def expert_keys(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -91,6 +92,13 @@ def row_weights(weights: jax.Array, plan: Plan) -> jax.Array:
   """Reference for jaxmlp.dispatch.row_weights: weights [T, k] permuted to the rows, 0 on padding rows."""
   check_row_weights_args(weights, plan)
   return take_or_zero(weights.reshape(-1), plan.slot_of_row)
+
+
+def gather(x: jax.Array, plan: Plan) -> jax.Array:
+  """Reference for jaxmlp.dispatch.gather: the rows [R, d] that dispatch made for plan from tokens x [T, d]
+  (row r token slot_of_row[r] // k, zeros on padding rows); its gradient a scatter-add."""
+  check_gather_args(x, plan)
+  return take_rows(x, plan.slot_of_row, plan.row_of_slot.shape[1])
 
 
 def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None, *,

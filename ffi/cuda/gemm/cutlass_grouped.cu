@@ -66,8 +66,11 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
   const bool bf16 = s.in_type == ffi::DataType::BF16;
+  if (s.gather && (!activation || s.op != GemmOp::kNN))
+    return ffi::Error::Internal("jaxmlp: the engine gathers FC1's rows with its activation only");
   const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
-                        out_ptrs, s.beta, workspace, s.out, activation};
+                        out_ptrs, s.beta, workspace, s.out, activation, s.gather, s.gather_div, s.sources};
+  if (s.gather) return RunCutlassGatedFc1Gathered(l);
   if (activation) return s.op == GemmOp::kNN ? RunCutlassGatedFc1(l) : RunCutlassGatedDgrad(l);
   return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
 #endif

@@ -100,6 +100,11 @@ struct CutlassLaunch {
   void* workspace;
   void* out;  // the output's first row (the gated epilogues' h or a_s)
   const CutlassActivation* activation;  // null, or the gated epilogue's
+  // Gathered FC1 (GemmSpec::gather): lhs is `sources` tokens, row r of the product token gather[r] /
+  // gather_div (zeros where gather[r] < 0); else gather is null.
+  const int32_t* gather;
+  int32_t gather_div;
+  int64_t sources;
 };
 
 // The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1.cu, cutlass_gated_dgrad.cu), built
@@ -107,6 +112,7 @@ struct CutlassLaunch {
 ffi::Error RunCutlassNN(const CutlassLaunch& l);
 ffi::Error RunCutlassNT(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedFc1(const CutlassLaunch& l);
+ffi::Error RunCutlassGatedFc1Gathered(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedDgrad(const CutlassLaunch& l);
 
 // Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote

@@ -59,8 +59,10 @@ inline bool WithoutCluster(const CutlassLaunch& l) {
 // backward from FC2's data gradient (kNT).
 enum class Fusion { kNone, kGatedFc1, kGatedDgrad };
 
-// The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged.
-template <typename T, typename LayoutA, typename LayoutB, typename Config, Fusion kFusion = Fusion::kNone>
+// The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged;
+// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA).
+template <typename T, typename LayoutA, typename LayoutB, typename Config, Fusion kFusion = Fusion::kNone,
+          bool kGather = false>
 struct Grouped {
   static constexpr int kAlign = 8;  // 16 bytes: rows of K and N multiples of 8 (CutlassSupports)
   using TmaEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -77,7 +79,7 @@ struct Grouped {
           sizeof(typename TmaEpilogue::SharedStorage) + sizeof(typename Epilogue::TensorStorage) -
           sizeof(typename TmaEpilogue::TensorStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using Mainloop = VarlenMainloop<PtrArrayMainloop, /*kSplitB=*/kFusion == Fusion::kGatedFc1>;
+  using Mainloop = VarlenMainloop<PtrArrayMainloop, /*kSplitB=*/kFusion == Fusion::kGatedFc1, kGather>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr Fusion kFuses = kFusion;
@@ -116,7 +118,7 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {int(E), reinterpret_cast<ProblemShape::UnderlyingProblemShape*>(l.problems->shapes), nullptr};
   args.mainloop = {static_cast<const ElementA*>(l.lhs), l.rows, k, static_cast<const ElementB*>(l.rhs), E, l.N, n, k,
-                   l.offsets, G::kFuses == Fusion::kGatedFc1 ? l.N / 2 : 0};
+                   l.offsets, G::kFuses == Fusion::kGatedFc1 ? l.N / 2 : 0, l.gather, l.gather_div, l.sources};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = l.beta;
   args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.out_ptrs));
@@ -152,17 +154,18 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
 }  // namespace cutlass_detail
 
 // The body of RunCutlass<op>: bfloat16 or float16, with or without the cluster.
-template <typename LayoutA, typename LayoutB, typename Config, cutlass_detail::Fusion kFusion>
+template <typename LayoutA, typename LayoutB, typename Config, cutlass_detail::Fusion kFusion, bool kGather>
 ffi::Error LaunchTypes(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Config, kFusion>>(l, nt);
-  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Config, kFusion>>(l, nt);
+  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Config, kFusion, kGather>>(l, nt);
+  return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Config, kFusion, kGather>>(l, nt);
 }
-template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = cutlass_detail::Fusion::kNone>
+template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = cutlass_detail::Fusion::kNone,
+          bool kGather = false>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, Pingpong128x128NoCluster, kFusion>(l, nt);
-  return LaunchTypes<LayoutA, LayoutB, Pingpong128x128, kFusion>(l, nt);
+  if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, Pingpong128x128NoCluster, kFusion, kGather>(l, nt);
+  return LaunchTypes<LayoutA, LayoutB, Pingpong128x128, kFusion, kGather>(l, nt);
 }
 
 }  // namespace jaxmlp

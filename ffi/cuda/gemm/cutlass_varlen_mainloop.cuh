@@ -13,6 +13,15 @@
 //      is two half tiles of B's columns, [n BLK_N/2, +BLK_N/2) (gate) and [up + n BLK_N/2, +BLK_N/2) (up,
 //      Arguments::up_column), loaded into the two halves of the stage's B tile, so that accumulator columns
 //      j and j + BLK_N/2 are a gate column and its up column.
+//   With kGatherA (FC1 of the MoE layer, whose rows are tokens of x chosen by the dispatch plan), A is the
+//      tokens (sources, K) and row r of the product is token gather[r] / gather_div of it (the plan's choice
+//      t k + j: token t), zeros where gather[r] < 0 (padding) or the token is past the tokens: no gathered
+//      copy of the rows is ever written. Hopper's TMA cannot gather rows, so the producer warp's 32 lanes load
+//      A's tiles by cp.async (16 bytes a lane and instruction, each lane whole rows), B stays on TMA: each
+//      stage's full barrier then completes on 1 + 32 arrivals (NumProducerThreadEvents, which the kernel
+//      reads), the leader's with B's transaction bytes alone and each lane's when its copies have landed
+//      (cp.async.mbarrier.arrive.noinc), as CUTLASS's TMA-and-cp.async pipelines signal them. Rows past the
+//      group's end are zero filled (nothing read).
 // A group change moves only the coordinates (tensors_perform_update); the kernel's tensormap hooks are empty.
 // This serves the products whose ragged dimension is M (kNN, kNT); the reduction K is the same for all groups.
 // The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored), or the gated FC1's
@@ -25,7 +34,9 @@
 
 #include <cstdint>
 
+#include "cute/arch/copy_sm80.hpp"
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/version.h"
 
@@ -47,7 +58,7 @@ auto MakeOperandTma(Element const* ptr, int32_t mn, int32_t k, int32_t l, Stride
 
 // Base: the CollectiveMma that CUTLASS's builder makes for a ptr-array kernel (its pipeline, shared memory
 // layouts and wgmma consumer are kept; its loads and operand descriptors are replaced).
-template <class Base, bool kSplitB = false>
+template <class Base, bool kSplitB = false, bool kGatherA = false>
 struct VarlenMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -93,6 +104,24 @@ struct VarlenMainloop : Base {
   static constexpr int kHalfB = kBlkN / 2 * kBlkK;  // elements of one half of a stage
   static_assert(!kSplitB || SmemLayoutB{}(kBlkN / 2, 0, 0) == kHalfB, "B's halves are not contiguous in a stage");
 
+  static constexpr int kWarp = cutlass::NumThreadsPerWarp;
+  // kGatherA: the leader's arrival and the 32 lanes' cp.async arrivals; else the leader's alone.
+  static constexpr int NumProducerThreadEvents = kGatherA ? 1 + kWarp : Base::NumProducerThreadEvents;
+  static constexpr uint32_t kTmaBytesB = cutlass::bits_to_bytes(
+      cute::size<0>(SmemLayoutB{}) * cute::size<1>(SmemLayoutB{}) * uint32_t(cutlass::sizeof_bits<ElementB>::value));
+  // kGatherA's cp.async tiling of a stage of A (K-major, rows of BLK_K 16-bit elements): 16-byte chunks, each
+  // lane loading whole rows (lane, lane + 32, ...), whose sources it reads once a tile. Measured at Qwen3's
+  // shape (docs/performance.md, "Rows gathered in FC1's loads"): FC1's forward 2.5x as long as from TMA-loaded
+  // rows; 8 lanes a row (4 rows an instruction), the sources shuffled to them, 3.9x, the same with the rows
+  // in order: one warp's copies are the limit, not the gather.
+  static constexpr int kChunk = 16 / int(sizeof(InternalElementA));
+  static constexpr int kChunksPerRow = kBlkK / kChunk;
+  static constexpr int kRowsPerLane = kBlkM / kWarp;
+  static_assert(!kGatherA || (kBlkK * sizeof(InternalElementA) == 128 && kBlkM % kWarp == 0),
+                "the gathered loads are laid out for 128-byte rows of A's stage and whole warps of rows");
+  static_assert(!kGatherA || cute::is_same_v<typename Base::GmemTiledCopyA, cute::SM90_TMA_LOAD>,
+                "A gathered by each CTA itself: no multicast along the cluster's N mode");
+
   // A multicasts along the cluster's N mode (its tile is shared by the CTAs of one M), B along M.
   using TmaA = decltype(MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyA, SmemLayoutA, 0, 1>(
       static_cast<InternalElementA const*>(nullptr), 0, 0, 0, StrideA3{}));
@@ -107,6 +136,9 @@ struct VarlenMainloop : Base {
     int64_t N, K;               // CUTLASS's N and K of every group
     int64_t const* offsets;     // [groups] the first row of each group in A (device)
     int64_t up_column = 0;      // kSplitB: the first up column of B (a multiple of BLK_N / 2)
+    int32_t const* gather = nullptr;  // kGatherA: [rows] each row's source (any values; see above)
+    int32_t gather_div = 1;           // kGatherA: row r is token gather[r] / gather_div of A
+    int64_t sources = 0;              // kGatherA: A's rows (tokens)
   };
 
   struct Params : Base::Params {
@@ -115,21 +147,29 @@ struct VarlenMainloop : Base {
     int32_t rows, N, K, groups;
     int64_t const* offsets;
     int32_t up_tile;  // kSplitB: up_column in half tiles
+    ElementA const* A;  // kGatherA: the tokens, leading dimension lda
+    int64_t lda;
+    int32_t const* gather;
+    int32_t gather_div, sources;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
     Params p{};
+    // kGatherA: the descriptor over the tokens is never loaded from (the kernel reads the tile counts of
+    // Tiles' coordinates only).
     p.tma_a = MakeOperandTma<TileShape, ClusterShape, GmemTiledCopyA, SmemLayoutA, 0, 1>(
-        reinterpret_cast<InternalElementA const*>(args.A), int32_t(args.rows), int32_t(args.K), 1,
-        MakeStride<StrideA3>(args.lda, 0));
+        reinterpret_cast<InternalElementA const*>(args.A), int32_t(kGatherA ? args.sources : args.rows),
+        int32_t(args.K), 1, MakeStride<StrideA3>(args.lda, 0));
     p.tma_b = MakeOperandTma<BTileShape, ClusterShape, GmemTiledCopyB, SmemLayoutBLoad, 1, 0>(
         reinterpret_cast<InternalElementB const*>(args.B), int32_t(args.N), int32_t(args.K), int32_t(args.groups),
         MakeStride<StrideB3>(args.ldb, args.N * args.K));
-    p.tma_transaction_bytes = Base::TmaTransactionBytes;
+    p.tma_transaction_bytes = kGatherA ? kTmaBytesB : Base::TmaTransactionBytes;
     p.rows = int32_t(args.rows), p.N = int32_t(args.N), p.K = int32_t(args.K), p.groups = int32_t(args.groups);
     p.offsets = args.offsets;
     p.up_tile = int32_t(args.up_column / (kBlkN / 2));
+    p.A = args.A, p.lda = args.lda, p.gather = args.gather, p.gather_div = args.gather_div;
+    p.sources = int32_t(args.sources);
     return p;
   }
 
@@ -154,14 +194,16 @@ struct VarlenMainloop : Base {
            args.lda % kA == 0 && args.ldb % kB == 0 && args.offsets != nullptr &&
            extent(args.rows, INT32_MAX - kRowSlack) && extent(args.groups, INT32_MAX) && extent(args.N, INT32_MAX) &&
            extent(args.K, INT32_MAX) &&
-           (!kSplitB || (args.up_column > 0 && args.up_column % (kBlkN / 2) == 0 && args.N == 2 * args.up_column));
+           (!kSplitB || (args.up_column > 0 && args.up_column % (kBlkN / 2) == 0 && args.N == 2 * args.up_column)) &&
+           (!kGatherA || (args.gather != nullptr && args.gather_div >= 1 && extent(args.sources, INT32_MAX)));
   }
 
   // The tiled coordinate tensors of group `group`, whose rows start at row `row` of A: (BLK_M, BLK_K, m, k, 1)
   // and (BLK_N, BLK_K, n, k, groups) with the origin moved to batch `group`, so that the kernel's slice at
   // batch 0 (it passes the group's index to the epilogue only) is the group's. The kernel reads the tile
-  // counts of these two; the loads read the third, B in the tiles it loads (half tiles with kSplitB).
-  CUTLASS_DEVICE static auto Tiles(Params const& p, int32_t row, int32_t group) {
+  // counts of these two; the loads read the third, B in the tiles it loads (half tiles with kSplitB), and
+  // with kGatherA the group's rows [row, row_end).
+  CUTLASS_DEVICE static auto Tiles(Params const& p, int32_t row, int32_t group, int32_t row_end) {
     using namespace cute;
     using X = Underscore;
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.K, int32_t(1)));
@@ -171,15 +213,18 @@ struct VarlenMainloop : Base {
                            make_coord(_, _, _), Step<_1, X, _1>{});
     Tensor gB = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
     Tensor gB_load = local_tile(mB, BTileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
-    return make_tuple(gA, gB, gB_load);
+    return make_tuple(gA, gB, gB_load, row, row_end);
   }
 
   template <class ProblemShapeMNKL>
-  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const&, Params const& p) const { return Tiles(p, 0, 0); }
+  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const&, Params const& p) const { return Tiles(p, 0, 0, 0); }
 
+  // The group's rows: offsets and the problem's M_g as the setup kernel wrote them (offsets[g] + M_g <= rows).
   template <class Inputs, class ProblemShapeMNKL>
-  CUTLASS_DEVICE Inputs tensors_perform_update(Inputs const&, Params const& p, ProblemShapeMNKL const&, int32_t group) {
-    return Tiles(p, int32_t(p.offsets[group]), group);
+  CUTLASS_DEVICE Inputs tensors_perform_update(Inputs const&, Params const& p, ProblemShapeMNKL const& problem,
+                                               int32_t group) {
+    const int32_t row = int32_t(p.offsets[group]);
+    return Tiles(p, row, group, row + int32_t(cute::get<0>(problem)));
   }
 
   // The kernel's tensormap hooks: nothing to rewrite.
@@ -195,13 +240,16 @@ struct VarlenMainloop : Base {
   CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMaps const&) {}
 
   // The producer: k_tile_count k-tiles of the tile at blk_coord (m, n, _, 0) into the pipeline's stages, A and
-  // B of one stage behind one transaction barrier. One elected thread issues the copies.
+  // B of one stage behind one transaction barrier. The kernel calls it with the whole producer warp: one
+  // elected thread issues the TMA copies (lane 0, the pipeline's leader, which arrives with the transaction
+  // bytes); with kGatherA every lane takes part.
   template <class Inputs, class TensorMaps, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState stage, Inputs const& inputs,
                            TensorMaps const&, BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int, uint32_t block_rank_in_cluster, TensorStorage& storage) {
+                           int lane, uint32_t block_rank_in_cluster, TensorStorage& storage) {
     using namespace cute;
-    if (!elect_one_sync()) return;
+    const bool issues_tma = kGatherA ? lane == 0 : bool(elect_one_sync());
+    if (!kGatherA && !issues_tma) return;
     Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
     // (BLK_N, BLK_K, PIPE), or with kSplitB its first half (BLK_N / 2, BLK_K, PIPE)
     Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), SmemLayoutBLoad{});
@@ -224,15 +272,52 @@ struct VarlenMainloop : Base {
       for (int j = 0; j < size<1>(cluster); ++j) mask_a |= uint16_t(1) << cluster(in_m, j, Int<0>{});
     if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>)
       for (int i = 0; i < size<0>(cluster); ++i) mask_b |= uint16_t(1) << cluster(i, in_n, Int<0>{});
+    // kGatherA: the first element of the source of rows lane + 32 i of the tile, null for a zero row.
+    [[maybe_unused]] ElementA const* sources[kRowsPerLane];
+    if constexpr (kGatherA) {
+      const int32_t first = get<3>(inputs) + int32_t(m) * kBlkM, end = get<4>(inputs);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRowsPerLane; ++i) {
+        const int32_t r = first + kWarp * i + lane;
+        const int32_t choice = r < end ? p.gather[r] : -1;
+        const int32_t token = choice >= 0 ? choice / p.gather_div : p.sources;
+        sources[i] = token < p.sources ? p.A + int64_t(token) * p.lda : nullptr;
+      }
+    }
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count, ++k_tile_iter, ++stage) {
       pipeline.producer_acquire(stage);
       auto* barrier = pipeline.producer_get_barrier(stage);
-      copy(p.tma_a.with(*barrier, mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage.index()));
-      copy(p.tma_b.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage.index()));
-      if constexpr (kSplitB)
-        copy(p.tma_b.with(*barrier, mask_b), tBgB_up(_, _, _, *k_tile_iter), tBsB_up(_, _, _, stage.index()));
+      if (issues_tma) {
+        if constexpr (!kGatherA)
+          copy(p.tma_a.with(*barrier, mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage.index()));
+        copy(p.tma_b.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage.index()));
+        if constexpr (kSplitB)
+          copy(p.tma_b.with(*barrier, mask_b), tBgB_up(_, _, _, *k_tile_iter), tBsB_up(_, _, _, stage.index()));
+      }
+      if constexpr (kGatherA) {
+        // Row by row, its chunks in order: the two halves of each 32-byte sector back to back (L1 keeps the
+        // line: .ca). The swizzled stage (sA) places each chunk.
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRowsPerLane; ++i) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kChunksPerRow; ++c) {
+            const int32_t column = int32_t(*k_tile_iter) * kBlkK + c * kChunk;
+            const bool valid = sources[i] != nullptr && column < p.K;
+            SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint128_t>::copy(
+                *reinterpret_cast<uint128_t const*>(valid ? sources[i] + column : p.A),
+                *reinterpret_cast<uint128_t*>(&sA(kWarp * i + lane, c * kChunk, stage.index())), valid);
+          }
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t const*>(barrier));
+      }
     }
+  }
+
+  // kGatherA: every lane's copies landed before the warp leaves (the stages' barriers count them).
+  CUTLASS_DEVICE void load_tail(MainloopPipeline pipeline, PipelineState stage) {
+    if constexpr (kGatherA) cute::cp_async_wait<0>();
+    Base::load_tail(pipeline, stage);
   }
 };
 

@@ -197,6 +197,8 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool pad
       return ffi::Error::Internal("jaxmlp: FP8 products run on cuBLASLt's grouped GEMM only");
     if (s.scaling == Fp8Scaling::kBlocks && s.op != GemmOp::kNT && s.op != GemmOp::kTNPadded)
       return ffi::Error::Internal("jaxmlp: block-scaled FP8 products are kNT or kTNPadded");
+    if (s.gather && (s.op != GemmOp::kNN || (path_ != GemmPath::kCutlass && path_ != GemmPath::kFused)))
+      return ffi::Error::Internal("jaxmlp: only the engine's FC1 gathers its rows");
     padded |= s.op == GemmOp::kTNPadded;
     if (s.op == GemmOp::kTNPadded && s.scaling == Fp8Scaling::kBlocks) pad = kScaleBlock;
   }
@@ -256,6 +258,7 @@ ffi::Error GroupedGemms::RunIndependent(std::initializer_list<int> products) {
   for (int i : products) {
     if (i < 0 || i >= num_specs_ || n == kMaxGemms) return ffi::Error::Internal("jaxmlp: GEMM index out of range");
     specs[n++] = &specs_[i];
+    if (specs_[i].gather) return ffi::Error::Internal("jaxmlp: a gathered product runs with its activation only");
     if (path_ == GemmPath::kGrouped || path_ == GemmPath::kFused) JAXMLP_RETURN_IF_ERROR(RunGrouped(specs_[i], i));
     if (path_ == GemmPath::kCutlass) JAXMLP_RETURN_IF_ERROR(RunCutlassOrGrouped(specs_[i], i));
     if (path_ == GemmPath::kFallback) JAXMLP_RETURN_IF_ERROR(RunFallback(specs_[i], i));

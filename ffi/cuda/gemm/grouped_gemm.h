@@ -114,6 +114,12 @@ struct GemmSpec {
   const float* rhs_scale = nullptr;
   bool fast_accumulation = false;
   Fp8Scaling scaling = Fp8Scaling::kTensor;
+  // A gathered FC1 (kNN on the engine, with its activation: RunWithActivation only): lhs holds `sources`
+  // tokens, and row r of the product is token gather[r] / gather_div (zeros where gather[r] < 0 or the token
+  // lies past the tokens), read in the engine's loads (cutlass_varlen_mainloop.cuh); null: lhs is the rows.
+  const int32_t* gather = nullptr;
+  int32_t gather_div = 1;
+  int64_t sources = 0;
 };
 
 // Leading dimension of the kTNPadded operands of a call over M rows and E groups, where each group's

@@ -49,13 +49,18 @@ BackwardScratch CarveBackward(Carver& c, GemmPath path, const MlpDims& m, int es
   return s;
 }
 
+// What FC1 reads from x: the rows themselves, or (the gathered forward) row r = token gather[r] / div of x's
+// tokens, zeros where gather[r] < 0 (GemmSpec::gather).
+struct Fc1Rows {
+  const int32_t* gather = nullptr;
+  int32_t div = 1;
+};
+
 template <GemmPath kPath>
-Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
-                 AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
-                 int32_t zero_padding, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
-  ++handler_host_calls;
-  MlpDims m;
-  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+Error RunForward(cudaStream_t stream, int32_t device, AnyBuffer x, Fc1Rows rows, AnyBuffer w1, AnyBuffer w2,
+                 AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha,
+                 float limit, int32_t zero_padding, const MlpDims& m, Result<AnyBuffer> y, Result<AnyBuffer> h,
+                 Result<AnyBuffer> workspace) {
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   const ffi::DataType t = x.element_type();
   Carver ws(workspace->untyped_data());
@@ -65,9 +70,11 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*workspace}));
 
+  GemmSpec fc1{GemmOp::kNN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), w1.untyped_data(), h->untyped_data(), t, t,
+               0.0f, true, true};
+  fc1.gather = rows.gather, fc1.gather_div = rows.div, fc1.sources = x.dimensions()[0];
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
-      {GemmOp::kNN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), w1.untyped_data(), h->untyped_data(), t, t, 0.0f,
-       true, true},
+      fc1,
       {GemmOp::kNN, int32_t(m.f), int32_t(m.d), s.a, w2.untyped_data(), y->untyped_data(), t, t,
        m.has_b2 ? 1.0f : 0.0f, false, true},
   }));
@@ -75,6 +82,9 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   // On the engine FC1's epilogue computes a (without b1, which h holds and the epilogue does not add); what
   // is left of the activation pass is y's prefill with b2 (and its padding rows), or y's padding rows alone.
   const bool fused = !m.has_b1 && gemms.FusesActivation(0, ap.act);
+  if (rows.gather && !fused)
+    return Error::InvalidArgument("jaxmlp: the gathered forward runs on the engine's FC1 with a gated activation, "
+                                  "no b1 and f a multiple of 64");
   if (fused) JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, DataIfPresent(scales), s.a}));  // h, a
   else JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
   if (!fused || m.has_b2)
@@ -85,6 +95,38 @@ Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1,
   else if (zero_padding)
     JAXMLP_RETURN_IF_ERROR(gemms.ZeroPaddingRows(1));
   return gemms.Run(1);  // y (+)= a @ w2
+}
+
+template <GemmPath kPath>
+Error MlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
+                 AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act, float alpha, float limit,
+                 int32_t zero_padding, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  return RunForward<kPath>(stream, device, x, {}, w1, w2, group_sizes, b1, b2, scales, act, alpha, limit,
+                           zero_padding, m, y, h, workspace);
+}
+
+// The forward over rows gathered from x's T tokens by the dispatch plan: row r is token slot_of_row[r] /
+// top_k (jaxmlp.Plan), zeros where slot_of_row[r] < 0 or the token is past T; FC1 reads them in its loads
+// (the engine's, on the CUTLASS or the fused path: fc2_on_engine picks), so no gathered copy is written.
+Error GatheredMlpForward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer slot_of_row, AnyBuffer w1,
+                         AnyBuffer w2, AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, int32_t act,
+                         float alpha, float limit, int32_t zero_padding, int32_t top_k, int32_t fc2_on_engine,
+                         Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> workspace) {
+  ++handler_host_calls;
+  if (slot_of_row.dimensions().size() != 1 || slot_of_row.element_type() != ffi::DataType::S32)
+    return Error::InvalidArgument("jaxmlp: slot_of_row must be int32 [M], got " + Dims(slot_of_row.dimensions()));
+  if (top_k < 1) return Error::InvalidArgument("jaxmlp: top_k must be at least 1");
+  MlpDims m;
+  JAXMLP_RETURN_IF_ERROR(CheckMlp(x, w1, w2, group_sizes, b1, b2, scales, act, &m, slot_of_row.dimensions()[0]));
+  const Fc1Rows rows{static_cast<const int32_t*>(slot_of_row.untyped_data()), top_k};
+  if (fc2_on_engine)
+    return RunForward<GemmPath::kCutlass>(stream, device, x, rows, w1, w2, group_sizes, b1, b2, scales, act, alpha,
+                                          limit, zero_padding, m, y, h, workspace);
+  return RunForward<GemmPath::kFused>(stream, device, x, rows, w1, w2, group_sizes, b1, b2, scales, act, alpha, limit,
+                                      zero_padding, m, y, h, workspace);
 }
 
 template <GemmPath kPath>
@@ -161,6 +203,24 @@ auto BindForward() {
       .Ret<AnyBuffer>();  // workspace
 }
 
+auto BindForwardGathered() {
+  return BindActivationAttrs(BindStreamAndDevice()
+                                 .Arg<AnyBuffer>()    // x: the tokens
+                                 .Arg<AnyBuffer>()    // slot_of_row
+                                 .Arg<AnyBuffer>()    // w1
+                                 .Arg<AnyBuffer>()    // w2
+                                 .Arg<AnyBuffer>()    // group_sizes
+                                 .Arg<AnyBuffer>()    // b1
+                                 .Arg<AnyBuffer>()    // b2
+                                 .Arg<AnyBuffer>())   // scales
+      .Attr<int32_t>("zero_padding")
+      .Attr<int32_t>("top_k")
+      .Attr<int32_t>("fc2_on_engine")
+      .Ret<AnyBuffer>()   // y
+      .Ret<AnyBuffer>()   // h
+      .Ret<AnyBuffer>();  // workspace
+}
+
 auto BindBackward() {
   return BindMlpGradients(BindActivationAttrs(BindMlpOperands(BindStreamAndDevice())
                                                   .Arg<AnyBuffer>()    // h
@@ -200,4 +260,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardCutlass, jaxmlp::MlpBackward<GemmPath::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardFused, jaxmlp::MlpForward<GemmPath::kFused>, jaxmlp::BindForward(),
                               jaxmlp::kGraphSafe);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpBackwardFused, jaxmlp::MlpBackward<GemmPath::kFused>, jaxmlp::BindBackward(),
+                              jaxmlp::kGraphSafe);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpForwardGathered, jaxmlp::GatheredMlpForward, jaxmlp::BindForwardGathered(),
                               jaxmlp::kGraphSafe);

@@ -1,0 +1,141 @@
+"""grouped_mlp(x, ..., gather=plan): the expert MLP over the rows a dispatch plan takes from the tokens x,
+equal bit for bit to grouped_mlp over jaxmlp.dispatch's rows (values and gradients: the same products over
+the same rows) and close to the float64 reference, on every backend. On cuda-cutlass and cuda-fused FC1 reads
+the rows from x in the engine's loads ("jaxmlp_mlp_fwd_gathered", checked in the lowered module); elsewhere
+XLA gathers them first. The plans put groups across tile edges (128 rows), an empty group, one of a few
+rows, capacity drops, padding rows inside the groups (pad_to) and past them; whatever a plan's slot_of_row
+holds, a gathered row is a token or zeros.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCE, check_close, skip_unless_served
+
+import jaxmlp
+import numpy_reference as ref
+from jaxmlp import dispatch, reference_moe
+
+T, K, E = 300, 2, 5
+
+
+def _experts(rng):
+  """[T, K] choices: expert 1 empty, expert 3 a few rows, expert 0 most (more than two 128-row tiles)."""
+  p = np.array([0.5, 0.0, 0.25, 0.02, 0.23])
+  return jnp.asarray(np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(T)]), jnp.int32)
+
+
+def _operands(rng, dtype, d, f):
+  cast = lambda a: jnp.asarray(a, dtype)
+  return (cast(rng.standard_normal((T, d))), cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d)),
+          cast(rng.standard_normal((E, f, d)) / np.sqrt(f)))
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("capacity, pad_to", [(None, 1), (130, 16), (90, 1)])
+@pytest.mark.parametrize("f", [64, 192])
+def test_gathered_mlp_equals_the_mlp_of_the_dispatched_rows(backend, rng, dtype, act, capacity, pad_to, f):
+  d = 64
+  skip_unless_served(backend, dtype, d, f, 2 * f)
+  x, w1, w2 = _operands(rng, dtype, d, f)
+  experts = _experts(rng)
+  rows, sizes, plan = dispatch.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
+  M = rows.shape[0]
+  scales = jnp.asarray(rng.uniform(0.1, 1.0, M), dtype)
+  dy = jnp.asarray(rng.standard_normal((M, d)), dtype)
+
+  def gathered(x, w1, w2, scales):
+    return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=act, scales=scales, gather=plan)
+
+  def dispatched(x, w1, w2, scales):
+    rows = dispatch.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)[0]
+    return jaxmlp.grouped_mlp(rows, w1, w2, sizes, activation=act, scales=scales)
+
+  def run(f_):
+    y, vjp = jax.vjp(f_, x, w1, w2, scales)
+    return (y, *vjp(dy))
+
+  got, want = jax.jit(lambda: run(gathered))(), jax.jit(lambda: run(dispatched))()
+  for name, a, b in zip(["y", "dx", "dw1", "dw2", "dscales"], got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+  engine = backend in ("cuda-cutlass", "cuda-fused")
+  assert ("jaxmlp_mlp_fwd_gathered" in jax.jit(gathered).lower(x, w1, w2, scales).as_text()) == engine
+
+  # The float64 reference over the rows, its x gradient summed over each token's rows.
+  f64 = lambda a: np.asarray(a, np.float64)
+  want_y, want_g = ref.grouped_mlp(f64(rows), f64(w1), f64(w2), np.asarray(sizes), act, scales=f64(scales),
+                                   dy=f64(dy))
+  token = np.asarray(plan.slot_of_row) // K
+  want_dx = np.zeros((T, d))
+  np.add.at(want_dx, token[token >= 0], want_g["x"][token >= 0])
+  tol = TOLERANCE[jnp.dtype(dtype).name]
+  check_close(got[0], want_y, tol, "y")
+  for name, a, b in zip(["x", "w1", "w2", "scales"], got[1:], [want_dx, want_g["w1"], want_g["w2"],
+                                                                 want_g["scales"]]):
+    check_close(a, b, tol, name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_any_slot_of_row_gathers_a_token_or_zeros(backend, rng, dtype):
+  """A plan whose slot_of_row holds anything (past T k, negative, the int32 extremes), with group sizes that
+  overrun the rows: each row is the token its slot names (slot // k < T) or zeros, as the reference's take."""
+  d, f = 64, 64
+  skip_unless_served(backend, dtype, d, f, 2 * f)
+  x, w1, w2 = _operands(rng, dtype, d, f)
+  M = 400
+  slots = rng.integers(-5, T * K + 40, M).astype(np.int32)
+  slots[::7] = np.iinfo(np.int32).max
+  slots[3::11] = np.iinfo(np.int32).min
+  plan = jaxmlp.dispatch.Plan(jnp.zeros((T, K), jnp.int32), jnp.asarray(slots), jnp.zeros((E,), jnp.int32))
+  sizes = jnp.asarray([150, 0, 7, 2**30, 5], jnp.int32)
+  y = jax.jit(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=plan))(x, w1, w2)
+  rows = np.asarray(reference_moe.gather(x, plan), np.float64)
+  assert not rows[(slots < 0) | (slots >= T * K)].any()
+  want = ref.grouped_mlp(rows, np.asarray(w1, np.float64), np.asarray(w2, np.float64), np.asarray(sizes), "swiglu")
+  check_close(y, want, TOLERANCE[jnp.dtype(dtype).name], "y")
+
+
+def test_gather_checks_its_arguments():
+  x = jnp.zeros((T, 64), jnp.bfloat16)
+  plan = jaxmlp.dispatch.Plan(jnp.zeros((T, K), jnp.int32), jnp.zeros((10,), jnp.int32), jnp.zeros((E,), jnp.int32))
+  w1, w2, sizes = jnp.zeros((E, 64, 128), x.dtype), jnp.zeros((E, 64, 64), x.dtype), jnp.zeros((E,), jnp.int32)
+  with pytest.raises(ValueError, match="x: got shape"):
+    jaxmlp.grouped_mlp(x[:5], w1, w2, sizes, gather=plan)
+  with pytest.raises(TypeError, match="gather: expected a jaxmlp.dispatch.Plan"):
+    jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=(plan.row_of_slot, plan.slot_of_row))
+  with pytest.raises(TypeError, match="slot_of_row must be int32"):
+    jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=plan._replace(slot_of_row=plan.slot_of_row.astype(jnp.uint32)))
+  with pytest.raises(ValueError, match=r"scales: got shape \(300,\), expected \[M\] = \[10\]"):
+    jaxmlp.grouped_mlp(x, w1, w2, sizes, scales=jnp.zeros((T,), x.dtype), gather=plan)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dispatch_gather_takes_the_dispatched_rows_again(rng, dtype):
+  """jaxmlp.dispatch.gather: dispatch's rows, bit for bit (padding rows zero); its gradient each token's rows'
+  gradients summed, as the reference's scatter-add."""
+  x = jnp.asarray(rng.standard_normal((T, 16)), dtype)
+  rows, _, plan = dispatch.dispatch(x, _experts(rng), E, capacity=90, pad_to=16)
+  np.testing.assert_array_equal(np.asarray(dispatch.gather(x, plan), np.float32), np.asarray(rows, np.float32))
+  drows = jnp.asarray(rng.standard_normal(rows.shape), dtype)
+  got = jax.vjp(lambda x: dispatch.gather(x, plan), x)[1](drows)[0]
+  want = jax.vjp(lambda x: reference_moe.gather(x, plan), x.astype(jnp.float32))[1](drows.astype(jnp.float32))[0]
+  check_close(got, want, TOLERANCE[jnp.dtype(dtype).name], "dx")
+
+
+def test_only_a_forced_engine_path_reads_the_rows_in_fc1(monkeypatch):
+  """`auto` gathers with XLA first (the gathered loads measured slower); JAXMLP_GEMM_PATH=cutlass or fused
+  takes them for an FC1 the engine fuses (gated, no b1, f a multiple of 64)."""
+  from jaxmlp import _gemm_path
+  swiglu, gelu = jaxmlp.Activation("swiglu"), jaxmlp.Activation("gelu")
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "auto")
+  assert not _gemm_path.gathers_in_fc1("cutlass", swiglu, False, 768)
+  for path in ("cutlass", "fused"):
+    monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
+    assert _gemm_path.gathers_in_fc1(path, swiglu, False, 768)
+    assert not _gemm_path.gathers_in_fc1(path, swiglu, True, 768)  # b1
+    assert not _gemm_path.gathers_in_fc1(path, swiglu, False, 96)
+    assert not _gemm_path.gathers_in_fc1(path, gelu, False, 768)
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
+  assert not _gemm_path.gathers_in_fc1("grouped", swiglu, False, 768)
