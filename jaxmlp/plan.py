@@ -77,6 +77,8 @@ def check_gather_args(x, plan) -> None:
   """Trace-time validation of a gather of x's rows by a dispatch plan (jaxmlp.dispatch.gather)."""
   if not isinstance(plan, Plan):
     raise TypeError(f"gather: expected a jaxmlp.dispatch.Plan (dispatch's third result), got {type(plan).__name__}")
+  if jnp.ndim(plan.row_of_slot) != 2:
+    raise ValueError(f"gather: the plan's row_of_slot must be [T, k], got shape {tuple(jnp.shape(plan.row_of_slot))}")
   T, k = jnp.shape(plan.row_of_slot)
   if jnp.ndim(x) != 2 or jnp.shape(x)[0] != T:
     raise ValueError(f"x: got shape {tuple(jnp.shape(x))}, expected the plan's tokens [T, d] = [{T}, d]")

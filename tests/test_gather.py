@@ -107,6 +107,8 @@ def test_gather_checks_its_arguments():
     jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=(plan.row_of_slot, plan.slot_of_row))
   with pytest.raises(TypeError, match="slot_of_row must be int32"):
     jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=plan._replace(slot_of_row=plan.slot_of_row.astype(jnp.uint32)))
+  with pytest.raises(ValueError, match=r"row_of_slot must be \[T, k\]"):
+    jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=plan._replace(row_of_slot=plan.row_of_slot[:, 0]))
   with pytest.raises(ValueError, match=r"scales: got shape \(300,\), expected \[M\] = \[10\]"):
     jaxmlp.grouped_mlp(x, w1, w2, sizes, scales=jnp.zeros((T,), x.dtype), gather=plan)
 
