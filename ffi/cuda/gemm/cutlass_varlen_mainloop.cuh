@@ -113,7 +113,8 @@ struct VarlenMainloop : Base {
   // lane loading whole rows (lane, lane + 32, ...), whose sources it reads once a tile. Measured at Qwen3's
   // shape (docs/performance.md, "Rows gathered in FC1's loads"): FC1's forward 2.5x as long as from TMA-loaded
   // rows; 8 lanes a row (4 rows an instruction), the sources shuffled to them, 3.9x, the same with the rows
-  // in order: one warp's copies are the limit, not the gather.
+  // in order: one warp's copies are the limit, not the gather (four warps, 8 lanes a row, keep pace:
+  // benchmarks/probes/cp_async_rate.cu).
   static constexpr int kChunk = 16 / int(sizeof(InternalElementA));
   static constexpr int kChunksPerRow = kBlkK / kChunk;
   static constexpr int kRowsPerLane = kBlkM / kWarp;
