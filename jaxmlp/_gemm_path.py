@@ -132,8 +132,8 @@ def fc1_fusable(act, has_b1: bool, f: int) -> bool:
 # the rows in order: the one warp's copies, not the gather, are the limit; docs/performance.md, "Rows gathered
 # in FC1's loads"). So `auto` gathers the rows with XLA first, and only JAXMLP_GEMM_PATH=cutlass or fused,
 # which ask for the engine, takes the gathered loads.
-GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: one producer warp's cp.async loads make FC1's "
-                     "forward 2.5x as long as TMA's")
+GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: one producer warp's cp.async loads make the "
+                     "MLP's forward 2.5x as long as TMA's")
 
 
 def gathers_in_fc1(path: str, act, has_b1: bool, f: int) -> bool:

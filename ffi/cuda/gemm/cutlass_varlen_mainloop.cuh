@@ -110,11 +110,9 @@ struct VarlenMainloop : Base {
   static constexpr uint32_t kTmaBytesB = cutlass::bits_to_bytes(
       cute::size<0>(SmemLayoutB{}) * cute::size<1>(SmemLayoutB{}) * uint32_t(cutlass::sizeof_bits<ElementB>::value));
   // kGatherA's cp.async tiling of a stage of A (K-major, rows of BLK_K 16-bit elements): 16-byte chunks, each
-  // lane loading whole rows (lane, lane + 32, ...), whose sources it reads once a tile. Measured at Qwen3's
-  // shape (docs/performance.md, "Rows gathered in FC1's loads"): FC1's forward 2.5x as long as from TMA-loaded
-  // rows; 8 lanes a row (4 rows an instruction), the sources shuffled to them, 3.9x, the same with the rows
-  // in order: one warp's copies are the limit, not the gather (four warps, 8 lanes a row, keep pace:
-  // benchmarks/probes/cp_async_rate.cu).
+  // lane loading whole rows (lane, lane + 32, ...), whose sources it reads once a tile. One warp's copies
+  // cannot keep pace with the main loop in any layout; of those measured this one, without shuffles, came
+  // closest (docs/performance.md, "Rows gathered in FC1's loads").
   static constexpr int kChunk = 16 / int(sizeof(InternalElementA));
   static constexpr int kChunksPerRow = kBlkK / kChunk;
   static constexpr int kRowsPerLane = kBlkM / kWarp;
