@@ -141,3 +141,38 @@ def test_only_a_forced_engine_path_reads_the_rows_in_fc1(monkeypatch):
     assert not _gemm_path.gathers_in_fc1(path, gelu, False, 768)
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
   assert not _gemm_path.gathers_in_fc1("grouped", swiglu, False, 768)
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto],
+                         ids=["explicit", "auto"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sharded_tokens_and_weights(rng, axis_type, dtype):
+  """Tokens split over a mesh axis of 2 CPU devices by rows, the experts' weights by expert, the plan's arrays
+  as dispatch left them: the values and gradients of unsharded operands, each gradient sharded as its
+  operand under Explicit axes."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  d, f = 32, 64
+  x, w1, w2 = _operands(rng, dtype, d, f)
+  w1, w2 = w1[:4], w2[:4]  # 4 experts: 2 a device
+  experts = jnp.asarray(rng.integers(0, 4, (T, K)), jnp.int32)
+  _, sizes, plan = dispatch.dispatch(x, experts, 4)
+
+  def loss(x, w1, w2):
+    return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=plan).astype(jnp.float32) ** 2)
+
+  cpu = jax.devices("cpu")
+  with jax.default_device(cpu[0]):
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+  mesh = jax.make_mesh((2,), ("e",), axis_types=(axis_type,), devices=cpu[:2])
+  with jax.set_mesh(mesh):
+    if axis_type == jax.sharding.AxisType.Explicit:
+      args = (jax.sharding.reshard(x, P("e")), *(jax.sharding.reshard(w, P("e")) for w in (w1, w2)))
+    else:
+      args = tuple(jax.device_put(a, NamedSharding(mesh, P("e"))) for a in (x, w1, w2))
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+    if axis_type == jax.sharding.AxisType.Explicit:
+      assert [g.sharding.spec for g in grads] == [P("e", None), P("e", None, None), P("e", None, None)]
+  tol = TOLERANCE[jnp.dtype(dtype).name]  # XLA may reduce the sharded loss in another order
+  np.testing.assert_allclose(value, want[0], rtol=tol)
+  for g, w, name in zip(grads, want[1], ("dx", "dw1", "dw2")):
+    check_close(g, w, tol, name)
