@@ -4,8 +4,8 @@
   jaxmlp.ragged_dot    drop-in for jax.lax.ragged_dot
   jaxmlp.reference     pure-JAX definitions of both (the semantics)
   jaxmlp.fp8_weights   expert weights quantized once for grouped_mlp(fp8=...), reused over micro-batches
-  jaxmlp.dispatch      the MoE layer's token dispatch and combine (dispatch, row_weights, combine), with
-                       jaxmlp.reference_moe their pure-JAX definitions
+  jaxmlp.dispatch      the MoE layer's token dispatch and combine (dispatch, row_weights, combine, gather),
+                       with jaxmlp.reference_moe their pure-JAX definitions
   jaxmlp.backend_info  which backend and GEMM path are in use
   jaxmlp.export_disabled_checks   what jax.export needs to serialize functions that call jaxmlp's ops
   jaxmlp.nnx, jaxmlp.linen   Flax modules (import separately; need flax)
