@@ -87,8 +87,15 @@ def check_gather_args(x, plan) -> None:
                     f"{tuple(jnp.shape(plan.slot_of_row))}")
 
 
+def row_tokens(slot_of_row: jax.Array, top_k: int, num_tokens: int) -> jax.Array:
+  """The token each row holds: slot_of_row[r] // top_k, and num_tokens (no token) for padding rows."""
+  return jnp.where(slot_of_row >= 0, slot_of_row // top_k, num_tokens)
+
+
 def take_rows(x: jax.Array, slot_of_row: jax.Array, top_k: int) -> jax.Array:
   """The rows a dispatch made from tokens x [T, d]: row r is token slot_of_row[r] // top_k, zeros where
-  slot_of_row[r] is -1 (padding) or names no token."""
-  token = jnp.where(slot_of_row >= 0, slot_of_row // top_k, x.shape[0])
-  return jnp.take(x, token, axis=0, mode="fill", fill_value=0)
+  slot_of_row[r] is -1 (padding) or names no token; all zeros without tokens (jnp.take takes none from an
+  empty axis)."""
+  if x.shape[0] == 0:
+    return jnp.zeros((slot_of_row.shape[0], x.shape[1]), x.dtype)
+  return jnp.take(x, row_tokens(slot_of_row, top_k, x.shape[0]), axis=0, mode="fill", fill_value=0)

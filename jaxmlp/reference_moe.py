@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .plan import (Plan, check_combine_args, check_dispatch_args, check_gather_args, check_row_weights_args, num_rows,
-                   take_or_zero, take_rows)
+                   row_tokens, take_or_zero, take_rows)
 
 
 def expert_keys(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -76,11 +76,7 @@ def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: in
   slot = (order % T) * k + order // T
   slot_of_row = jnp.full((R,), -1, jnp.int32).at[row].set(slot.astype(jnp.int32), mode="drop")
   row_of_slot = jnp.full((T * k,), -1, jnp.int32).at[slot].set(jnp.where(is_kept, row, -1).astype(jnp.int32))
-  if T == 0:  # no row to gather from
-    rows = jnp.zeros((R, x.shape[1]), x.dtype)
-  else:
-    rows = jnp.where((slot_of_row >= 0)[:, None], x[jnp.maximum(slot_of_row, 0) // k], 0).astype(x.dtype)
-  return rows, group_sizes.astype(jnp.int32), Plan(row_of_slot.reshape(T, k), slot_of_row, counts)
+  return take_rows(x, slot_of_row, k), group_sizes.astype(jnp.int32), Plan(row_of_slot.reshape(T, k), slot_of_row, counts)
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -111,6 +107,6 @@ def combine(rows: jax.Array, plan: Plan, weights: jax.Array | None = None, *,
   vals = rows.astype(jnp.float32)
   if weights is not None:
     vals = vals * row_weights(weights.astype(jnp.float32), plan)[:, None]
-  token = jnp.where(plan.slot_of_row >= 0, plan.slot_of_row // k, T)  # T: padding rows go nowhere
+  token = row_tokens(plan.slot_of_row, k, T)  # T: padding rows go nowhere
   y = jnp.zeros((T, rows.shape[1]), jnp.float32).at[token].add(vals, mode="drop")
   return y.astype(rows.dtype)

@@ -176,3 +176,18 @@ def test_sharded_tokens_and_weights(rng, axis_type, dtype):
   np.testing.assert_allclose(value, want[0], rtol=tol)
   for g, w, name in zip(grads, want[1], ("dx", "dw1", "dw2")):
     check_close(g, w, tol, name)
+
+
+def test_a_plan_without_tokens_gathers_zero_rows(rng):
+  """No tokens, and a plan whose groups hold padding rows only (pad_to): the rows are zeros, the MLP over
+  them its biases' (the reference's), x's gradient empty."""
+  x = jnp.zeros((0, 16), jnp.float32)
+  _, sizes, plan = dispatch.dispatch(x, jnp.zeros((0, K), jnp.int32), E, pad_to=4)
+  rows = dispatch.gather(x, plan)
+  assert rows.shape == (E * 3, 16) and not np.asarray(rows).any()
+  w1, w2, b2 = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((E, 16, 32), (E, 16, 16), (E, 16)))
+  y, vjp = jax.vjp(lambda x: jaxmlp.grouped_mlp(x, w1, w2, sizes, b2=b2, gather=plan), x)
+  want = ref.grouped_mlp(np.zeros(rows.shape), np.float64(w1), np.float64(w2), np.asarray(sizes), "swiglu",
+                         b2=np.float64(b2))
+  check_close(y, want, TOLERANCE["float32"], "y")
+  assert vjp(jnp.ones_like(y))[0].shape == (0, 16)
