@@ -197,18 +197,11 @@ def _dispatch_fwd(x, experts, num_experts, capacity, pad_to, zero_padding):
 
 
 def _dispatch_bwd(num_experts, capacity, pad_to, zero_padding, plan, cotangents):
-  return combine_row_gradients(cotangents[0], plan), None  # dx[t]: the sum of its rows' gradients
+  drows = cotangents[0]
+  return _combine_call(drows, plan.row_of_slot, None), None  # dx[t]: the sum of its rows' gradients
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-def combine_row_gradients(drows, plan: Plan):
-  """The gradient of tokens x [T, d] whose rows a dispatch or gather took by plan, from the rows' gradients
-  drows: each token's rows summed (float32, choice order). Reads no row that holds no choice."""
-  if 0 in drows.shape or 0 in plan.row_of_slot.shape:
-    return reference_moe.combine(drows, plan)
-  return _combine_call(drows, plan.row_of_slot, None)
 
 
 @jax.custom_vjp
@@ -221,7 +214,7 @@ def _gather_fwd(x, plan):
 
 
 def _gather_bwd(plan, drows):
-  return combine_row_gradients(drows, plan), _zero_plan_cotangent(plan)
+  return combine(drows, plan), _zero_plan_cotangent(plan)  # each token's rows' gradients summed
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

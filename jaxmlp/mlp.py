@@ -149,7 +149,7 @@ def _gathered_mlp_bwd(act, shape, zero_padding, res, dy):
   # The rows' gradients past the groups hold no choice, which the combine does not read: left unwritten.
   grads = not_differentiable(mlp_backward, rows, w1, w2, group_sizes, b1, b2, scales, h, dy, act, shape, False)
   drows, dw1, dw2, db1, db2, dscales = map(summed_like, grads, (rows, w1, w2, b1, b2, scales))
-  dx = dispatch.combine_row_gradients(drows, plan)
+  dx = dispatch.combine(drows, plan)  # each token's rows' gradients summed
   return dx, Plan(None, None, None), dw1, dw2, integer_cotangent(group_sizes), db1, db2, dscales
 
 
