@@ -9,7 +9,6 @@ of the others, as the layer would (the engine at this shape).
   python benchmarks/probes/gather_fc1.py [--rounds 5]
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxmlp  # noqa: E402
 from jaxmlp import dispatch  # noqa: E402
+from gemm_engines import traced_on  # noqa: E402
 from timing import measure_alternating  # noqa: E402
 
 T, d, E, k, f = 8192, 2048, 128, 8, 768
@@ -30,20 +30,6 @@ def routed(skew: float):
   key = jax.random.split(jax.random.key(1), 2)
   logits = jax.random.normal(key[0], (T, E)) + skew * jax.random.normal(key[1], (E,))
   return jax.lax.top_k(logits, k)[1].astype(jnp.int32)
-
-
-def traced(fn, *args, engine: bool):
-  """fn, compiled (the GEMM path is picked at trace time) with JAXMLP_GEMM_PATH=cutlass where `engine`: only a
-  forced engine path reads the rows in FC1's loads (`_gemm_path.gathers_in_fc1`)."""
-  before = os.environ.get("JAXMLP_GEMM_PATH")
-  if engine:
-    os.environ["JAXMLP_GEMM_PATH"] = "cutlass"
-  try:
-    return fn.lower(*args).compile()
-  finally:
-    os.environ.pop("JAXMLP_GEMM_PATH", None)
-    if before is not None:
-      os.environ["JAXMLP_GEMM_PATH"] = before
 
 
 def main():
@@ -82,8 +68,10 @@ def main():
     calls = {}
     for name, fn, a0 in (("given", given, rows), ("copied", copied, x), ("gathered", gathered, x),
                          ("gathered in order", gathered_in_order, rows)):
+      # Only a forced engine path reads the rows in FC1's loads (`_gemm_path.gathers_in_fc1`).
+      path = "cutlass" if name.startswith("gathered") else "auto"
       for part, jitted in (("fwd", jax.jit(fn)), ("step", step(fn))):
-        calls[f"{part} {name}"] = (traced(jitted, a0, w1, w2, engine=name.startswith("gathered")), a0)
+        calls[f"{part} {name}"] = (traced_on(path, lambda jitted=jitted, a0=a0: (jitted, (a0, w1, w2)))[0], a0)
     timed = measure_alternating({n: (lambda i, fn=fn, a0=a0: fn(a0, w1, w2)) for n, (fn, a0) in calls.items()},
                                 jax.block_until_ready, rounds=a.rounds)
     us = {n: 1e6 * t["s"] for n, t in timed.items()}
