@@ -179,19 +179,19 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _che
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt)]
   attrs = _library.activation_attrs(act)
 
-  def rows_of(x, *slots):
-    return x if not slots else take_rows(x, slots[0], gather.row_of_slot.shape[1])
+  def rows_first(x, *a):  # the operands of "jaxmlp_mlp_fwd": the rows (gathered by XLA) and the rest
+    return (x, *a) if not slots else (take_rows(x, a[0], gather.row_of_slot.shape[1]), *a[1:])
 
-  def cpu(x, *a):
-    return _library.call("jaxmlp_mlp_fwd", outs, rows_of(x, *a[:len(slots)]), *a[len(slots):], **attrs)
+  def cpu(*a):
+    return _library.call("jaxmlp_mlp_fwd", outs, *rows_first(*a), **attrs)
 
-  def cuda(x, *a):
+  def cuda(*a):
     path, ws = _mlp_path_and_workspace(dt, s, act, True, b1, b2)
     options = dict(workspace=ws, zero_padding=np.int32(zero_padding), **attrs)
     if slots and _gemm_path.gathers_in_fc1(path, act, b1 is not None, s.f):
-      return _library.call("jaxmlp_mlp_fwd_gathered", outs, x, *a, top_k=np.int32(gather.row_of_slot.shape[1]),
+      return _library.call("jaxmlp_mlp_fwd_gathered", outs, *a, top_k=np.int32(gather.row_of_slot.shape[1]),
                            fc2_on_engine=np.int32(path == "cutlass"), **options)
-    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, rows_of(x, *a[:len(slots)]), *a[len(slots):], **options)
+    return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *rows_first(*a), **options)
 
   return _library.on_platforms(*args, cpu=cpu, cuda=cuda)
 
