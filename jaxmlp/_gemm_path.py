@@ -52,6 +52,11 @@ ENGINE_MAX_EXPERT_WEIGHTS = 4 << 20
 PATHS = ("grouped", "cutlass", "fused", "tiled", "fallback")
 
 
+def forced_path() -> str:
+  """JAXMLP_GEMM_PATH, "auto" where unset (gemm_path checks its value)."""
+  return os.environ.get("JAXMLP_GEMM_PATH", "auto")
+
+
 def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | None = None, mlp: str | None = None,
               fusable: bool = False) -> tuple[str, str]:
   """Which CUDA GEMM path a call takes, and why: ("grouped" | "cutlass" | "fused" | "tiled" | "fallback",
@@ -64,7 +69,7 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
   JAXMLP_GEMM_PATH=grouped|cutlass|fused|tiled forces that path for every call it can serve (`unservable`);
   the others take the fallback.
   """
-  forced = os.environ.get("JAXMLP_GEMM_PATH", "auto")
+  forced = forced_path()
   if forced not in ("auto", *PATHS):
     raise ValueError(f"JAXMLP_GEMM_PATH={forced!r}: expected auto, {', '.join(PATHS[:-1])} or fallback")
   status = cuda_status()  # first, even for the fallback: it loads cuBLAS, searching the wheel's folder
@@ -139,8 +144,7 @@ GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: one producer 
 def gathers_in_fc1(path: str, act, has_b1: bool, f: int) -> bool:
   """Whether a grouped_mlp forward with `gather` on CUDA path `path` reads its rows in FC1's loads
   (GATHER_IN_FC1_WHY), else XLA gathers them first."""
-  forced = os.environ.get("JAXMLP_GEMM_PATH", "auto") in ("cutlass", "fused")
-  return forced and path in ("cutlass", "fused") and fc1_fusable(act, has_b1, f)
+  return forced_path() in ("cutlass", "fused") and path in ("cutlass", "fused") and fc1_fusable(act, has_b1, f)
 
 
 def _rows_within(bounds: tuple[int, int], E: int, M: int) -> bool:
@@ -177,7 +181,7 @@ def cuda_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int], mlp:
   cuda_module()
   path = gemm_path(dtype, *row_lengths, problem=problem, mlp=mlp, fusable=fusable)[0]
   unserved = unservable(dtype, *row_lengths)
-  if path == "fallback" and unserved and os.environ.get("JAXMLP_GEMM_PATH", "auto") == "auto":
+  if path == "fallback" and unserved and forced_path() == "auto":
     _warn_once(unserved)
   return path
 
