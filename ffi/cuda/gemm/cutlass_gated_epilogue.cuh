@@ -113,7 +113,8 @@ struct GatedEpilogue : Base {
     return state;
   }
 
-  // No descriptors: the kernel's tensormap hooks do nothing.
+  // No descriptors: the kernel's tensormap hooks do nothing (and GatherPingpong, which calls none, may run it).
+  static constexpr bool kNoDescriptors = true;
   CUTLASS_DEVICE auto store_init(typename Base::Params const&, TensorMapStorage&, int32_t, int32_t, int32_t) {
     return cute::make_tuple(static_cast<cute::TmaDescriptor*>(nullptr));
   }

@@ -19,6 +19,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cuda/gemm/cutlass_gated_epilogue.cuh"
+#include "cuda/gemm/cutlass_gather_kernel.cuh"
 #include "cuda/gemm/cutlass_varlen_mainloop.cuh"
 
 namespace jaxmlp {
@@ -60,7 +61,7 @@ inline bool WithoutCluster(const CutlassLaunch& l) {
 enum class Fusion { kNone, kGatedFc1, kGatedDgrad };
 
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged;
-// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA).
+// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherPingpong).
 template <typename T, typename LayoutA, typename LayoutB, typename Config, Fusion kFusion = Fusion::kNone,
           bool kGather = false>
 struct Grouped {
@@ -80,7 +81,10 @@ struct Grouped {
           sizeof(typename TmaEpilogue::TensorStorage))>,
       typename Config::Kernel>::CollectiveOp;
   using Mainloop = VarlenMainloop<PtrArrayMainloop, /*kSplitB=*/kFusion == Fusion::kGatedFc1, kGather>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using UniversalKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  // Gathered rows: the same kernel with its whole producer warpgroup loading (cutlass_gather_kernel.cuh).
+  static_assert(!kGather || kFusion == Fusion::kGatedFc1, "only the gated FC1 gathers its rows");
+  using Kernel = cute::conditional_t<kGather, GatherPingpong<UniversalKernel>, UniversalKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr Fusion kFuses = kFusion;
   // The gated epilogues' staging leaves the main loop the stages it has without them (6): FC1's lives in

@@ -16,12 +16,12 @@
 //   With kGatherA (FC1 of the MoE layer, whose rows are tokens of x chosen by the dispatch plan), A is the
 //      tokens (sources, K) and row r of the product is token gather[r] / gather_div of it (the plan's choice
 //      t k + j: token t), zeros where gather[r] < 0 (padding) or the token is past the tokens: no gathered
-//      copy of the rows is ever written. Hopper's TMA cannot gather rows, so the producer warp's 32 lanes load
-//      A's tiles by cp.async (16 bytes a lane and instruction, each lane whole rows), B stays on TMA: each
-//      stage's full barrier then completes on 1 + 32 arrivals (NumProducerThreadEvents, which the kernel
-//      reads), the leader's with B's transaction bytes alone and each lane's when its copies have landed
-//      (cp.async.mbarrier.arrive.noinc), as CUTLASS's TMA-and-cp.async pipelines signal them. Rows past the
-//      group's end are zero filled (nothing read).
+//      copy of the rows is ever written. Hopper's TMA cannot gather rows, so the producer warpgroup's 128
+//      threads load A's tiles by cp.async (GatherPingpong, cutlass_gather_kernel.cuh, calls load with all
+//      of them), thread 0 also B's by TMA: each stage's full barrier then completes on 1 + 128 arrivals
+//      (NumProducerThreadEvents, which the kernel reads), thread 0's with B's transaction bytes alone and
+//      each thread's when its copies have landed (cp.async.mbarrier.arrive.noinc), as CUTLASS's
+//      TMA-and-cp.async pipelines signal them. Rows past the group's end are zero filled (nothing read).
 // A group change moves only the coordinates (tensors_perform_update); the kernel's tensormap hooks are empty.
 // This serves the products whose ragged dimension is M (kNN, kNT); the reduction K is the same for all groups.
 // The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored), or the gated FC1's
@@ -104,20 +104,21 @@ struct VarlenMainloop : Base {
   static constexpr int kHalfB = kBlkN / 2 * kBlkK;  // elements of one half of a stage
   static_assert(!kSplitB || SmemLayoutB{}(kBlkN / 2, 0, 0) == kHalfB, "B's halves are not contiguous in a stage");
 
-  static constexpr int kWarp = cutlass::NumThreadsPerWarp;
-  // kGatherA: the leader's arrival and the 32 lanes' cp.async arrivals; else the leader's alone.
-  static constexpr int NumProducerThreadEvents = kGatherA ? 1 + kWarp : Base::NumProducerThreadEvents;
+  // kGatherA: the producer warpgroup's cp.async arrivals and thread 0's; else the leader's alone.
+  static constexpr int kGatherThreads = cutlass::NumThreadsPerWarpGroup;
+  static constexpr int NumProducerThreadEvents = kGatherA ? 1 + kGatherThreads : Base::NumProducerThreadEvents;
   static constexpr uint32_t kTmaBytesB = cutlass::bits_to_bytes(
       cute::size<0>(SmemLayoutB{}) * cute::size<1>(SmemLayoutB{}) * uint32_t(cutlass::sizeof_bits<ElementB>::value));
-  // kGatherA's cp.async tiling of a stage of A (K-major, rows of BLK_K 16-bit elements): 16-byte chunks, each
-  // lane loading whole rows (lane, lane + 32, ...), whose sources it reads once a tile. One warp's copies
-  // cannot keep pace with the main loop in any layout; of those measured this one, without shuffles, came
-  // closest (docs/performance.md, "Rows gathered in FC1's loads").
+  // kGatherA's cp.async tiling of a stage of A (K-major, rows of BLK_K 16-bit elements): 16-byte chunks, 8
+  // threads a row (a row's 128 bytes in one instruction), 16 rows a pass; each thread copies the same chunk
+  // of kPasses rows, whose sources it reads once a tile. Four warps so laid out keep pace with the wgmma main
+  // loop where one warp cannot (docs/performance.md, "Rows gathered in FC1's loads").
   static constexpr int kChunk = 16 / int(sizeof(InternalElementA));
   static constexpr int kChunksPerRow = kBlkK / kChunk;
-  static constexpr int kRowsPerLane = kBlkM / kWarp;
-  static_assert(!kGatherA || (kBlkK * sizeof(InternalElementA) == 128 && kBlkM % kWarp == 0),
-                "the gathered loads are laid out for 128-byte rows of A's stage and whole warps of rows");
+  static constexpr int kRowsPerPass = kGatherThreads / kChunksPerRow;
+  static constexpr int kPasses = kBlkM / kRowsPerPass;
+  static_assert(!kGatherA || (kBlkK * sizeof(InternalElementA) == 128 && kBlkM % kRowsPerPass == 0),
+                "the gathered loads are laid out for 128-byte rows of A's stage and whole passes of rows");
   static_assert(!kGatherA || cute::is_same_v<typename Base::GmemTiledCopyA, cute::SM90_TMA_LOAD>,
                 "A gathered by each CTA itself: no multicast along the cluster's N mode");
 
@@ -239,15 +240,16 @@ struct VarlenMainloop : Base {
   CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMaps const&) {}
 
   // The producer: k_tile_count k-tiles of the tile at blk_coord (m, n, _, 0) into the pipeline's stages, A and
-  // B of one stage behind one transaction barrier. The kernel calls it with the whole producer warp: one
-  // elected thread issues the TMA copies (lane 0, the pipeline's leader, which arrives with the transaction
-  // bytes); with kGatherA every lane takes part.
+  // B of one stage behind one transaction barrier. CUTLASS's kernel calls it with the whole producer warp
+  // (`thread` its lane): one elected thread issues the TMA copies. With kGatherA GatherPingpong calls it with
+  // the whole producer warpgroup (`thread` 0 to 127): thread 0, the pipeline's leader, which arrives with the
+  // transaction bytes, issues B's copies, every thread its share of A's.
   template <class Inputs, class TensorMaps, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& p, MainloopPipeline pipeline, PipelineState stage, Inputs const& inputs,
                            TensorMaps const&, BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int lane, uint32_t block_rank_in_cluster, TensorStorage& storage) {
+                           int thread, uint32_t block_rank_in_cluster, TensorStorage& storage) {
     using namespace cute;
-    const bool issues_tma = kGatherA ? lane == 0 : bool(elect_one_sync());
+    const bool issues_tma = kGatherA ? thread == 0 : bool(elect_one_sync());
     if (!kGatherA && !issues_tma) return;
     Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
     // (BLK_N, BLK_K, PIPE), or with kSplitB its first half (BLK_N / 2, BLK_K, PIPE)
@@ -271,16 +273,17 @@ struct VarlenMainloop : Base {
       for (int j = 0; j < size<1>(cluster); ++j) mask_a |= uint16_t(1) << cluster(in_m, j, Int<0>{});
     if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>)
       for (int i = 0; i < size<0>(cluster); ++i) mask_b |= uint16_t(1) << cluster(i, in_n, Int<0>{});
-    // kGatherA: the first element of the source of rows lane + 32 i of the tile, null for a zero row.
-    [[maybe_unused]] ElementA const* sources[kRowsPerLane];
+    // kGatherA: this thread's chunk, and the token of its rows row0 + kRowsPerPass i of the tile (-1: zeros).
+    [[maybe_unused]] const int chunk = thread % kChunksPerRow, row0 = thread / kChunksPerRow;
+    [[maybe_unused]] int32_t tokens[kPasses];
     if constexpr (kGatherA) {
-      const int32_t first = get<3>(inputs) + int32_t(m) * kBlkM, end = get<4>(inputs);
+      const int32_t first = get<3>(inputs) + int32_t(m) * kBlkM + row0, end = get<4>(inputs);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRowsPerLane; ++i) {
-        const int32_t r = first + kWarp * i + lane;
+      for (int i = 0; i < kPasses; ++i) {
+        const int32_t r = first + kRowsPerPass * i;
         const int32_t choice = r < end ? p.gather[r] : -1;
         const int32_t token = choice >= 0 ? choice / p.gather_div : p.sources;
-        sources[i] = token < p.sources ? p.A + int64_t(token) * p.lda : nullptr;
+        tokens[i] = token < p.sources ? token : -1;
       }
     }
     CUTLASS_PRAGMA_NO_UNROLL
@@ -295,25 +298,21 @@ struct VarlenMainloop : Base {
           copy(p.tma_b.with(*barrier, mask_b), tBgB_up(_, _, _, *k_tile_iter), tBsB_up(_, _, _, stage.index()));
       }
       if constexpr (kGatherA) {
-        // Row by row, its chunks in order: the two halves of each 32-byte sector back to back (L1 keeps the
-        // line: .ca). The swizzled stage (sA) places each chunk.
+        // Each row is read once (L2 only: .cg); the swizzled stage (sA) places each chunk.
+        const int32_t column = int32_t(*k_tile_iter) * kBlkK + chunk * kChunk;
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRowsPerLane; ++i) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kChunksPerRow; ++c) {
-            const int32_t column = int32_t(*k_tile_iter) * kBlkK + c * kChunk;
-            const bool valid = sources[i] != nullptr && column < p.K;
-            SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint128_t>::copy(
-                *reinterpret_cast<uint128_t const*>(valid ? sources[i] + column : p.A),
-                *reinterpret_cast<uint128_t*>(&sA(kWarp * i + lane, c * kChunk, stage.index())), valid);
-          }
+        for (int i = 0; i < kPasses; ++i) {
+          const bool valid = tokens[i] >= 0 && column < p.K;
+          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+              *reinterpret_cast<uint128_t const*>(valid ? p.A + int64_t(tokens[i]) * p.lda + column : p.A),
+              *reinterpret_cast<uint128_t*>(&sA(row0 + kRowsPerPass * i, chunk * kChunk, stage.index())), valid);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t const*>(barrier));
       }
     }
   }
 
-  // kGatherA: every lane's copies landed before the warp leaves (the stages' barriers count them).
+  // kGatherA: every thread's copies landed before it leaves (the stages' barriers count them).
   CUTLASS_DEVICE void load_tail(MainloopPipeline pipeline, PipelineState stage) {
     if constexpr (kGatherA) cute::cp_async_wait<0>();
     Base::load_tail(pipeline, stage);
