@@ -132,13 +132,13 @@ def fc1_fusable(act, has_b1: bool, f: int) -> bool:
   return act.gated and not has_b1 and f % 64 == 0
 
 
-# grouped_mlp(..., gather=plan) with FC1 reading the rows from the tokens in the engine's loads (cp.async
-# from the producer warp) ran the forward 2.5x as long as over TMA-loaded rows at Qwen3's shape (the same with
-# the rows in order: the one warp's copies, not the gather, are the limit; docs/performance.md, "Rows gathered
-# in FC1's loads"). So `auto` gathers the rows with XLA first, and only JAXMLP_GEMM_PATH=cutlass or fused,
-# which ask for the engine, takes the gathered loads.
-GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: one producer warp's cp.async loads make the "
-                     "MLP's forward 2.5x as long as TMA's")
+# grouped_mlp(..., gather=plan) with FC1 reading the rows from the tokens in the engine's loads (cp.async from
+# the producer warpgroup) runs the forward slower than XLA's gather followed by TMA loads of the copied rows
+# at Qwen3's shape, the rows in order as much as shuffled: the copies, not the gather, are the limit
+# (docs/performance.md, "Rows gathered in FC1's loads"). So `auto` gathers the rows with XLA first, and only
+# JAXMLP_GEMM_PATH=cutlass or fused, which ask for the engine, takes the gathered loads.
+GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: the engine's cp.async loads of the gathered "
+                     "rows make the MLP's forward slower than XLA's gather followed by TMA loads")
 
 
 def gathers_in_fc1(path: str, act, has_b1: bool, f: int) -> bool:

@@ -3,9 +3,9 @@
 //
 // CUTLASS 4.2's ptr-array ping-pong kernel fixes the roles of its producer warpgroup's four warps (main-loop
 // loads, auxiliary loads, epilogue loads, the tile schedule), so one warp loads A, and one warp's cp.async
-// copies cannot keep pace with the wgmma main loop (docs/performance.md, "Rows gathered in FC1's loads": one
-// warp 0.92-1.05 us a 16 KB k-tile of A, four warps 0.35, the wgmma k-tile's time). GatherPingpong is that
-// kernel's types, parameters and host side (it derives from it) with a device body of its own:
+// copies cannot keep pace with the wgmma main loop where four can (docs/performance.md, "Rows gathered in
+// FC1's loads"). GatherPingpong is that kernel's types, parameters and host side (it derives from it) with a
+// device body of its own:
 //   - the producer warpgroup: all 128 threads call the main loop's load for every tile (A's share of each
 //     thread, B by thread 0's TMA); warp 3 also publishes the tile schedule (CUTLASS's group scheduler, whose
 //     work-tile pipeline every other warp consumes), the next tile's before it loads the current one, so no
