@@ -19,15 +19,15 @@ from jaxmlp import dispatch, reference_moe
 T, K, E = 300, 2, 5
 
 
-def _experts(rng):
-  """[T, K] choices: expert 1 empty, expert 3 a few rows, expert 0 most (more than two 128-row tiles)."""
+def _experts(rng, tokens=T):
+  """[tokens, K] choices: expert 1 empty, expert 3 a few rows, expert 0 most (more than two 128-row tiles)."""
   p = np.array([0.5, 0.0, 0.25, 0.02, 0.23])
-  return jnp.asarray(np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(T)]), jnp.int32)
+  return jnp.asarray(np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(tokens)]), jnp.int32)
 
 
-def _operands(rng, dtype, d, f):
+def _operands(rng, dtype, d, f, tokens=T):
   cast = lambda a: jnp.asarray(a, dtype)
-  return (cast(rng.standard_normal((T, d))), cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d)),
+  return (cast(rng.standard_normal((tokens, d))), cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d)),
           cast(rng.standard_normal((E, f, d)) / np.sqrt(f)))
 
 
@@ -75,6 +75,28 @@ def test_gathered_mlp_equals_the_mlp_of_the_dispatched_rows(backend, rng, dtype,
   for name, a, b in zip(["x", "w1", "w2", "scales"], got[1:], [want_dx, want_g["w1"], want_g["w2"],
                                                                  want_g["scales"]]):
     check_close(a, b, tol, name)
+
+
+@pytest.mark.parametrize("d, f, tokens", [(256, 128, T), (1024, 2112, 4 * T)])
+def test_gathered_forward_at_the_engines_other_shapes(backend, rng, d, f, tokens):
+  """The engine's gathered FC1 where test_gathered_mlp_equals_the_mlp_of_the_dispatched_rows does not take it:
+  several k-tiles (d 256), an even number of 64-column gate pieces (f 128), and its 2x1 cluster (an expert's
+  weights past 4M elements, more than 128 rows a group on average): bit for bit the forward over
+  jaxmlp.dispatch's rows, and close to float64."""
+  if backend not in ("cuda-cutlass", "cuda-fused"):
+    pytest.skip("the engine's tile configurations")
+  dtype = jnp.bfloat16
+  skip_unless_served(backend, dtype, d, f, 2 * f)
+  x, w1, w2 = _operands(rng, dtype, d, f, tokens)
+  rows, sizes, plan = dispatch.dispatch(x, _experts(rng, tokens), E)
+  gathered = jax.jit(lambda x, w1, w2: jaxmlp.grouped_mlp(x, w1, w2, sizes, gather=plan))
+  assert "jaxmlp_mlp_fwd_gathered" in gathered.lower(x, w1, w2).as_text()
+  got = gathered(x, w1, w2)
+  want = jax.jit(lambda rows, w1, w2: jaxmlp.grouped_mlp(rows, w1, w2, sizes))(rows, w1, w2)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  f64 = lambda a: np.asarray(a, np.float64)
+  check_close(got, ref.grouped_mlp(f64(rows), f64(w1), f64(w2), np.asarray(sizes), "swiglu"),
+              TOLERANCE[jnp.dtype(dtype).name], "y")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
