@@ -76,7 +76,8 @@ def dispatch(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: in
   slot = (order % T) * k + order // T
   slot_of_row = jnp.full((R,), -1, jnp.int32).at[row].set(slot.astype(jnp.int32), mode="drop")
   row_of_slot = jnp.full((T * k,), -1, jnp.int32).at[slot].set(jnp.where(is_kept, row, -1).astype(jnp.int32))
-  return take_rows(x, slot_of_row, k), group_sizes.astype(jnp.int32), Plan(row_of_slot.reshape(T, k), slot_of_row, counts)
+  plan = Plan(row_of_slot.reshape(T, k), slot_of_row, counts)
+  return take_rows(x, slot_of_row, k), group_sizes.astype(jnp.int32), plan
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -44,8 +44,8 @@ struct Pingpong128x128 {
 // groups of one 128-row tile (on average: M <= 128 E), where the cluster's second CTA gets a tile past the
 // group's rows and computes nothing (half the SMs idle at decode sizes), and skewed routing over small
 // experts, where many groups have an odd number of tiles; with an expert's weights at most
-// kSmallExpertWeights elements, L2 serves the repeated loads of B that the cluster would have shared. Larger experts' steps (gptoss, dsv3) lose 6-10%
-// without it (docs/performance.md, "The cluster").
+// kSmallExpertWeights elements, L2 serves the repeated loads of B that the cluster would have shared. Larger
+// experts' steps lose time without it (docs/performance.md, "The cluster").
 struct Pingpong128x128NoCluster : Pingpong128x128 {
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
