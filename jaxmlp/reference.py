@@ -95,7 +95,7 @@ def _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
   w1q = recipe.scheme.quantize_weights(w1) if w1q is None else w1q
   w2q = recipe.scheme.quantize_weights(w2) if w2q is None else w2q
   groups = _groups.Groups.of(group_sizes, x.shape[0])
-  y, residuals = emulation.forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, None, True)
+  y, residuals = emulation.forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, None, True, True)
   return y, (residuals, groups, b1, b2, scales)
 
 
@@ -103,7 +103,7 @@ def _fp8_mlp_bwd(act, recipe, saved, dy):
   residuals, groups, b1, b2, scales = saved
   emulation = recipe.scheme.emulation(_ragged_dot_gemm)
   dx, dw1, dw2, db1, db2, dscales = emulation.backward(residuals, groups, b1, b2, scales, act, recipe, None,
-                                                       dy.astype(residuals[0].dtype))
+                                                       dy.astype(residuals[0].dtype), True)
   return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
 
 

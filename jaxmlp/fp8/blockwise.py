@@ -144,8 +144,8 @@ def quantize_columns(v: jax.Array, groups: Groups) -> tuple[jax.Array, jax.Array
 
 def quantize_rows_and_columns(v: jax.Array, groups: Groups):
   """(quantize_rows(v), quantize_columns(v, groups)) of v with its rows past the groups taken as zeros: a
-  tensor that is both a row and a column operand (those rows are no product's operand, so a kernel need
-  not read them)."""
+  tensor that is both a row and a column operand. The rows past the groups, and the column blocks past
+  the groups' (no rows), are no product's operand: a kernel need not read nor write them."""
   v = jnp.where(groups.valid[:, None], v, 0)
   return quantize_rows(v), quantize_columns(v, groups)
 
@@ -176,12 +176,15 @@ class Primitives(tp.NamedTuple):
   """The recipe's quantizers and products on one platform. The quantizers compute the functions of this
   module of the same names (the emulation: those functions; a kernel reads the tensor of
   quantize_rows_and_columns once), bit for bit, except the activations' up to the last bit of act and its
-  derivative (a kernel computes them on the way from h, whose float32 result goes through no memory).
-  The products take quantized operands, accumulate in float32 and round once to `dtype`:
-    rows(lhs, w, groups, transposed, dtype): per group of rows, lhs [M, k] (quantize_rows) @ w[g] for w
-      [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the transposed product
-      reads only q and exponents): [M, n], zeros in the rows past the groups (as jax.lax.ragged_dot; no
-      pass of masking after each product);
+  derivative (a kernel computes them on the way from h, whose float32 result goes through no memory), and
+  except what no product reads: the rows past the groups and the column blocks past the groups' hold any
+  values (a kernel leaves them unwritten: over P devices the expert-parallel layer's buffers hold up to P
+  times the groups' rows). The products take quantized operands, accumulate in float32 and round once to
+  `dtype`:
+    rows(lhs, w, groups, transposed, dtype, zero_padding): per group of rows, lhs [M, k] (quantize_rows) @
+      w[g] for w [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the
+      transposed product reads only q and exponents): [M, n]; the rows past the groups zeros with
+      zero_padding (as jax.lax.ragged_dot; no pass of masking after each product), else any values;
     columns(lhs, rhs, groups, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
       [m, N]): [E, K, N].
   And the biases' gradients: group_sums(v, weights, groups), jaxmlp.fp8.quantize.group_sums of 16-bit v."""
@@ -196,7 +199,7 @@ class Primitives(tp.NamedTuple):
 def emulated_primitives(gemm: Gemm) -> Primitives:
   """This module's quantizers, and products of exactly dequantized operands with float32 accumulation on
   any grouped GEMM."""
-  def rows(lhs, w, groups, transposed, dtype):
+  def rows(lhs, w, groups, transposed, dtype, zero_padding):
     return gemm("nt" if transposed else "nn", dequantize_rows(*lhs), dequantize_weights(*w[:2]),
                 groups.sizes).astype(dtype)
 
@@ -207,33 +210,39 @@ def emulated_primitives(gemm: Gemm) -> Primitives:
                     rows, columns, group_sums)
 
 
-def forward(p: Primitives, x, w1q, w2q, groups: Groups, scales, act: Activation, b1=None, b2=None):
+def forward(p: Primitives, x, w1q, w2q, groups: Groups, scales, act: Activation, b1=None, b2=None,
+            zero_padding=True):
   """(y, residuals) of the forward for weights quantized by quantize_weights. The residuals: h, x and a in
   128 x 1 blocks (the weight gradients' operands: a's from here, where it is quantized anyway, rather than
-  from h again) and the quantized weights, each with its exponents."""
-  dtype = x.dtype  # the rows past the groups: zero in every product's result (Primitives.rows)
+  from h again) and the quantized weights, each with its exponents. y's rows past the groups: zeros with
+  zero_padding, else any values; h's any values (no kernel reads them; XLA's passes mask them)."""
+  dtype = x.dtype
   x_rows, x_columns = p.quantize_rows_and_columns(x, groups)
-  h = p.rows(x_rows, w1q, groups, False, dtype)
+  h = p.rows(x_rows, w1q, groups, False, dtype, False)
   if b1 is not None:
     h = (h.astype(jnp.float32) + bias_rows(b1, groups)).astype(dtype)
   a_rows, a_columns = p.activation_rows_and_columns(h, scales, groups, act)
-  y = p.rows(a_rows, w2q, groups, False, dtype)
+  y = p.rows(a_rows, w2q, groups, False, dtype, zero_padding)
   if b2 is not None:
     y = (y.astype(jnp.float32) + scaled_bias(b2, scales, groups, dtype)).astype(dtype)
   return y, (h, x_columns, a_columns, w1q[:2], w2q[:2])
 
 
-def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None):
-  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals."""
+def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None,
+             zero_padding=True):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals;
+  dx's rows past the groups zeros with zero_padding, else any values."""
   h, x_columns, a_columns, w1q, w2q = residuals
   dtype = h.dtype
   dy_rows, dy_columns = p.quantize_rows_and_columns(dy, groups)
-  da = p.rows(dy_rows, w2q, groups, True, dtype)
+  da = p.rows(dy_rows, w2q, groups, True, dtype, False)
   dh_rows, dh_columns = p.activation_grad_rows_and_columns(h, da, scales, groups, act)
-  dx = p.rows(dh_rows, w1q, groups, True, dtype)
+  dx = p.rows(dh_rows, w1q, groups, True, dtype, zero_padding)
   dw2 = p.columns(a_columns, dy_columns, groups, dtype)
   dw1 = p.columns(x_columns, dh_columns, groups, dtype)
-  da = da.astype(jnp.float32)
+  # The biases' and scales' gradients in XLA: h and da hold any values past the groups, taken as zeros.
+  valid = groups.valid[:, None]
+  h, da = jnp.where(valid, h, 0), jnp.where(valid, da.astype(jnp.float32), 0)
   dh = None
   if b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
     s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
@@ -246,11 +255,11 @@ def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, 
 
 def implementation(p: Primitives, quantize_weights_on_platform) -> Implementation:
   """The recipe over a platform's primitives and weight quantizer."""
-  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals):
-    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2)
+  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding):
+    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2, zero_padding)
 
-  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy):
-    return backward(p, residuals, groups, scales, act, dy, b1, b2)
+  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
+    return backward(p, residuals, groups, scales, act, dy, b1, b2, zero_padding)
 
   return Implementation(quantize_weights_on_platform, forward_, backward_)
 

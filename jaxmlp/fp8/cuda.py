@@ -59,9 +59,10 @@ def tensor_weights(w):
 
 
 def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape,
-                 residuals: bool):
+                 residuals: bool, zero_padding: bool):
   """The forward's custom call: (y [M, d], with `residuals` what the backward takes: h [M, F1], amax [4]
-  float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout), q(w1), q(w2))."""
+  float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout), q(w1), q(w2)).
+  y's rows past the groups are zeros, whatever zero_padding says."""
   cuda = _module_or_raise()
   dt = x.dtype
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
@@ -75,9 +76,10 @@ def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, r
   return y, (h, amax, xt, w1, w2) if residuals else None
 
 
-def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape, dy):
+def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape, dy,
+                  zero_padding: bool):
   """The backward's custom call, from the forward's residuals: (dx, dw1, dw2, db1, db2, dscales), None where
-  absent."""
+  absent; dx's rows past the groups zeros, whatever zero_padding says."""
   cuda = _module_or_raise()
   h, amax, xt, w1q, w2q = residuals
   dt = h.dtype
@@ -108,17 +110,19 @@ def block_weights(w):
   return q, e, qt
 
 
-def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtype):
+def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtype, zero_padding: bool = True):
   """A product on FP8 tensor cores with cuBLASLt's block scaling (the operands' layouts: ffi/cuda/fp8/):
-  "nt" out [M, K] = lhs @ rhs[g].T per group of rows, "tn" out [E, K, N] = lhs [K, L] @ rhs [N, L].T per
-  group's padded columns. Scales are float32 powers of two."""
+  "nt" out [M, K] = lhs @ rhs[g].T per group of rows (the rows past the groups zeros with zero_padding,
+  else unwritten), "tn" out [E, K, N] = lhs [K, L] @ rhs [N, L].T per group's padded columns. Scales are
+  float32 powers of two."""
   cuda = _module_or_raise()
   rows, E = groups.num_rows, groups.num_groups
   code = _library.gemm_op({"nt": "nt", "tn": "tn_padded"}[op])
   out_shape = (rows, rhs.shape[1]) if op == "nt" else (E, lhs.shape[0], rhs.shape[0])
   ws = cuda.gemm_fp8_blocks_workspace_bytes(int(code), rows, E, lhs.shape[1])
   return _library.call("jaxmlp_gemm_fp8_blocks", [(out_shape, dtype)], lhs, lhs_scales, rhs, rhs_scales,
-                       groups.given, workspace=ws, op=code, rows=np.int64(rows))[0]
+                       groups.given, workspace=ws, op=code, rows=np.int64(rows),
+                       zero_padding=np.int32(zero_padding))[0]
 
 
 def _block_outputs(R: int, C: int, B: int) -> list:
@@ -126,18 +130,12 @@ def _block_outputs(R: int, C: int, B: int) -> list:
   return [((R, C), E4M3), ((R, -(-C // 128)), jnp.int32), ((C, 128 * B), E4M3), ((B, C), jnp.int32)]
 
 
-def _column_blocks(groups: Groups):
-  """(first, rows, total) of the quantizers: the column blocks, and the rows in groups, [1] int32 (the
-  kernels' own bound on the rows past the groups)."""
-  return (*blockwise.column_blocks(groups), jnp.sum(groups.sizes, keepdims=True).astype(jnp.int32))
-
-
 def _rows_and_columns(v, groups: Groups):
   """blockwise.quantize_rows_and_columns in one pass over v."""
   _module_or_raise()
-  first, rows, total = _column_blocks(groups)
+  first, rows = blockwise.column_blocks(groups)
   q, e, qt, ec = _library.call("jaxmlp_fp8_block_rows_and_columns", _block_outputs(*v.shape, first.shape[0]),
-                               v, first, rows, total)
+                               v, first, rows)
   return (q, e), (qt, ec)
 
 
@@ -147,9 +145,9 @@ def _activation(h, da, scales, groups: Groups, act: Activation):
   _module_or_raise()
   (R, F1) = h.shape
   C = F1 if da is not None else (F1 // 2 if act.gated else F1)
-  first, rows, total = _column_blocks(groups)
+  first, rows = blockwise.column_blocks(groups)
   q, e, qt, ec = _library.call("jaxmlp_fp8_block_activation", _block_outputs(R, C, first.shape[0]), h,
-                               optional(da, h.dtype), optional(scales, h.dtype), first, rows, total,
+                               optional(da, h.dtype), optional(scales, h.dtype), first, rows,
                                **_library.activation_attrs(act))
   return (q, e), (qt, ec)
 
@@ -159,12 +157,12 @@ def _scales(e):
   return jnp.ldexp(jnp.ones(e.shape, jnp.float32), e)
 
 
-def _rows(lhs, w, groups: Groups, transposed, dtype):
+def _rows(lhs, w, groups: Groups, transposed, dtype, zero_padding):
   (q, e), (wq, we) = lhs, w[:2]
   if not transposed:  # FP8 tensor cores read w[g] contiguous along the reduction: the transposed copy [n, k]
     wq, we = w[2], jnp.swapaxes(we, 1, 2)
   we = jnp.pad(we, ((0, 0), (0, 0), (0, -we.shape[2] % 4)))  # cuBLASLt's 128x128 layout: blocks per row to 4
-  return _gemm_blocks("nt", q, _scales(e), wq, _scales(we), groups, dtype)
+  return _gemm_blocks("nt", q, _scales(e), wq, _scales(we), groups, dtype, zero_padding)
 
 
 def _columns(lhs, rhs, groups: Groups, dtype):

@@ -27,11 +27,11 @@ from .recipe import Fp8Recipe, Fp8Weights, check_weights_args, split_weights
 
 
 def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: Fp8Recipe,
-                shape: _checks.MlpShape):
+                shape: _checks.MlpShape, zero_padding: bool = True):
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp). w1 and w2: arrays, or Fp8Weights
   of this recipe."""
   (w1, w1q), (w2, w2q) = split_weights(w1, x.dtype), split_weights(w2, x.dtype)
-  return _mlp(x, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape)
+  return _mlp(x, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding)
 
 
 def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weights:
@@ -79,16 +79,18 @@ def _quantize_weights(w, recipe: Fp8Recipe):
 
 # w1q and w2q: the weights quantized by the caller (Fp8Weights), or None to quantize them here; they take no
 # gradient (the weights w1 and w2 do). b1, b2 and scales may be None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
-  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
+  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
+                  residuals=False)[0]
 
 
-def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape):
-  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals=True)
+def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
+  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
+                  residuals=True)
 
 
-def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, residuals: bool):
+def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding, residuals: bool):
   """(y, what the backward takes: the recipe's residuals, or None without `residuals`, and the operands it
   reads again)."""
   w1q = _quantize_weights(w1, recipe) if w1q is None else w1q
@@ -96,18 +98,18 @@ def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shap
   groups = Groups.of(group_sizes, shape.M)
 
   def on(implementation):
-    return lambda *a: implementation.forward(*a, act, recipe, shape, residuals)
+    return lambda *a: implementation.forward(*a, act, recipe, shape, residuals, zero_padding)
 
   y, res = on_platforms(x, w1q, w2q, groups, b1, b2, scales, **{p: on(i) for p, i in _platforms(recipe).items()})
   return y, (res, groups, b1, b2, scales)
 
 
-def _mlp_bwd(act, recipe, shape, saved, dy):
+def _mlp_bwd(act, recipe, shape, zero_padding, saved, dy):
   residuals, groups, b1, b2, scales = saved
 
   def on(implementation):
     return lambda residuals, groups, b1, b2, scales, dy: implementation.backward(
-        residuals, groups, b1, b2, scales, act, recipe, shape, dy)
+        residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding)
 
   dy = dy.astype(residuals[0].dtype)
   dx, dw1, dw2, db1, db2, dscales = on_platforms(

@@ -49,11 +49,14 @@ class Implementation(tp.NamedTuple):
   serves them all.
 
   quantize_weights(w) -> (q [E, K, N] e4m3, the recipe's scales, qt [E, N, K] e4m3);
-  forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals) -> (y, residuals or None):
-    w1q, w2q as quantize_weights gives them; b1, b2, scales may be None; without `residuals` (a call that
-    is not differentiated) an implementation may skip what only the backward reads;
-  backward(residuals, groups, b1, b2, scales, act, recipe, shape, dy) -> (dx, dw1, dw2, db1, db2,
-    dscales), None where absent.
+  forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding) -> (y,
+    residuals or None): w1q, w2q as quantize_weights gives them; b1, b2, scales may be None; without
+    `residuals` (a call that is not differentiated) an implementation may skip what only the backward
+    reads;
+  backward(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding) -> (dx, dw1, dw2, db1,
+    db2, dscales), None where absent.
+  y's and dx's rows past the groups are zeros with zero_padding, else any values (an implementation may
+  leave them unwritten).
   """
   quantize_weights: tp.Callable
   forward: tp.Callable

@@ -171,11 +171,11 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
 
 def emulation(gemm: Gemm) -> Implementation:
   """The recipe around `gemm`, with float32 operands that are exactly the dequantized FP8 values."""
-  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals):
-    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2)
+  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding):
+    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2)  # zeros past the groups, always
     return y, res if residuals else None
 
-  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy):
+  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
     return backward(gemm, residuals, groups, scales, act, dy, b1, b2)
 
   return Implementation(quantize_weights, forward_, backward_)

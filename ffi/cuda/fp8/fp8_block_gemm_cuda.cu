@@ -7,6 +7,8 @@
 //   op kTNPadded (weight gradients): out [E, K, N], out[g] = lhsT [K, L] @ rhsT [N, L]^T over group g's
 //     columns, which start at multiples of 128 (L = PaddedRows(rows, E, 128), zeros between groups);
 //     lhs_scales [L / 128, K], rhs_scales [L / 128, N] (128x1 blocks of the tokens).
+// kNT's rows past the groups are zeros with zero_padding, else left unwritten (the recipe's own h and da,
+// which no kernel reads there, and y and dx for a caller that does not read them).
 // Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
@@ -82,7 +84,7 @@ float* CarveScales(Carver& c, GemmOp op, int64_t M, int64_t E, int64_t N) {
 
 Error GemmFp8Blocks(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffer lhs_scales, AnyBuffer rhs,
                     AnyBuffer rhs_scales, AnyBuffer group_sizes, int32_t op_code, int64_t rows,
-                    Result<AnyBuffer> out, Result<AnyBuffer> workspace) {
+                    int32_t zero_padding, Result<AnyBuffer> out, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   const GemmOp op = static_cast<GemmOp>(op_code);
   BlockGemmDims m;
@@ -103,7 +105,7 @@ Error GemmFp8Blocks(cudaStream_t stream, int32_t device, AnyBuffer lhs, AnyBuffe
     JAXMLP_RETURN_IF_ERROR(LayOutVec128Scales(stream, static_cast<const float*>(lhs_scales.untyped_data()),
                                               gemms.offsets(), m.E, m.M, ScaleBlocks(m.N), vec128));
     JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
-    return gemms.ZeroPaddingRows(0);
+    return zero_padding ? gemms.ZeroPaddingRows(0) : Error::Success();
   }
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));
   return gemms.ZeroEmptyGroups({0});
@@ -129,6 +131,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Blocks, jaxmlp::GemmFp8Blocks,
                                   .Arg<xla::ffi::AnyBuffer>()   // group_sizes
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("rows")
+                                  .Attr<int32_t>("zero_padding")
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
                               jaxmlp::kGraphSafe);

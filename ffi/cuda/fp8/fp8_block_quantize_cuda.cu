@@ -1,7 +1,7 @@
 // CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8_blockwise.py defines them, and its JAX code
 // is the CPU's; the kernels and the layouts they write: fp8_block_quantize_kernels.h):
-//   rows_and_columns  v [M, C], first [B], count [B], total [1] -> q, e, qt, ec (RowsAndColumns)
-//   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count, total -> the same of
+//   rows_and_columns  v [M, C], first [B], count [B] -> q, e, qt, ec (RowsAndColumns)
+//   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count -> the same of
 //            a = act(h) * scales [M, f] (da absent: the forward) or of dh = da * scales * act'(h) [M, F1]
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
 #include <cuda_runtime.h>
@@ -47,35 +47,33 @@ Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t*
 // The outputs of a rows-and-columns quantization of [M, C] in B column blocks, checked and poisoned.
 struct RowsAndColumnsBuffers {
   int64_t M, C, B;
-  const AnyBuffer *first, *count, *total;
+  const AnyBuffer *first, *count;
   AnyBuffer *q, *e, *qt, *ec;
 };
 
 // Their data, for the kernels.
 RowsAndColumns Pointers(const RowsAndColumnsBuffers& o) {
   return {o.M, o.C, o.B, static_cast<const int32_t*>(o.first->untyped_data()),
-          static_cast<const int32_t*>(o.count->untyped_data()), static_cast<const int32_t*>(o.total->untyped_data()),
+          static_cast<const int32_t*>(o.count->untyped_data()),
           static_cast<uint8_t*>(o.q->untyped_data()), static_cast<int32_t*>(o.e->untyped_data()),
           static_cast<uint8_t*>(o.qt->untyped_data()), static_cast<int32_t*>(o.ec->untyped_data())};
 }
 
 Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumnsBuffers& o) {
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("total", *o.total, {1}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *o.q, {o.M, o.C}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *o.e, {o.M, ScaleBlocks(o.C)}, DataType::S32, "dtype int32"));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *o.qt, {o.C, o.B * kScaleBlock}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *o.ec, {o.B, o.C}, DataType::S32, "dtype int32"));
-  if ((o.B + ScaleBlocks(o.M)) * ScaleBlocks(o.C) > INT32_MAX)
+  if (o.B * ScaleBlocks(o.C) > INT32_MAX)
     return Error::InvalidArgument("jaxmlp: too many 128 x 128 blocks for one grid");
   return Poison(stream, {o.q, o.e, o.qt, o.ec});
 }
 
 Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, AnyBuffer first, AnyBuffer count,
-                             AnyBuffer total, Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt,
-                             Result<AnyBuffer> ec) {
+                             Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
-  RowsAndColumnsBuffers o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
+  RowsAndColumnsBuffers o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
   JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
   return QuantizeRowsAndColumns(stream, device, v.element_type(), v.untyped_data(), Pointers(o));
@@ -84,7 +82,7 @@ Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, A
 // h [M, F1] and the optional da [M, f] and scales [M] (absent: a scalar) in one 16-bit dtype; the result
 // is a [M, f] without da, dh [M, F1] with it.
 Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBuffer da, AnyBuffer scales,
-                         AnyBuffer first, AnyBuffer count, AnyBuffer total, int32_t act, float alpha, float limit,
+                         AnyBuffer first, AnyBuffer count, int32_t act, float alpha, float limit,
                          Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("h", h, 2));
@@ -97,7 +95,7 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
     return Error::InvalidArgument("jaxmlp: h must be [M, F1] with F1 = 2 f (gated) or f, f a multiple of 16");
   if (Present(da)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("da", da, {M, f}, t, "h's dtype"));
   if (Present(scales)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("scales", scales, {M}, t, "h's dtype"));
-  RowsAndColumnsBuffers o{M, Present(da) ? F1 : f, 0, &first, &count, &total, &*q, &*e, &*qt, &*ec};
+  RowsAndColumnsBuffers o{M, Present(da) ? F1 : f, 0, &first, &count, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
   JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
   return QuantizeActivationRowsAndColumns(stream, device, t, p, h.untyped_data(), DataIfPresent(da),
@@ -128,7 +126,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndCol
                                   .Arg<xla::ffi::AnyBuffer>()   // v
                                   .Arg<xla::ffi::AnyBuffer>()   // first
                                   .Arg<xla::ffi::AnyBuffer>()   // count
-                                  .Arg<xla::ffi::AnyBuffer>()   // total
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // e
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
@@ -141,8 +138,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockActivation, jaxmlp::Fp8BlockActivation,
                                                               .Arg<xla::ffi::AnyBuffer>()   // da (optional)
                                                               .Arg<xla::ffi::AnyBuffer>()   // scales (optional)
                                                               .Arg<xla::ffi::AnyBuffer>()   // first
-                                                              .Arg<xla::ffi::AnyBuffer>()   // count
-                                                              .Arg<xla::ffi::AnyBuffer>())  // total
+                                                              .Arg<xla::ffi::AnyBuffer>())  // count
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // e
                                   .Ret<xla::ffi::AnyBuffer>()   // qt

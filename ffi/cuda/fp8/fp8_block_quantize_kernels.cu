@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
 
 // What RowsAndColumnsKernel quantizes, read eight consecutive elements of a row at a time into its tile of
 // Value: a tensor as it lies, or an activation of h computed on the way. Either is read in the groups'
-// rows only (the kernel takes the rows past the groups as zeros).
+// rows only.
 template <typename T>
 struct TensorSource {
   using Value = T;
@@ -137,10 +137,9 @@ struct ActivationSource {
 };
 
 // A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
-// columns' quantization of that 128 x 128 region from one read of it. The blocks after the layout's B take
-// the rows past the groups, [total, M), rows only, as zeros without reading them (their values are never a
-// product's operand; the expert-parallel layer's buffers hold P times its rows, most of them past the
-// groups): every row of q is written once (the groups' rows each lie in one block b).
+// columns' quantization of that 128 x 128 region from one read of it. Each row in groups lies in one block
+// b; the rows past the groups, and the blocks past the groups' (no rows), are neither read nor written:
+// no product reads them.
 // The region is loaded into shared memory (rows 16-byte aligned: one 16-byte store per 16-byte load; all
 // eight of bf16's loads in flight at once). Rows: a warp per row, four values a lane from one 8-byte read,
 // its maximum by shuffles, and one 4-byte store a lane: a warp writes the row's 128 bytes at once. Columns:
@@ -159,8 +158,8 @@ constexpr int kTileBytes = kScaleBlock * kTilePitch<T> * int(sizeof(T));  // >= 
 static_assert(kTileBytes<uint16_t> >= kScaleBlock * kQtPitch * 4);
 template <typename Source>
 __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t M, int64_t C, const int32_t* first,
-                                                            const int32_t* count, const int32_t* total, int64_t B,
-                                                            uint8_t* q, int32_t* e, uint8_t* qt, int32_t* ec) {
+                                                            const int32_t* count, int64_t B, uint8_t* q, int32_t* e,
+                                                            uint8_t* qt, int32_t* ec) {
   using T = typename Source::Value;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kPitch = kTilePitch<T>, kRows = kScaleBlock;
@@ -171,17 +170,11 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
   // the activations' shared reads, above).
   const int64_t tiles = ScaleBlocks(C), b = blockIdx.x / tiles;
   const int64_t column_tile = v.ColumnTile(blockIdx.x % tiles, tiles), c0 = column_tile * kScaleBlock;
-  const bool columns = b < B;
-  // Device data: the rows are clamped into [0, M) whatever first, count and total hold.
-  int64_t start, rows;
-  if (columns) {
-    start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
-    rows = std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), int64_t{kScaleBlock}), M - start);
-  } else {
-    start = std::min<int64_t>(std::max<int32_t>(*total, 0), M) + (b - B) * kScaleBlock;
-    rows = std::max<int64_t>(std::min<int64_t>(M - start, int64_t{kScaleBlock}), 0);
-    if (rows == 0) return;  // the whole block: no row of v left for it
-  }
+  // Device data: the rows are clamped into [0, M) whatever first and count hold.
+  const int64_t start = std::min<int64_t>(std::max<int32_t>(first[b], 0), M);
+  const int64_t rows =
+      std::min<int64_t>(std::min<int64_t>(std::max<int32_t>(count[b], 0), int64_t{kScaleBlock}), M - start);
+  if (rows == 0) return;  // a block past the groups': no product reads its columns
   {  // 16 threads a row, eight columns each (C is a multiple of 16: eight are all in the row or all past it)
     constexpr int kPasses = kRows / 16, kBatch = 16 / sizeof(T);  // 256 threads: 16 rows a pass
     const int j = threadIdx.x % 16 * 8, i0 = threadIdx.x / 16;
@@ -192,7 +185,7 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
       for (int p = 0; p < kBatch; ++p) {
         const int i = i0 + 16 * (p0 + p);
         x[p] = Vec<T, 8>{};
-        if (columns && i < rows && c0 + j < C) x[p] = v(start + i, c0 + j);
+        if (i < rows && c0 + j < C) x[p] = v(start + i, c0 + j);
       }
 #pragma unroll
       for (int p = 0; p < kBatch; ++p) Store<T, 8>(tile + (i0 + 16 * (p0 + p)) * kPitch + j, x[p]);
@@ -213,7 +206,6 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
     if (lane == 0) e[r * tiles + column_tile] = exp;
     if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = Quantize4(x, Unscale(exp));
   }
-  if (!columns) return;
   {  // columns: 128 x 1 blocks, zeros past the block's rows (the tile's rows past `rows` hold zeros)
     constexpr int kQuarter = kScaleBlock / 4;
     const int c = threadIdx.x % (kScaleBlock / 2) * 2, quarter = threadIdx.x / (kScaleBlock / 2);
@@ -248,11 +240,10 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
     *reinterpret_cast<uint32_t*>(qt + (c0 + c) * L + b * kScaleBlock + 4 * lane) = qtile[c * kQtPitch + lane];
 }
 
-// Launches RowsAndColumnsKernel<Source> over the rows' 128-row blocks: the B column blocks, then those of
-// the rows past the groups.
+// Launches RowsAndColumnsKernel<Source> over the B column blocks.
 template <typename Source>
 ffi::Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Source& v, const RowsAndColumns& o) {
-  if (o.C == 0 || o.B + o.M == 0) return ffi::Error::Success();
+  if (o.C == 0 || o.B == 0) return ffi::Error::Success();
   using T = typename Source::Value;
   // The tiles' 34 KB (16-bit types) and 66 KB (float) of shared memory: the latter over the 48 KB a launch
   // gets without asking, asked once per device and kernel, not in every call (launch.cuh).
@@ -268,8 +259,8 @@ ffi::Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Sourc
     return std::nullopt;  // the next call asks again
   });
   if (!allowed) return CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory");
-  const unsigned grid = unsigned((o.B + ScaleBlocks(o.M)) * ScaleBlocks(o.C));
-  kernel<<<grid, 256, kTileBytes<T>, stream>>>(v, o.M, o.C, o.first, o.count, o.total, o.B, o.q, o.e, o.qt, o.ec);
+  const unsigned grid = unsigned(o.B * ScaleBlocks(o.C));
+  kernel<<<grid, 256, kTileBytes<T>, stream>>>(v, o.M, o.C, o.first, o.count, o.B, o.q, o.e, o.qt, o.ec);
   return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
 }
 

@@ -19,11 +19,12 @@ namespace jaxmlp {
 //   rows     q [M, C], e [M, ceil(C / 128)]: 1 x 128 blocks along the rows, and
 //   columns  qt [C, 128 B], ec [B, C]: 128 x 1 blocks, block b holding rows first[b] .. first[b] +
 //            count[b] - 1 of v (zeros after), transposed into columns 128 b ..
-// first, count [B] and total [1] (the rows in groups, those the blocks hold) are int32 on the device; the
-// rows after them are quantized as rows only.
+// first, count [B] are int32 on the device. Only what the products read is written: the rows the blocks
+// hold (the groups' rows) and the blocks that hold rows; the rest of q, e, qt and ec keeps what it held
+// (the expert-parallel layer's buffers hold up to P times the groups' rows).
 struct RowsAndColumns {
   int64_t M, C, B;
-  const int32_t *first, *count, *total;
+  const int32_t *first, *count;
   uint8_t* q;
   int32_t* e;
   uint8_t* qt;
@@ -35,7 +36,7 @@ ffi::Error QuantizeRowsAndColumns(cudaStream_t stream, int device, ffi::DataType
                                   const RowsAndColumns& o);
 
 // Of v = a = act(h) * scales [M, f] (da null: the forward) or v = dh = da * scales * act'(h) [M, F1] (the
-// backward), zero past the groups, computed in float32 on the way into the quantizer: no float32 tensor
+// backward), computed in float32 on the way into the quantizer: no float32 tensor
 // goes through memory. h [M, F1], da [M, f] and scales [M] (null: 1) in t, bfloat16 or float16; f a
 // multiple of 16.
 ffi::Error QuantizeActivationRowsAndColumns(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p,
