@@ -13,8 +13,10 @@
 
   in turn            on GPUs, the one-GPU layer and the layer over all GPUs with each --chunks count
                      (expert_chunks: the exchange split so that XLA may overlap it with the experts'
-                     work), their samples taken in turn (timing.measure_alternating): the ratio over
-                     one GPU is what expert parallelism costs, out of reach of the clock's drift.
+                     work), with --fp8 also with its gathers in bf16 (fp8_exchange=False; the default
+                     moves e4m3 rows), their samples taken in turn (timing.measure_alternating): the
+                     ratio over one GPU is what expert parallelism costs, out of reach of the clock's
+                     drift.
 
 bf16 (the expert MLP in FP8 with --fp8), random routing; on a CPU (host devices, float32 or with --fp8
 bf16, the tiny shape, the all_gather layer alone) it checks that the script runs.
@@ -35,6 +37,7 @@ from jax.sharding import AxisType
 
 import jaxmlp.nnx
 from jaxmlp import expert_parallel
+from jaxmlp.fp8 import exchange as fp8_exchange
 from timing import measure, measure_alternating
 
 # name: (T tokens per device, d model width, E experts, k top-k, f expert hidden width)
@@ -47,9 +50,10 @@ def layer_seconds(shape, devices, dtype, timing, exchange="all_gather", chunks=1
   return measure(layer_step(shape, devices, dtype, exchange, chunks, fp8), jax.block_until_ready, **timing)
 
 
-def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1, fp8=None):
+def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1, fp8=None, fp8_exchange=True):
   """call(i): one fwd+bwd of the layer over `devices` (one: no mesh), T tokens per device; fp8: None or a
-  recipe's name, run in FP8 at every shape (Fp8Recipe when="always")."""
+  recipe's name, run in FP8 at every shape (Fp8Recipe when="always"), the gathers in e4m3 unless not
+  fp8_exchange."""
   T, d, E, k, f = shape
   n = len(devices)
   keys = jax.random.split(jax.random.key(0), 2)
@@ -63,7 +67,7 @@ def layer_step(shape, devices, dtype, exchange="all_gather", chunks=1, fp8=None)
   step = jax.jit(nnx.grad(loss, argnums=(0, 1)))
   make = lambda axis: jaxmlp.nnx.MoE(E, d, f, k, rngs=nnx.Rngs(0), expert_axis=axis, dtype=dtype,
                                      expert_exchange=exchange, expert_chunks=chunks,
-                                     fp8=fp8 and jaxmlp.Fp8Recipe(fp8, when="always"))
+                                     fp8=fp8 and jaxmlp.Fp8Recipe(fp8, when="always"), fp8_exchange=fp8_exchange)
   if n == 1:
     with jax.default_device(devices[0]):
       module = make(None)
@@ -92,6 +96,8 @@ def exchange_seconds(shape, devices, dtype, timing, exchange: str) -> dict:
   def shard(rows, group_sizes):
     if exchange == "all_gather":
       return jax.lax.psum_scatter(jax.lax.all_gather(rows, AXIS, tiled=True), AXIS, tiled=True)
+    if exchange == "e4m3 all_gather":  # the FP8 layer's: the tokens in e4m3, the partial sums in bf16
+      return jax.lax.psum_scatter(fp8_exchange.gather(rows, AXIS), AXIS, tiled=True)
     sent = jax.lax.all_gather(group_sizes.reshape(n, E // n), AXIS)
     ragged = expert_parallel._RaggedExchange(sent, jax.lax.axis_index(AXIS), AXIS, max_rows=T * min(k, E // n) * n)
     return ragged.backward(ragged.forward(rows)[0], rows.shape[0])
@@ -101,8 +107,10 @@ def exchange_seconds(shape, devices, dtype, timing, exchange: str) -> dict:
     step = jax.jit(jax.shard_map(shard, in_specs=(jax.P(AXIS), jax.P(AXIS)), out_specs=jax.P(AXIS)))
     result = measure(lambda i: step(rows, group_sizes), jax.block_until_ready, **timing)
   sent_bytes = per_device * (n - 1) // n * d * jnp.dtype(dtype).itemsize  # one GPU to the others, one trip
-  if exchange == "all_gather":  # the gather sends its T tokens to every other GPU
+  if exchange != "ragged_all_to_all":  # the gather sends its T tokens to every other GPU
     sent_bytes *= n
+  if exchange == "e4m3 all_gather":  # GB/s of the trip's mean bytes: the gather's at 1 + 4 / 128 bytes a value
+    sent_bytes = sent_bytes * (1 + (1 + 4 / 128) / 2) / 2
   result["GB/s"] = sent_bytes / (result["s"] / 2) / 1e9
   return result
 
@@ -146,6 +154,9 @@ def main():
     # timing's back-to-back calls) left its all-gather waiting for a device thread that never came.
     if n > 1 and gpu and "all_gather" in exchanges:
       runs["all_gather there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing, "all_gather")
+      if a.fp8:
+        runs["e4m3 all_gather there and back"] = lambda: exchange_seconds(shape, devices[:n], dtype, timing,
+                                                                          "e4m3 all_gather")
     if n > 1 and gpu and "ragged_all_to_all" in exchanges:
       runs["layer, ragged_all_to_all"] = lambda: layer_seconds(shape, devices[:n], dtype, timing, "ragged_all_to_all",
                                                                fp8=a.fp8)
@@ -163,6 +174,8 @@ def main():
     calls = {"1 GPU": layer_step(shape, devices[:1], dtype, fp8=a.fp8)}
     calls.update({f"{len(devices)} GPUs, {c} chunks": layer_step(shape, devices, dtype, chunks=c, fp8=a.fp8)
                   for c in chunk_counts})
+    if a.fp8:
+      calls[f"{len(devices)} GPUs, bf16 gathers"] = layer_step(shape, devices, dtype, fp8=a.fp8, fp8_exchange=False)
     for what, t in measure_alternating(calls, jax.block_until_ready, rounds=a.rounds).items():
       rows[f"in turn: {what}"] = t
       print(f"in turn: {what}: {t}", file=sys.stderr)

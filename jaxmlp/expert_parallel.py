@@ -11,7 +11,9 @@ own tokens; then one of two exchanges:
     In `chunks` > 1 parts, each device's tokens split into that many runs of the above, independent of
     each other, so that XLA's scheduler may overlap one chunk's collectives with another's experts
     (asynchronous collectives on GPUs); with a capacity, the pairs kept are then chosen ahead of the
-    chunks, in the same global order (as the ragged exchange does).
+    chunks, in the same global order (as the ragged exchange does). With `fp8_exchange` (FP8 experts,
+    bfloat16 or float32 tokens) the gathers, of the tokens forward and of their output gradients backward, carry
+    e4m3 rows with their scales (jaxmlp.fp8.exchange), half the bytes.
   - "ragged_all_to_all": each device sorts its (token, choice) rows by expert and sends each peer only
     the rows routed to it (jax.lax.ragged_all_to_all, NCCL through XLA; XLA:CPU lacks it), which sorts
     them a second time by local expert; the results travel back and are combined where the tokens are.
@@ -43,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _checks, _gemm_path
 from .dispatch import combine, dispatch
+from .fp8 import exchange as fp8_exchange_ops
 from .moe import route, router_losses
 from .reference_moe import sort_by_expert
 
@@ -91,7 +94,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
                         score_func: str = "softmax", renormalize: bool = True,
                         capacity_factor: float | None = None, aux_loss_coef: float = 0.0,
                         z_loss_coef: float = 0.0, exchange: str = "all_gather", chunks: int = 1,
-                        chunks_name: str = "chunks", zero_padding: bool = True):
+                        chunks_name: str = "chunks", zero_padding: bool = True, fp8_exchange: bool = False):
   """jaxmlp.moe.moe expert-parallel over `expert_axis` of the current mesh (see the module docstring).
 
   Args:
@@ -106,10 +109,19 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     zero_padding: as jaxmlp.moe.moe's, for the rows around expert_mlp: False where it reads no row past
       the groups of its input nor of its result's cotangent (jaxmlp.grouped_mlp without fp8). Dropless
       routing sizes those buffers at P * min(k, E/P) / k times the rows they hold (module docstring).
+    fp8_exchange: the all_gather exchange's gathers in e4m3 (for FP8 experts; bfloat16 or float32 tokens,
+      d a multiple of 16; jaxmlp.fp8.exchange).
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
   check_exchange(exchange, chunks=chunks, chunks_name=chunks_name)
   _checks.check_flag("zero_padding", zero_padding)
+  _checks.check_flag("fp8_exchange", fp8_exchange)
+  if fp8_exchange and exchange != "all_gather":
+    raise ValueError(f"fp8_exchange: the {exchange!r} exchange sends its rows in their dtype; e4m3 rows "
+                     "need the all_gather exchange")
+  if fp8_exchange and not _e4m3_rows_fit(tokens):
+    raise TypeError(f"fp8_exchange: e4m3 rows need bfloat16 or float32 tokens of a width that is a multiple "
+                    f"of 16, got {tokens.dtype} [{tokens.shape[0]}, {tokens.shape[1]}]")
   num_tokens, num_experts = logits.shape
   mesh = jax.sharding.get_abstract_mesh()
   per_device = num_tokens // mesh.shape[expert_axis]
@@ -124,7 +136,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     return _moe_shard(tokens, logits, params, expert_mlp, axis=expert_axis, top_k=top_k,
                       score_func=score_func, renormalize=renormalize, capacity=capacity,
                       aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange, chunks=chunks,
-                      zero_padding=zero_padding)
+                      zero_padding=zero_padding, fp8_exchange=fp8_exchange)
 
   split = P(expert_axis)
   specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
@@ -141,8 +153,20 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   return y, losses
 
 
+def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array) -> bool:
+  """Whether the MoE modules' `fp8_exchange=asked` takes effect: with FP8 experts (`fp8` not None), the
+  all_gather exchange and tokens whose rows e4m3 carries exactly on arrival (_e4m3_rows_fit)."""
+  return asked and fp8 is not None and exchange == "all_gather" and _e4m3_rows_fit(tokens)
+
+
+def _e4m3_rows_fit(tokens) -> bool:
+  """bfloat16 or float32 tokens (float16's range holds not every dequantized e4m3 block) of a width in
+  16-byte rows of e4m3."""
+  return tokens.dtype in (jnp.bfloat16, jnp.float32) and tokens.shape[1] % 16 == 0
+
+
 def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, renormalize, capacity,
-               aux_loss_coef, z_loss_coef, exchange, chunks, zero_padding):
+               aux_loss_coef, z_loss_coef, exchange, chunks, zero_padding, fp8_exchange):
   """One device's part: its T/P tokens, its E/P experts (`params`)."""
   num_experts = logits.shape[1]
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
@@ -156,20 +180,22 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
     keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
     experts = experts if keep is None else jnp.where(keep, experts, -1)  # an expert out of range: no row
     parts = zip(*(jnp.split(v, chunks) for v in (tokens, weights, experts)))
-    return jnp.concatenate([_gathered_experts(*part, num_experts, params, expert_mlp, axis, None, zero_padding)
-                            for part in parts]), losses
+    return jnp.concatenate([_gathered_experts(*part, num_experts, params, expert_mlp, axis, None, zero_padding,
+                                              fp8_exchange) for part in parts]), losses
   if exchange == "all_gather":
     return _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity,
-                             zero_padding), losses
+                             zero_padding, fp8_exchange), losses
   return _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity,
                          zero_padding), losses
 
 
-def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity, zero_padding):
+def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity, zero_padding,
+                      fp8_exchange):
   """y [T/P, d] of the "all_gather" exchange: all devices' tokens through this device's experts, the
   partial sums added over the devices and split back."""
   local_experts, me = num_experts // jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-  all_tokens, all_weights, all_experts = (all_gather(v, axis, tiled=True) for v in (tokens, weights, experts))
+  all_weights, all_experts = (all_gather(v, axis, tiled=True) for v in (weights, experts))
+  all_tokens = fp8_exchange_ops.gather(tokens, axis) if fp8_exchange else all_gather(tokens, axis, tiled=True)
   # Other devices' experts fall outside [0, E/P): dispatch drops them. A token's experts are distinct, so
   # an expert gets at most one row per token: capacity T bounds the rows to T * min(k, E/P), dropping none.
   bound = all_tokens.shape[0] if capacity is None else min(capacity, all_tokens.shape[0])
@@ -178,7 +204,7 @@ def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp,
   with _padded(rows, all_experts.size // jax.lax.axis_size(axis)):  # all tokens' choices, 1/P of them here
     out = expert_mlp(params, rows, group_sizes)
   partial = combine(out, plan, all_weights, zero_padding=zero_padding)
-  return psum_scatter(partial, axis, tiled=True)
+  return fp8_exchange_ops.scatter_sum(partial, axis) if fp8_exchange else psum_scatter(partial, axis, tiled=True)
 
 
 def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity, zero_padding):

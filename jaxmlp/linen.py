@@ -22,10 +22,11 @@ except ModuleNotFoundError as e:  # flax is an extra: say which
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer
 
+from ._checks import check_flag
 from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
-from .expert_parallel import axis_size, check_exchange, moe_expert_parallel
+from .expert_parallel import axis_size, check_exchange, fp8_exchange_applies, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, router_logits,
                   tokens_of)
@@ -135,6 +136,7 @@ class MoE(nn.Module):
   expert_exchange: str = "all_gather"
   expert_chunks: int = 1
   fp8: str | Fp8Recipe | None = None
+  fp8_exchange: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array,
@@ -143,6 +145,7 @@ class MoE(nn.Module):
     or `apply(params, method="fp8_weights")` (see GroupedMLP)."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
     check_exchange(self.expert_exchange, "expert_exchange", self.expert_chunks, "expert_chunks")
+    check_flag("fp8_exchange", self.fp8_exchange)
     tokens = tokens_of(x, self.d_model)
     # The router computes in float32 or better (jaxmlp.moe.router_logits), as in jaxmlp.nnx.MoE: top-k
     # choices are sensitive to rounding.
@@ -167,7 +170,8 @@ class MoE(nn.Module):
           lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1],
                                                    zero_padding=False),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
-          chunks_name="expert_chunks", **options)
+          chunks_name="expert_chunks",
+          fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.fp8, self.expert_exchange, tokens), **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False), **options,
                    impl=self.impl)

@@ -27,10 +27,11 @@ from flax.core import spmd
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer
 
+from ._checks import check_flag
 from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
-from .expert_parallel import axis_size, check_exchange, moe_expert_parallel
+from .expert_parallel import axis_size, check_exchange, fp8_exchange_applies, moe_expert_parallel
 from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
                   default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, router_logits,
                   tokens_of)
@@ -200,6 +201,9 @@ class MoE(nnx.Module):
       (only the rows routed to a device travel there and back); see jaxmlp.expert_parallel.
     expert_chunks: the all_gather exchange in that many parts of each device's tokens, so that XLA may
       overlap one part's collectives with another's experts (jaxmlp.expert_parallel); 1: one part.
+    fp8_exchange: with fp8, the all_gather exchange gathers the tokens and their gradients as e4m3 rows
+      with 1 x 128 power-of-two scales, half the bytes (jaxmlp.fp8.exchange); bfloat16 or float32 tokens
+      only (float16's go as they are), and not the ragged exchange. False: in the tokens' dtype.
     rngs: rng key.
   """
 
@@ -226,10 +230,12 @@ class MoE(nnx.Module):
     expert_exchange: str = "all_gather",
     expert_chunks: int = 1,
     fp8: str | Fp8Recipe | None = None,
+    fp8_exchange: bool = True,
     rngs: nnx.Rngs,
   ):
     check_moe_args(num_experts, top_k, score_func, capacity_factor)
     check_exchange(expert_exchange, "expert_exchange", expert_chunks, "expert_chunks")
+    check_flag("fp8_exchange", fp8_exchange)
     self.router = nnx.Linear(
       d_model, num_experts, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
       kernel_init=_partitioned(default_router_init, ROUTER_AXES), rngs=rngs)
@@ -252,6 +258,7 @@ class MoE(nnx.Module):
     self.expert_axis = expert_axis
     self.expert_exchange = expert_exchange
     self.expert_chunks = expert_chunks
+    self.fp8_exchange = fp8_exchange
 
   def __call__(self, x: jax.Array, *,
                fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -279,7 +286,9 @@ class MoE(nnx.Module):
           lambda local, rows, sizes: nnx.merge(graphdef, local[0])(rows, sizes, fp8_weights=local[1],
                                                                    zero_padding=False),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
-          chunks_name="expert_chunks", **options)
+          chunks_name="expert_chunks",
+          fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.experts.fp8, self.expert_exchange, tokens),
+          **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights, zero_padding=False)
       y, aux = moe(tokens, logits, experts, **options, impl=self.impl)

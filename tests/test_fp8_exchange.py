@@ -1,0 +1,182 @@
+"""The expert-parallel layer's gathers in e4m3 (jaxmlp.fp8.exchange, MoE(fp8=..., fp8_exchange=True)) on
+CPU devices (conftest's 8), against a NumPy model of the 1 x 128 power-of-two quantization, and over the
+GPUs of a machine with several."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import rel_error
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxmlp
+import jaxmlp.linen
+import jaxmlp.nnx
+from jaxmlp import expert_parallel
+from jaxmlp.fp8 import exchange
+
+AXIS = "expert"
+E, D, F = 16, 144, 32  # D: a row of one whole 128-column block and one cut short
+
+
+def mesh_of(n, devices=None, axis_type=AxisType.Explicit):
+  return jax.make_mesh((n,), (AXIS,), axis_types=(axis_type,), devices=devices or jax.devices("cpu")[:n])
+
+
+def e4m3_rows(v):
+  """float64 NumPy model: v [R, C] quantized in 1 x 128 blocks, scale 2^e the least power of two >= amax /
+  448 (1 for a zero block), the quotient rounded to e4m3 (nearest even), and dequantized."""
+  v = np.asarray(v, np.float64)
+  out = np.empty_like(v)
+  for c in range(0, v.shape[1], 128):
+    block = v[:, c:c + 128]
+    amax = np.abs(block).max(axis=1, keepdims=True)
+    e = np.where(amax > 0, np.ceil(np.log2(np.where(amax > 0, amax, 1) / 448)), 0)
+    e = np.where(2.0 ** (e - 1) >= amax / 448, e - 1, e)  # log2's rounding at a power of two
+    out[:, c:c + 128] = (block / 2.0**e).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0**e
+  return out
+
+
+def run_sharded(fn, *args, devices=4):
+  """fn inside a shard_map over `devices` CPU devices, every operand and result split by rows."""
+  with jax.set_mesh(mesh_of(devices)):
+    args = jax.sharding.reshard(args, (P(AXIS),) * len(args))
+    return jax.jit(jax.shard_map(fn, in_specs=(P(AXIS),) * len(args), out_specs=P(AXIS)))(*args)
+
+
+def rows_of_magnitudes(rng, rows, dtype):
+  """Rows of magnitudes 2^-20 to 2^20, one zero block and a block of one value."""
+  v = rng.standard_normal((rows, D)) * 2.0 ** rng.integers(-20, 21, (rows, 1))
+  v[1, :128] = 0
+  v[2, 128:] = 3.0
+  return jnp.asarray(v, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gather_carries_each_row_quantized_once(rng, dtype):
+  """Every device gets all rows as their e4m3 blocks dequantized, exactly; the gradient passes straight
+  through to the rows' devices, summed over the devices (the plain gather's transpose)."""
+  n, per_device = 4, 6
+  v = rows_of_magnitudes(rng, n * per_device, dtype)
+  c = jnp.asarray(rng.standard_normal((n * n * per_device, D)), dtype)  # each device's cotangent of all rows
+  gathered = run_sharded(lambda v: exchange.gather(v, AXIS), v)
+  np.testing.assert_array_equal(np.asarray(gathered, np.float64), np.tile(e4m3_rows(v), (n, 1)))
+  grad = run_sharded(lambda v, c: jax.grad(lambda v: jnp.sum((exchange.gather(v, AXIS) * c).astype(jnp.float32)))(v),
+                     v, c)
+  terms = np.asarray(c, np.float64).reshape(n, n * per_device, D)
+  bound = (2.0**-7 if dtype == "bfloat16" else 2.0**-21) * np.abs(terms).sum(0)  # sums in another order
+  assert np.all(np.abs(np.asarray(grad, np.float64) - terms.sum(0)) <= bound)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_scatter_sum_gathers_its_cotangent_in_e4m3(rng, dtype):
+  """The partial sums' reduce-scatter as jax.lax.psum_scatter; its transpose gathers the cotangent's rows
+  quantized (float16's as they are: its range holds not every dequantized block)."""
+  n, per_device = 4, 6
+  v = jnp.asarray(rng.standard_normal((n * n * per_device, D)), dtype)
+  c = rows_of_magnitudes(rng, n * per_device, dtype) if dtype != "float16" else jnp.asarray(
+      rng.standard_normal((n * per_device, D)), dtype)
+  got = run_sharded(lambda v: exchange.scatter_sum(v, AXIS), v)
+  want = run_sharded(lambda v: jax.lax.psum_scatter(v, AXIS, tiled=True), v)
+  np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+  grad = run_sharded(lambda v, c: jax.grad(lambda v: jnp.sum((exchange.scatter_sum(v, AXIS) * c).astype(
+      jnp.float32)))(v), v, c)
+  rows = np.asarray(c, np.float64) if dtype == "float16" else e4m3_rows(c)
+  np.testing.assert_array_equal(np.asarray(grad, np.float64), np.tile(rows, (n, 1)))
+
+
+def layer_run(recipe, fp8_exchange, x, dy, seed, devices=8, mesh=None):
+  """(y, gradients of x and of the experts) of the MoE layer over `devices` (none: one device, float32,
+  without recipe), and its lowered text."""
+  fp8 = recipe and jaxmlp.Fp8Recipe(recipe, when="always")
+  module = jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(seed), expert_axis=AXIS if fp8 else None,
+                          dtype=jnp.bfloat16 if fp8 else jnp.float32, fp8=fp8, fp8_exchange=fp8_exchange)
+
+  def loss(module, x):
+    y, aux = module(x)
+    return jnp.sum(y.astype(jnp.float32) * dy) + aux["aux_loss"], y
+
+  step = jax.jit(nnx.grad(loss, argnums=(0, 1), has_aux=True))
+  with jax.set_mesh(mesh or mesh_of(devices, axis_type=AxisType.Auto)):
+    (grads, dx), y = step(module, x if fp8 else x.astype(jnp.float32))
+    text = step.lower(module, x).as_text()
+  return {"y": y, "x": dx, **nnx.to_pure_dict(grads)["experts"]}, text
+
+
+def gathers_bytes(text):
+  return any("all_gather" in line and "ui8" in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_exchange_moves_e4m3_rows(rng, recipe):
+  """The layer's gathers move bytes with fp8_exchange, 16-bit rows without. Blockwise: y is the layer's
+  without the exchange bit for bit (FC1's operand is quantized in the same blocks). Every result as close
+  to the float32 layer's as the layer's without the exchange (the gathered output gradient, times the
+  router weights, and the tensorwise recipe's operands quantized once more)."""
+  seed = int(rng.integers(1 << 30))
+  x = jnp.asarray(rng.standard_normal((64, D)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((64, D)), jnp.float32)
+  got, text = layer_run(recipe, True, x, dy, seed)
+  without, text0 = layer_run(recipe, False, x, dy, seed)
+  exact, _ = layer_run(None, False, x, dy, seed)
+  assert gathers_bytes(text) and not gathers_bytes(text0)
+  if recipe == "blockwise":
+    np.testing.assert_array_equal(np.asarray(got["y"], np.float32), np.asarray(without["y"], np.float32))
+  for name, want in exact.items():
+    assert np.abs(np.asarray(want)).max() > 0, name
+    error, error0 = rel_error(got[name], want), rel_error(without[name], want)
+    assert error < 0.12 and error < 1.25 * error0 + 0.01, (name, error, error0)
+def test_fp8_exchange_applies_where_e4m3_rows_fit():
+  """The modules' fp8_exchange=True takes effect with FP8 experts, the all_gather exchange and bfloat16 or
+  float32 tokens of a width in 16-byte e4m3 rows; elsewhere the rows go in their dtype."""
+  applies = lambda fp8, exchange_, dtype, d=D: expert_parallel.fp8_exchange_applies(
+      True, fp8, exchange_, jnp.zeros((8, d), dtype))
+  assert applies("blockwise", "all_gather", jnp.bfloat16) and applies("tensorwise", "all_gather", jnp.float32)
+  assert not applies(None, "all_gather", jnp.bfloat16)
+  assert not applies("blockwise", "ragged_all_to_all", jnp.bfloat16)
+  assert not applies("blockwise", "all_gather", jnp.float16)
+  assert not applies("blockwise", "all_gather", jnp.bfloat16, d=24)
+  assert not expert_parallel.fp8_exchange_applies(False, "blockwise", "all_gather", jnp.zeros((8, D), jnp.bfloat16))
+
+
+def test_fp8_exchange_bad_arguments_name_it():
+  with pytest.raises(TypeError, match="fp8_exchange: expected True or False, got 'yes'"):
+    jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(0), fp8_exchange="yes")
+  with pytest.raises(TypeError, match="fp8_exchange: expected True or False, got 1"):
+    jaxmlp.linen.MoE(E, D, F, 2, fp8_exchange=1).init(jax.random.key(0), jnp.zeros((8, D)))
+  tokens, logits = jnp.zeros((16, D), jnp.bfloat16), jnp.zeros((16, E))
+  call = lambda tokens, **kw: expert_parallel.moe_expert_parallel(
+      tokens, logits, {}, lambda p, rows, sizes: rows, expert_axis=AXIS, top_k=2, fp8_exchange=True, **kw)
+  with jax.set_mesh(mesh_of(4)):
+    with pytest.raises(ValueError, match="fp8_exchange: the 'ragged_all_to_all' exchange"):
+      call(tokens, exchange="ragged_all_to_all")
+    with pytest.raises(TypeError, match=r"fp8_exchange: e4m3 rows need bfloat16 or float32 tokens .* float16"):
+      call(tokens.astype(jnp.float16))
+
+
+def gpus():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(len(gpus()) < 2, reason="needs 2 or more GPUs")
+def test_fp8_exchange_over_gpus(rng):
+  """Over the GPUs (NCCL's all-gather of bytes, the CUDA recipe): blockwise y equal to the layer's
+  without the exchange, bit for bit; the gradients close."""
+  if not jaxmlp.backend_info().get("cuda", {}).get("fp8_available"):
+    pytest.skip("no FP8 on this GPU")
+  n, seed = len(gpus()), int(rng.integers(1 << 30))
+  x = jnp.asarray(rng.standard_normal((n * 32, D)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((n * 32, D)), jnp.float32)
+  mesh = mesh_of(n, gpus())
+  got, text = layer_run("blockwise", True, x, dy, seed, mesh=mesh)
+  without, _ = layer_run("blockwise", False, x, dy, seed, mesh=mesh)
+  assert gathers_bytes(text)
+  np.testing.assert_array_equal(np.asarray(got["y"], np.float32), np.asarray(without["y"], np.float32))
+  for name, want in without.items():
+    assert rel_error(got[name], want) < 0.05, name
