@@ -89,7 +89,7 @@ def exchange_seconds(shape, devices, dtype, timing, exchange: str) -> dict:
   T, d, E, k, _ = shape
   n = len(devices)
   mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
-  per_device = T if exchange == "all_gather" else T * k
+  per_device = T * k if exchange == "ragged_all_to_all" else T
   rows = jax.random.normal(jax.random.key(1), (n * per_device, d), dtype)
   group_sizes = jnp.full((n * E,), T * k // E, jnp.int32)
 
