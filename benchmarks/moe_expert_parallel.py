@@ -110,7 +110,8 @@ def exchange_seconds(shape, devices, dtype, timing, exchange: str) -> dict:
   if exchange != "ragged_all_to_all":  # the gather sends its T tokens to every other GPU
     sent_bytes *= n
   if exchange == "e4m3 all_gather":  # GB/s of the trip's mean bytes: the gather's at 1 + 4 / 128 bytes a value
-    sent_bytes = sent_bytes * (1 + (1 + 4 / 128) / 2) / 2
+    itemsize = jnp.dtype(dtype).itemsize
+    sent_bytes = sent_bytes * (itemsize + 1 + 4 / 128) / (2 * itemsize)
   result["GB/s"] = sent_bytes / (result["s"] / 2) / 1e9
   return result
 

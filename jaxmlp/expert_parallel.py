@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from . import _checks, _gemm_path
 from .dispatch import combine, dispatch
 from .fp8 import exchange as fp8_exchange_ops
+from .fp8.recipe import resolve as resolve_fp8
 from .moe import route, router_losses
 from .reference_moe import sort_by_expert
 
@@ -107,7 +108,7 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     chunks: the all_gather exchange in that many parts of each device's tokens (module docstring); the
       T/P tokens of a device must split evenly into them. chunks_name: the argument's name in errors.
     zero_padding: as jaxmlp.moe.moe's, for the rows around expert_mlp: False where it reads no row past
-      the groups of its input nor of its result's cotangent (jaxmlp.grouped_mlp without fp8). Dropless
+      the groups of its input nor of its result's cotangent (jaxmlp.grouped_mlp). Dropless
       routing sizes those buffers at P * min(k, E/P) / k times the rows they hold (module docstring).
     fp8_exchange: the all_gather exchange's gathers in e4m3 (for FP8 experts; bfloat16 or float32 tokens,
       d a multiple of 16; jaxmlp.fp8.exchange).
@@ -153,10 +154,16 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   return y, losses
 
 
-def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array) -> bool:
-  """Whether the MoE modules' `fp8_exchange=asked` takes effect: with FP8 experts (`fp8` not None), the
-  all_gather exchange and tokens whose rows e4m3 carries exactly on arrival (_e4m3_rows_fit)."""
-  return asked and fp8 is not None and exchange == "all_gather" and _e4m3_rows_fit(tokens)
+def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array, *, top_k: int, num_experts: int,
+                         devices: int, cached: bool) -> bool:
+  """Whether the MoE modules' `fp8_exchange=asked` takes effect: the experts run their FP8 recipe `fp8`
+  (Fp8Recipe.runs_fp8 at the rows a device's grouped MLP holds on average, the T k choices of all T tokens
+  over its E/P experts; cached: their weights given as Fp8Weights), the all_gather exchange, and tokens
+  whose rows e4m3 carries exactly on arrival (_e4m3_rows_fit). Experts that run in the tokens' dtype get
+  their rows in it."""
+  recipe = resolve_fp8(fp8)
+  return (asked and recipe is not None and exchange == "all_gather" and _e4m3_rows_fit(tokens)
+          and recipe.runs_fp8(tokens.shape[0] * top_k // devices, num_experts // devices, cached))
 
 
 def _e4m3_rows_fit(tokens) -> bool:

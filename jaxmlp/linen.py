@@ -171,7 +171,10 @@ class MoE(nn.Module):
                                                    zero_padding=False),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
           chunks_name="expert_chunks",
-          fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.fp8, self.expert_exchange, tokens), **options)
+          fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.fp8, self.expert_exchange, tokens,
+                                            top_k=self.top_k, num_experts=self.num_experts, devices=devices,
+                                            cached=fp8_weights is not None),
+          **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False), **options,
                    impl=self.impl)

@@ -54,8 +54,8 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     zero_padding: True: the rows past the groups of the result, and of x's gradient, are zeros. False: they
       may be left unwritten (any values), for a caller that never reads them, as jaxmlp.combine and the
       gradient of jaxmlp.dispatch do not: it saves writing them, most of the rows where the buffer is
-      sized for the worst case (the expert-parallel MoE layer's). Without fp8, grouped_mlp itself reads no
-      row past the groups of x or of the result's cotangent, whatever they hold.
+      sized for the worst case (the expert-parallel MoE layer's). grouped_mlp itself, with or without fp8,
+      reads no row past the groups of x or of the result's cotangent, whatever they hold.
     gather: a jaxmlp.dispatch.Plan: x is then the tokens [T, d] the plan was made for, and the rows are the
       ones jaxmlp.dispatch made (jaxmlp.dispatch.gather(x, gather), [M, d] with M the plan's rows): the
       result is grouped_mlp of those rows, and x's gradient sums each token's rows' gradients. The rows

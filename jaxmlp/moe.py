@@ -213,7 +213,7 @@ def moe(tokens: jax.Array, logits: jax.Array, expert_mlp: tp.Callable[..., jax.A
   token's rows (float32 accumulation). impl picks dispatch and combine: "jaxmlp" (jaxmlp.dispatch's
   custom calls) or "reference" (jnp.argsort, a gather and a scatter-add: jaxmlp.reference_moe).
   zero_padding: False where expert_mlp reads no row past the groups of its input nor of its result's
-  cotangent (jaxmlp.grouped_mlp without fp8): the dispatch and combine may then leave those rows unwritten
+  cotangent (jaxmlp.grouped_mlp, with or without fp8): the dispatch and combine may then leave those rows unwritten
   (jaxmlp.dispatch): with a capacity, the rows its experts leave unfilled.
 
   Returns (y [T, d] in expert_mlp's output dtype, the router_losses dict).

@@ -201,9 +201,10 @@ class MoE(nnx.Module):
       (only the rows routed to a device travel there and back); see jaxmlp.expert_parallel.
     expert_chunks: the all_gather exchange in that many parts of each device's tokens, so that XLA may
       overlap one part's collectives with another's experts (jaxmlp.expert_parallel); 1: one part.
-    fp8_exchange: with fp8, the all_gather exchange gathers the tokens and their gradients as e4m3 rows
-      with 1 x 128 power-of-two scales, half the bytes (jaxmlp.fp8.exchange); bfloat16 or float32 tokens
-      only (float16's go as they are), and not the ragged exchange. False: in the tokens' dtype.
+    fp8_exchange: where the experts run in FP8 (fp8, and its `when` at the rows a device holds), the
+      all_gather exchange gathers the tokens and their gradients as e4m3 rows with 1 x 128 power-of-two
+      scales, half the bytes (jaxmlp.fp8.exchange); bfloat16 or float32 tokens only (float16's go as they
+      are), and not the ragged exchange. False: in the tokens' dtype.
     rngs: rng key.
   """
 
@@ -277,7 +278,8 @@ class MoE(nnx.Module):
     # The padding rows around the experts go unwritten where the experts do not read them: jaxmlp's MLP,
     # in bf16 and FP8 alike (tests: *padding_rows_are_never_read). Over 4 devices they are 3/4 of the rows.
     options["zero_padding"] = self.impl != "jaxmlp"
-    if axis_size(self.expert_axis, self.num_experts, tokens.shape[0]) > 1:
+    devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
+    if devices > 1:
       # The experts' state (and quantized weights) go into the shard_map split over the axis; each device
       # merges its share.
       graphdef, state = nnx.split(self.experts)
@@ -287,7 +289,9 @@ class MoE(nnx.Module):
                                                                    zero_padding=False),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
           chunks_name="expert_chunks",
-          fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.experts.fp8, self.expert_exchange, tokens),
+          fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.experts.fp8, self.expert_exchange, tokens,
+                                            top_k=self.top_k, num_experts=self.num_experts, devices=devices,
+                                            cached=fp8_weights is not None),
           **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights, zero_padding=False)

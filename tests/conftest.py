@@ -125,6 +125,14 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # relative Fro
 GROUP_SIZE = st.one_of(st.integers(-3, 40), st.sampled_from([-(2**31), -1, 2**31 - 1, 2**30]))
 
 
+def gpus():
+  """This process's GPUs; none where JAX has no GPU backend."""
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
 def cuda_reason(path):
   """Why a CUDA backend cannot be tested here, or None."""
   if _library._cuda is None:

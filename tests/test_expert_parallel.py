@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, check_close, rel_error
+from conftest import TOLERANCE, check_close, gpus, rel_error
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -276,13 +276,6 @@ def test_ragged_exchange_traces_with_its_gradient(rng):
   with jax.set_mesh(mesh_of(8)):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(tokens, logits, params).as_text()
   assert text.count("ragged_all_to_all") == 4
-
-
-def gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
 
 
 @pytest.mark.gpu

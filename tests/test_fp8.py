@@ -371,19 +371,6 @@ def test_blockwise_column_blocks(sizes, want):
   assert got[:len(want)] == want and all(r == 0 for _, r in got[len(want):]), got
 
 
-def _read_by_products(quantized, groups: Groups):
-  """The parts of a rows-and-columns quantizer's ((q, e), (qt, ec)) that a product reads, the rest holding
-  any values (a kernel leaves them unwritten): the rows in groups, and the column blocks that hold rows."""
-  (q, e), (qt, ec) = quantized
-  total = jnp.sum(groups.sizes)
-  _, rows = blockwise.column_blocks(groups)
-  in_rows = (jnp.arange(q.shape[0]) < total)[:, None]
-  in_blocks = rows > 0
-  zero = lambda a: jnp.zeros((), a.dtype)
-  return [jnp.where(in_rows, q, zero(q)), jnp.where(in_rows, e, 0),
-          jnp.where(jnp.repeat(in_blocks, 128)[None, :], qt, zero(qt)), jnp.where(in_blocks[:, None], ec, 0)]
-
-
 def _blockwise_primitive(name, *static):
   """One of the blockwise recipe's quantizers, CUDA's kernel on a GPU and the JAX definition on the CPU."""
   cpu, cuda = (getattr(p, name) for p in (blockwise.emulated_primitives(None), fp8_cuda.BLOCKWISE_PRIMITIVES))
@@ -407,8 +394,8 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   w = rng.standard_normal((3, C, 144)) * 2.0 ** rng.integers(-12, 13, (3, 1, 1))
   v, w, gs = jnp.asarray(v, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)
   rows_and_columns = _blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
-  quantizers = {"rows and columns": lambda v, w, gs: _read_by_products(rows_and_columns(v, Groups.of(gs, M)),
-                                                                       Groups.of(gs, M)),
+  read = lambda quantized, gs: blockwise.read_by_products(quantized, Groups.of(gs, M))
+  quantizers = {"rows and columns": lambda v, w, gs: read(rows_and_columns(v, Groups.of(gs, M)), gs),
                 "weights": lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("blockwise"))}
   if dtype != "float32":  # and the tensorwise recipe's weights (16-bit only), one scale for the whole tensor
     quantizers["tensorwise weights"] = lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("tensorwise"))
@@ -447,8 +434,9 @@ def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales, f)
   activation = jaxmlp.Activation(act)
   a, dh = (_blockwise_primitive(name, activation) for name in ("activation_rows_and_columns",
                                                                   "activation_grad_rows_and_columns"))
-  quantizers = {"a": lambda h, da, s, gs: _read_by_products(a(h, s, Groups.of(gs, M)), Groups.of(gs, M)),
-                "dh": lambda h, da, s, gs: _read_by_products(dh(h, da, s, Groups.of(gs, M)), Groups.of(gs, M))}
+  read = lambda quantized, gs: blockwise.read_by_products(quantized, Groups.of(gs, M))
+  quantizers = {"a": lambda h, da, s, gs: read(a(h, s, Groups.of(gs, M)), gs),
+                "dh": lambda h, da, s, gs: read(dh(h, da, s, Groups.of(gs, M)), gs)}
   for name, quantize in quantizers.items():
     results = {}
     for platform in ("cpu", "cuda"):
@@ -547,14 +535,15 @@ def test_fp8_reference_is_the_emulation(rng, recipe, case):
 @pytest.mark.parametrize("zero_padding", [True, False])
 def test_fp8_padding_rows_are_never_read(platform, rng, recipe, case, zero_padding):
   """NaN in the padding rows of x and of y's cotangent reaches nothing: every value that is read (y's and
-  dx's group rows, the weights' and scales' gradients) is the call's on zeros there, bit for bit. An amax,
+  dx's group rows, the weights', biases' and scales' gradients) is the call's on zeros there, bit for bit
+  (the products' h and da unwritten there, which the biases' and scales' gradients read). An amax,
   a block scale or a cast over the whole buffer would carry the NaN everywhere. (What the expert-parallel
   layer needs before its FP8 experts may take buffers whose padding rows are left unwritten.) With
   zero_padding=False (the outputs' padding rows unwritten, poisoned by the tests' handlers) the group rows
   are those of zero_padding=True."""
   M, d, f, sizes = BLOCK_CASES[case]
   total = sum(sizes)
-  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, b1=True, b2=True)
   results = [run(jaxmlp.grouped_mlp, dict(args, x=args["x"].at[total:].set(pad)), gs, dy.at[total:].set(pad),
                  "swiglu", fp8=EXACT[recipe], zero_padding=padding)
              for pad, padding in ((0, True), (jnp.nan, zero_padding))]

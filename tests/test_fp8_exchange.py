@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import rel_error
+from conftest import gpus, rel_error
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -16,6 +16,7 @@ import jaxmlp.linen
 import jaxmlp.nnx
 from jaxmlp import expert_parallel
 from jaxmlp.fp8 import exchange
+from jaxmlp.fp8.recipe import MIN_ROWS_PER_EXPERT
 
 AXIS = "expert"
 E, D, F = 16, 144, 32  # D: a row of one whole 128-column block and one cut short
@@ -60,13 +61,17 @@ def rows_of_magnitudes(rng, rows, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gather_carries_each_row_quantized_once(rng, dtype):
-  """Every device gets all rows as their e4m3 blocks dequantized, exactly; the gradient passes straight
-  through to the rows' devices, summed over the devices (the plain gather's transpose)."""
+  """Every device gets all rows as their e4m3 blocks dequantized, exactly, but a block holding an
+  infinity, which arrives non-finite; the gradient passes straight through to the rows' devices, summed
+  over the devices (the plain gather's transpose)."""
   n, per_device = 4, 6
-  v = rows_of_magnitudes(rng, n * per_device, dtype)
+  v = rows_of_magnitudes(rng, n * per_device, dtype).at[7, 3].set(jnp.inf)
   c = jnp.asarray(rng.standard_normal((n * n * per_device, D)), dtype)  # each device's cotangent of all rows
-  gathered = run_sharded(lambda v: exchange.gather(v, AXIS), v)
-  np.testing.assert_array_equal(np.asarray(gathered, np.float64), np.tile(e4m3_rows(v), (n, 1)))
+  gathered = np.asarray(run_sharded(lambda v: exchange.gather(v, AXIS), v), np.float64).reshape(n, -1, D)
+  assert not np.isfinite(gathered[:, 7, :128]).any()
+  want = e4m3_rows(np.asarray(v, np.float64).clip(-1e300, 1e300))  # row 7's first block: compared above
+  gathered[:, 7, :128] = want[7, :128]
+  np.testing.assert_array_equal(gathered, np.broadcast_to(want, gathered.shape))
   grad = run_sharded(lambda v, c: jax.grad(lambda v: jnp.sum((exchange.gather(v, AXIS) * c).astype(jnp.float32)))(v),
                      v, c)
   terms = np.asarray(c, np.float64).reshape(n, n * per_device, D)
@@ -110,7 +115,8 @@ def layer_run(recipe, fp8_exchange, x, dy, seed, devices=8, mesh=None):
 
 
 def gathers_bytes(text):
-  return any("all_gather" in line and "ui8" in line for line in text.splitlines())
+  """The all-gathers of bytes in a lowered step: the tokens' and their output gradients'."""
+  return sum("all_gather" in line and "ui8" in line for line in text.splitlines())
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -125,7 +131,7 @@ def test_fp8_exchange_moves_e4m3_rows(rng, recipe):
   got, text = layer_run(recipe, True, x, dy, seed)
   without, text0 = layer_run(recipe, False, x, dy, seed)
   exact, _ = layer_run(None, False, x, dy, seed)
-  assert gathers_bytes(text) and not gathers_bytes(text0)
+  assert gathers_bytes(text) == 2 and gathers_bytes(text0) == 0
   if recipe == "blockwise":
     np.testing.assert_array_equal(np.asarray(got["y"], np.float32), np.asarray(without["y"], np.float32))
   check_as_accurate(got, without, exact)
@@ -137,17 +143,41 @@ def check_as_accurate(got, without, exact):
     assert np.abs(np.asarray(want)).max() > 0, name
     error, error0 = rel_error(got[name], want), rel_error(without[name], want)
     assert error < 0.12 and error < 1.25 * error0 + 0.01, (name, error, error0)
-def test_fp8_exchange_applies_where_e4m3_rows_fit():
-  """The modules' fp8_exchange=True takes effect with FP8 experts, the all_gather exchange and bfloat16 or
-  float32 tokens of a width in 16-byte e4m3 rows; elsewhere the rows go in their dtype."""
-  applies = lambda fp8, exchange_, dtype, d=D: expert_parallel.fp8_exchange_applies(
-      True, fp8, exchange_, jnp.zeros((8, d), dtype))
-  assert applies("blockwise", "all_gather", jnp.bfloat16) and applies("tensorwise", "all_gather", jnp.float32)
-  assert not applies(None, "all_gather", jnp.bfloat16)
-  assert not applies("blockwise", "ragged_all_to_all", jnp.bfloat16)
-  assert not applies("blockwise", "all_gather", jnp.float16)
-  assert not applies("blockwise", "all_gather", jnp.bfloat16, d=24)
-  assert not expert_parallel.fp8_exchange_applies(False, "blockwise", "all_gather", jnp.zeros((8, D), jnp.bfloat16))
+
+
+def test_fp8_exchange_applies_where_the_experts_run_fp8():
+  """The modules' fp8_exchange=True takes effect where the experts run their recipe (its `when` at the
+  rows a device holds on average: T k / P rows over E / P experts), with the all_gather exchange and
+  bfloat16 or float32 tokens of a width in 16-byte e4m3 rows; elsewhere the rows go in their dtype."""
+  always = jaxmlp.Fp8Recipe("blockwise", when="always")
+
+  def applies(fp8=always, exchange_="all_gather", dtype=jnp.bfloat16, d=D, tokens=64, asked=True, cached=False):
+    return expert_parallel.fp8_exchange_applies(asked, fp8, exchange_, jnp.zeros((tokens, d), dtype), top_k=8,
+                                                num_experts=128, devices=4, cached=cached)
+
+  assert applies() and applies(jaxmlp.Fp8Recipe("tensorwise", when="always"), dtype=jnp.float32)
+  assert not applies(None) and not applies(asked=False)
+  assert not applies(exchange_="ragged_all_to_all")
+  assert not applies(dtype=jnp.float16) and not applies(d=24)
+  # when="faster": from the recipe's rows per expert on, 32 experts a device, T k / 4 rows
+  faster = jaxmlp.Fp8Recipe("blockwise", when="faster")
+  tokens = MIN_ROWS_PER_EXPERT["blockwise", False] * 32 * 4 // 8
+  assert not applies(faster, tokens=tokens - 4) and applies(faster, tokens=tokens)
+  assert applies(faster, tokens=MIN_ROWS_PER_EXPERT["blockwise", True] * 32 * 4 // 8, cached=True)
+
+
+def test_fp8_exchange_off_where_the_experts_run_bf16(rng):
+  """With when="faster" at a shape below the recipe's rows the experts run in bf16 and the rows travel
+  in bf16: the layer's y is that of fp8=None, bit for bit."""
+  x = jnp.asarray(rng.standard_normal((64, D)), jnp.bfloat16)
+  seed = int(rng.integers(1 << 30))
+  make = lambda fp8: jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(seed), expert_axis=AXIS, dtype=jnp.bfloat16, fp8=fp8)
+  forward = jax.jit(lambda module, x: module(x)[0])
+  with jax.set_mesh(mesh_of(8, axis_type=AxisType.Auto)):
+    faster = make(jaxmlp.Fp8Recipe("blockwise", when="faster"))
+    y, want = forward(faster, x), forward(make(None), x)
+    assert gathers_bytes(forward.lower(faster, x).as_text()) == 0
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
 
 
 def test_fp8_exchange_bad_arguments_name_it():
@@ -165,13 +195,6 @@ def test_fp8_exchange_bad_arguments_name_it():
       call(tokens.astype(jnp.float16))
 
 
-def gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(len(gpus()) < 2, reason="needs 2 or more GPUs")
 def test_fp8_exchange_over_gpus(rng):
@@ -186,6 +209,6 @@ def test_fp8_exchange_over_gpus(rng):
   got, text = layer_run("blockwise", True, x, dy, seed, mesh=mesh)
   without, _ = layer_run("blockwise", False, x, dy, seed, mesh=mesh)
   exact, _ = layer_run(None, False, x, dy, seed, mesh=mesh)
-  assert gathers_bytes(text)
+  assert gathers_bytes(text) == 2
   np.testing.assert_array_equal(np.asarray(got["y"], np.float32), np.asarray(without["y"], np.float32))
   check_as_accurate(got, without, exact)

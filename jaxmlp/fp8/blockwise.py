@@ -150,9 +150,21 @@ def quantize_rows_and_columns(v: jax.Array, groups: Groups):
   return quantize_rows(v), quantize_columns(v, groups)
 
 
+def read_by_products(quantized, groups: Groups):
+  """A rows-and-columns quantization's ((q, e), (qt, ec)) as [q, e, qt, ec] with what no product reads
+  set to zeros: the rows past the groups and the column blocks past the groups' (a kernel may leave them
+  unwritten, Primitives)."""
+  (q, e), (qt, ec) = quantized
+  in_rows = (jnp.arange(q.shape[0]) < jnp.sum(groups.sizes))[:, None]
+  in_blocks = column_blocks(groups)[1] > 0
+  zero = lambda a: jnp.zeros((), a.dtype)
+  return [jnp.where(in_rows, q, zero(q)), jnp.where(in_rows, e, 0),
+          jnp.where(jnp.repeat(in_blocks, BLOCK)[None, :], qt, zero(qt)), jnp.where(in_blocks[:, None], ec, 0)]
+
+
 def activation_rows_and_columns(h, scales, groups: Groups, act: Activation):
-  """quantize_rows_and_columns of the forward's a = act(h) * scales in float32, zero in the rows past the
-  groups."""
+  """quantize_rows_and_columns of the forward's a = act(h) * scales in float32 (the rows past the groups
+  taken as zeros, as quantize_rows_and_columns takes them)."""
   a = act(h.astype(jnp.float32))
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
@@ -160,8 +172,8 @@ def activation_rows_and_columns(h, scales, groups: Groups, act: Activation):
 
 
 def activation_grad_rows_and_columns(h, da, scales, groups: Groups, act: Activation):
-  """quantize_rows_and_columns of the backward's dh = (da * scales) * act'(h) (the vjp of act) in float32,
-  zero in the rows past the groups."""
+  """quantize_rows_and_columns of the backward's dh = (da * scales) * act'(h) (the vjp of act) in float32
+  (the rows past the groups taken as zeros)."""
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   dh = jax.vjp(act, h.astype(jnp.float32))[1](da.astype(jnp.float32) * s)[0]
   return quantize_rows_and_columns(dh, groups)

@@ -4,13 +4,17 @@ With FP8 experts, jaxmlp.expert_parallel's all-gather exchange gathers the token
 output gradients (backward, the transpose of the partial sums' reduce-scatter) as e4m3 bytes with their
 scales: each row is quantized once, on the device that sends it, in the blockwise recipe's 1 x 128 blocks
 with power-of-two scales (jaxmlp.fp8.blockwise.quantize_rows), and dequantized on arrival into its dtype,
-exactly: an e4m3 value times a power of two is a bfloat16 or float32 value (short of overflow within 2^-8
-of bfloat16's largest); float16's narrower range holds not every such block, so float16 rows gather as
-they are. With the blockwise recipe, whose FC1 quantizes x in the same blocks, the forward's FC1 operand
-is then the one-device layer's bit for bit (an exactly dequantized block quantizes again to the same
-values); the weight gradients' 128 x 1 blocks and the tensorwise recipe quantize the dequantized rows once
-more. The partial sums' reduce-scatter, forward and backward, stays in the computation dtype: sums of
-e4m3 terms would lose what the accumulation keeps.
+exactly: an e4m3 value times a power of two, rounded from a bfloat16 or float32 value, is one again,
+except where the rounding reaches the dtype's top: values from 1.9375 * 2^127 (3.3e38) arrive as
+infinities. In float16 that band starts at 63488, within reach of 16-bit training's values: float16 rows
+gather as they are. A block holding an infinity arrives non-finite (infinities and NaN), so an overflow
+stays visible, where the recipes' own quantizers would clamp it to 448.
+
+With the blockwise recipe, whose FC1 quantizes x in the same blocks, the forward's FC1 operand is then the
+one-device layer's bit for bit (an exactly dequantized block quantizes again to the same values); the
+weight gradients' 128 x 1 blocks and the tensorwise recipe quantize the dequantized rows once more. The
+partial sums' reduce-scatter, forward and backward, stays in the computation dtype: sums of e4m3 terms
+would lose what the accumulation keeps.
 
 Gradients pass straight through the quantization, as through the recipes' own: the forward gather's
 transpose is the plain reduce-scatter of the rows' gradients.
@@ -26,6 +30,7 @@ from . import blockwise
 from .quantize import to_e4m3
 
 BLOCK = blockwise.BLOCK
+INFINITE = 256  # an exponent whose halves' powers of two overflow float32: 2^128 each
 
 
 def gather(v: jax.Array, axis: str) -> jax.Array:
@@ -54,10 +59,13 @@ def _gathered_e4m3(v, axis):
 
 
 def _quantized_rows(v):
-  """blockwise.quantize_rows(v) bit for bit: (q [R, C] e4m3, exponents [R, ceil(C / 128)] int32)."""
+  """blockwise.quantize_rows(v) bit for bit: (q [R, C] e4m3, exponents [R, ceil(C / 128)] int32), but for
+  a block holding an infinity, whose exponent is INFINITE (its 2^e, an infinity, makes it non-finite again
+  on arrival)."""
   rows, columns = v.shape
   blocks = jnp.pad(v.astype(jnp.float32), ((0, 0), (0, -columns % BLOCK))).reshape(rows, -1, BLOCK)
-  e = blockwise.exponent(jnp.max(jnp.abs(blocks), axis=2))
+  amax = jnp.max(jnp.abs(blocks), axis=2)
+  e = jnp.where(jnp.isinf(amax), INFINITE, blockwise.exponent(amax))
   q = to_e4m3(_scaled(blocks.reshape(rows, -1), -e))
   return q[:, :columns], e
 
@@ -65,7 +73,8 @@ def _quantized_rows(v):
 def _scaled(v, e):
   """v [R, C] float32 times 2^e of its 1 x 128 block (e [R, ceil(C / 128)]), as jnp.ldexp rounds it. Two
   multiplies by powers of two made from e's halves, each a normal float32 (e reaches -141 with bfloat16
-  data, past float32's exponents): an ldexp of every element costs XLA's GPU code far more."""
+  data, past float32's exponents; INFINITE's overflow): an ldexp of every element costs XLA's GPU code far
+  more."""
   half = e // 2
 
   def factor(n):

@@ -1,4 +1,4 @@
-// CUDA handler of one block-scaled FP8 grouped product, the blockwise recipe's GEMM (jaxmlp/fp8_blockwise.py
+// CUDA handler of one block-scaled FP8 grouped product, the blockwise recipe's GEMM (jaxmlp/fp8/blockwise.py
 // quantizes in XLA and calls this for each of its six products): e4m3 operands with float32 power-of-two
 // block scales, on the cuBLASLt grouped GEMM (Fp8Scaling::kBlocks in grouped_gemm.h), out in bf16 or f16.
 //   op kNT (forward, data gradients): out [M, K] = lhs [M, N] @ rhs[g] [K, N]^T per group of rows;

@@ -1,4 +1,4 @@
-// CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8_blockwise.py defines them, and its JAX code
+// CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8/blockwise.py defines them, and its JAX code
 // is the CPU's; the kernels and the layouts they write: fp8_block_quantize_kernels.h):
 //   rows_and_columns  v [M, C], first [B], count [B] -> q, e, qt, ec (RowsAndColumns)
 //   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count -> the same of

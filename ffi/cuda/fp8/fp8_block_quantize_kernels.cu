@@ -13,7 +13,7 @@
 namespace jaxmlp {
 namespace {
 
-// The least e with amax / 448 <= 2^e (0 where amax is 0): fp8_blockwise.exponent.
+// The least e with amax / 448 <= 2^e (0 where amax is 0): jaxmlp.fp8.blockwise.exponent.
 __device__ __forceinline__ int Exponent(float amax) {
   if (!(amax > 0.0f)) return 0;
   int e;
@@ -101,7 +101,7 @@ struct TensorSource {
   __device__ int64_t ColumnTile(int64_t t, int64_t) const { return t; }  // the t-th block's 128 columns
 };
 
-// Without da: a = act(h) * s [M, f], as fp8_blockwise.activation_rows_and_columns computes it (s: the
+// Without da: a = act(h) * s [M, f], as jaxmlp.fp8.blockwise.activation_rows_and_columns computes it (s: the
 // row's scale, 1 without scales). With da: dh = (da * s) * act'(h) [M, F1], the gate's derivatives in
 // columns [0, f) and (gated) the up half's in [f, 2f), as the vjp in activation_grad_rows_and_columns.
 template <typename T, Act kAct>

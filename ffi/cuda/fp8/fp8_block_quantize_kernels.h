@@ -1,4 +1,4 @@
-// The blockwise recipe's quantizers (jaxmlp/fp8_blockwise.py defines them): one pass over each tensor,
+// The blockwise recipe's quantizers (jaxmlp/fp8/blockwise.py defines them): one pass over each tensor,
 // writing e4m3 data and the int32 exponent e of each block's scale 2^e bit for bit as the JAX code
 // computes them, in the layouts jaxmlp_gemm_fp8_blocks reads (the calls: fp8_block_quantize_cuda.cu).
 // One difference: a block holding a NaN takes its exponent from its other values here (fmaxf passes NaN

@@ -67,7 +67,7 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
 // How an FP8 product's operands are scaled (GemmSpec::lhs_scale, rhs_scale):
 //   kTensor  one float per operand for all groups (SCALAR_32F);
-//   kBlocks  the blockwise recipe's power-of-two block scales (jaxmlp/fp8_blockwise.py), which cuBLASLt
+//   kBlocks  the blockwise recipe's power-of-two block scales (jaxmlp/fp8/blockwise.py), which cuBLASLt
 //            reads per group through pointer arrays the setup kernel writes:
 //            kNT       lhs rows in 1x128 blocks along the reduction (VEC128_32F), lhs_scale in the layout of
 //                      Vec128Base; rhs[g] [K, N] in 128x128 blocks (BLK128x128_32F), rhs_scale
@@ -83,7 +83,7 @@ inline ffi::Error CheckFp8Buffer(const char* name, const ffi::AnyBuffer& buf, st
   return CheckShapeAndType(name, buf, want, kFp8, "dtype float8_e4m3fn");
 }
 
-// The FP8 scale blocks' length (VEC128, BLK128x128; fp8_blockwise.BLOCK), and the blocks of n elements.
+// The FP8 scale blocks' length (VEC128, BLK128x128; jaxmlp.fp8.blockwise.BLOCK), and the blocks of n elements.
 constexpr int64_t kScaleBlock = 128;
 __host__ __device__ inline int64_t ScaleBlocks(int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; }
 
