@@ -12,8 +12,8 @@ own tokens; then one of two exchanges:
     each other, so that XLA's scheduler may overlap one chunk's collectives with another's experts
     (asynchronous collectives on GPUs); with a capacity, the pairs kept are then chosen ahead of the
     chunks, in the same global order (as the ragged exchange does). With `fp8_exchange` (FP8 experts,
-    bfloat16 or float32 tokens) the gathers, of the tokens forward and of their output gradients backward, carry
-    e4m3 rows with their scales (jaxmlp.fp8.exchange), half the bytes.
+    bfloat16 or float32 tokens) the gathers, of the tokens forward and of their output gradients
+    backward, carry e4m3 rows with their scales (jaxmlp.fp8.exchange), half the bytes.
   - "ragged_all_to_all": each device sorts its (token, choice) rows by expert and sends each peer only
     the rows routed to it (jax.lax.ragged_all_to_all, NCCL through XLA; XLA:CPU lacks it), which sorts
     them a second time by local expert; the results travel back and are combined where the tokens are.
@@ -167,8 +167,8 @@ def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array, *, 
 
 
 def _e4m3_rows_fit(tokens) -> bool:
-  """bfloat16 or float32 tokens (float16's range holds not every dequantized e4m3 block) of a width in
-  16-byte rows of e4m3."""
+  """bfloat16 or float32 tokens (float16's from 63488 up would arrive as infinities, jaxmlp.fp8.exchange)
+  of a width in 16-byte rows of e4m3."""
   return tokens.dtype in (jnp.bfloat16, jnp.float32) and tokens.shape[1] % 16 == 0
 
 
