@@ -119,8 +119,9 @@ def gathers_bytes(text):
   return sum("all_gather" in line and "ui8" in line for line in text.splitlines())
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-def test_fp8_exchange_moves_e4m3_rows(rng, recipe):
+@pytest.mark.parametrize("recipe, axis_type", [("tensorwise", AxisType.Auto), ("blockwise", AxisType.Auto),
+                                               ("blockwise", AxisType.Explicit)])
+def test_fp8_exchange_moves_e4m3_rows(rng, recipe, axis_type):
   """The layer's gathers move bytes with fp8_exchange, 16-bit rows without. Blockwise: y is the layer's
   without the exchange bit for bit (FC1's operand is quantized in the same blocks). Every result as close
   to the float32 layer's as the layer's without the exchange (the gathered output gradient, times the
@@ -128,8 +129,9 @@ def test_fp8_exchange_moves_e4m3_rows(rng, recipe):
   seed = int(rng.integers(1 << 30))
   x = jnp.asarray(rng.standard_normal((64, D)), jnp.bfloat16)
   dy = jnp.asarray(rng.standard_normal((64, D)), jnp.float32)
-  got, text = layer_run(recipe, True, x, dy, seed)
-  without, text0 = layer_run(recipe, False, x, dy, seed)
+  mesh = mesh_of(8, axis_type=axis_type)
+  got, text = layer_run(recipe, True, x, dy, seed, mesh=mesh)
+  without, text0 = layer_run(recipe, False, x, dy, seed, mesh=mesh)
   exact, _ = layer_run(None, False, x, dy, seed)
   assert gathers_bytes(text) == 2 and gathers_bytes(text0) == 0
   if recipe == "blockwise":
