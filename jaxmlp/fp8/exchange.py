@@ -33,18 +33,6 @@ BLOCK = blockwise.BLOCK
 INFINITE = 256  # an exponent whose halves' powers of two overflow float32: 2^128 each
 
 
-def gather(v: jax.Array, axis: str) -> jax.Array:
-  """jax.lax.all_gather(v, axis, tiled=True) of bfloat16 or float32 v [R, C] (C a multiple of 16), its rows
-  crossing the links in e4m3 with their blocks' exponents (module docstring)."""
-  return _gather(v, axis)
-
-
-def scatter_sum(v: jax.Array, axis: str) -> jax.Array:
-  """jax.lax.psum_scatter(v, axis, tiled=True) in v's dtype, whose transpose (the backward's gather of
-  the cotangent) crosses the links in e4m3 (module docstring), unless v is float16."""
-  return _scatter_sum(v, axis)
-
-
 def _gathered_e4m3(v, axis):
   """The e4m3 gather: one all_gather of each row's bytes and exponents packed together (a collective of
   uint8: any NCCL), dequantized on arrival."""
@@ -84,7 +72,9 @@ def _scaled(v, e):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather(v, axis):
+def gather(v: jax.Array, axis: str) -> jax.Array:
+  """jax.lax.all_gather(v, axis, tiled=True) of bfloat16 or float32 v [R, C] (C a multiple of 16), its rows
+  crossing the links in e4m3 with their blocks' exponents (module docstring)."""
   return _gathered_e4m3(v, axis)
 
 
@@ -96,22 +86,24 @@ def _gather_bwd(axis, _, ct):
   return (jax.lax.psum_scatter(ct, axis, tiled=True),)
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _scatter_sum(v, axis):
+def scatter_sum(v: jax.Array, axis: str) -> jax.Array:
+  """jax.lax.psum_scatter(v, axis, tiled=True) in v's dtype, whose transpose (the backward's gather of
+  the cotangent) crosses the links in e4m3 (module docstring), unless v is float16."""
   return jax.lax.psum_scatter(v, axis, tiled=True)
 
 
 def _scatter_sum_fwd(v, axis):
-  return jax.lax.psum_scatter(v, axis, tiled=True), None
+  return scatter_sum(v, axis), None
 
 
 def _scatter_sum_bwd(axis, _, ct):
-  if ct.dtype == jnp.float16:  # float16's range holds not every dequantized block: gathered as it is
+  if ct.dtype == jnp.float16:  # float16's values from 63488 would arrive as infinities: gathered as they are
     return (jax.lax.all_gather(ct, axis, tiled=True),)
   return (_gathered_e4m3(ct, axis),)
 
 
-_scatter_sum.defvjp(_scatter_sum_fwd, _scatter_sum_bwd)
+scatter_sum.defvjp(_scatter_sum_fwd, _scatter_sum_bwd)
