@@ -49,8 +49,9 @@ if [ "$what" = test ]; then
     if [ $path != fallback ] && ! grep -q "\"$available\": true" "$OUT/backend_info.json"; then
       echo "memcheck $path: skipped, unavailable here (backend_info)" | tee -a "$OUT/summary.txt"; continue
     fi
+    # JAXMLP_FP8_WHEN=always: these small shapes would otherwise run the FP8 recipes in bf16 (Fp8Recipe.when).
     JAXMLP_GEMM_PATH=$([ $path = fp8 ] && echo grouped || echo $path) JAXMLP_FP8=$([ $path = fp8 ] && echo 1) \
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
+      JAXMLP_FP8_WHEN=always XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
 import os, jax, jax.numpy as jnp, numpy as np, jaxmlp
 rng = np.random.default_rng(1)
@@ -63,7 +64,7 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
     w2 = jnp.asarray(rng.standard_normal((E, f, d)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     b1, b2 = jnp.ones((E, 2 * f), jnp.bfloat16), jnp.ones((E, d), jnp.bfloat16)
-    for recipe in ("tensorwise", "blockwise"):
+    for recipe in ("tensorwise", "blockwise", jaxmlp.Fp8Recipe("blockwise", fp8_weight_gradients=False)):
       g = jax.grad(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8=recipe)
                    .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w1, w2, x[:, 0])
       biased = jax.grad(lambda x, w1, w2, s, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, b1=b1, b2=b2, fp8=recipe)

@@ -10,6 +10,8 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
               optimizer step over many micro-batches
   jaxmlp_fp8_cached_fast_bwd  jaxmlp_fp8_cached with fast accumulation in the backward's products too
               (Fp8Recipe.backward_fast_accumulation)
+  jaxmlp_fp8_blockwise_wgrad16, jaxmlp_fp8_blockwise_wgrad16_cached  jaxmlp_fp8_blockwise(_cached) with
+              16-bit weight gradients (Fp8Recipe.fp8_weight_gradients=False)
   ragged_dot  jaxmlp.reference.grouped_mlp, i.e. jax.lax.ragged_dot: what a JAX user writes today
   tokamax     the same MLP over tokamax.ragged_dot (when tokamax is installed)
   dense       the same MLP as one dense expert over all M rows (jnp.dot): equal FLOPs, no routing;
@@ -29,10 +31,11 @@ from cases import TOLERANCE
 from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
-             "jaxmlp_fp8_cached_fast_bwd", "ragged_dot", "tokamax", "dense")
+             "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached",
+             "ragged_dot", "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
 CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
-                  "jaxmlp_fp8_cached_fast_bwd": "tensorwise"}
+                  "jaxmlp_fp8_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_blockwise_wgrad16_cached": "blockwise"}
 
 
 def swiglu_mlp(x, w1, w2, matmul):
@@ -56,6 +59,9 @@ def forward(impl: str):
                                                                       when="always"))
   if impl in ("jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("blockwise", when="always"))
+  if impl in ("jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached"):
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("blockwise", when="always",
+                                                                      fp8_weight_gradients=False))
   if impl == "ragged_dot":
     return jaxmlp.reference.grouped_mlp
   if impl == "tokamax":

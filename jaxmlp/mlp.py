@@ -98,8 +98,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
   refuse_forward_mode(x, w1, w2, b1, b2, scales)
   x, b1, b2, scales = gathered(x, b1, b2, scales)
-  if fp8_recipe.in_fp8(recipe, shape, w1, w2):
-    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding)
+  run = fp8_recipe.as_run(recipe, shape, w1, w2)  # the recipe, with its products' precisions decided
+  if run is not None:
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, run, shape, zero_padding)
   if recipe is not None:  # not in FP8 at this shape: Fp8Weights' weights, whose gradient they take
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
   if gather is not None:

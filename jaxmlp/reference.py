@@ -36,7 +36,8 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     s = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes, act,
                           b1, b2, scales)
     fp8_recipe.check_call(x, recipe, s, w1, w2)
-    if not fp8_recipe.in_fp8(recipe, s, w1, w2):  # the recipe's `when`: this shape runs in x's dtype
+    recipe = fp8_recipe.as_run(recipe, s, w1, w2)
+    if recipe is None:  # the recipe's `when`: this shape runs in x's dtype
       w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
       return grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
     (w1, w1q), (w2, w2q) = (fp8_recipe.split_weights(w, dtype) for w in (w1, w2))

@@ -150,8 +150,9 @@ def _group_columns_128x1(v, start, end):
   return out
 
 
-def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
-  """(y, {x, w1, w2, scales, b1, b2} gradients) of the blockwise FP8 recipe, as float64 arrays."""
+def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_weight_gradients=True):
+  """(y, {x, w1, w2, scales, b1, b2} gradients) of the blockwise FP8 recipe, as float64 arrays; without
+  fp8_weight_gradients the weight gradients are products of x, a and dh rounded to dtype, and dy."""
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
   x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
   M, E, d = x.shape[0], w1.shape[0], x.shape[1]
@@ -184,9 +185,13 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=
   for g in range(E):
     r = slice(off[g], off[g + 1])
     column = lambda v: _group_columns_128x1(v, off[g], off[g + 1])
-    grads["w2"][g] = rnd(column(a).T @ column(dy))
     grads["x"][r] = rnd(qdh[r] @ qw1[g].T)
-    grads["w1"][g] = rnd(column(x).T @ column(dh))
+    if fp8_weight_gradients:
+      grads["w2"][g] = rnd(column(a).T @ column(dy))
+      grads["w1"][g] = rnd(column(x).T @ column(dh))
+    else:
+      grads["w2"][g] = rnd(rnd(a[r]).T @ dy[r])
+      grads["w1"][g] = rnd(x[r].T @ rnd(dh[r]))
   dscales = _bias_grads(grads, off, s, dh, dy, value, da, valid[:, 0], b1, b2, rnd)
   if scales is not None:
     grads["scales"] = dscales

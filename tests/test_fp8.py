@@ -6,6 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import check_close, check_padding_rows_zero, max_error, rel_error
+from fp8_cases import (BLOCK_CASES, CASES, CUDA_TOLERANCE, DTYPES, EXACT, NUMPY_MODEL, blockwise_primitive,
+                       check_recipe, fp8_reason, inputs, platform, run)  # noqa: F401 (platform: a fixture)
 
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
@@ -13,79 +15,6 @@ import numpy_reference as ref
 from jaxmlp import _checks, activations
 from jaxmlp._groups import Groups
 from jaxmlp.fp8 import blockwise, cuda as fp8_cuda, mlp as fp8_mlp, tensorwise
-
-# (M, d, f, group_sizes): empty groups, a skewed group, sizes that are not multiples of 16, padding rows.
-CASES = {
-    "uneven": (96, 32, 48, [20, 0, 50, 10]),
-    "skewed": (160, 64, 32, [0, 131, 3, 0, 1, 17]),
-    "one_group": (144, 32, 32, [144]),
-    "all_empty": (32, 16, 32, [0, 0]),
-}
-# For the blockwise recipe also: rows of several 128-column blocks, the last one short (d = 272, F1 = 288),
-# and groups of several 128-row blocks, the last one short; then f a multiple of 128 (the CUDA quantizer of
-# the gated dh pairs each gate tile with its up tile then).
-BLOCK_CASES = {**CASES, "blocks": (448, 272, 144, [300, 0, 37, 63, 1]),
-               "whole_blocks": (384, 128, 256, [200, 0, 150])}
-DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def fp8_reason():
-  ok, why = fp8_cuda.fp8_status()
-  return None if ok else why
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def platform(request):
-  if request.param == "cuda":
-    reason = fp8_reason()
-    if reason:
-      pytest.skip(reason)
-  with jax.default_device(jax.devices(request.param)[0]):
-    yield request.param
-
-
-def inputs(rng, M, d, f, sizes, act, dtype, scales=True, b1=False, b2=False):
-  E, F1 = len(sizes), (2 * f if act in ref.GATED else f)
-  cast = lambda a: jnp.asarray(a, dtype)
-  args = dict(x=cast(rng.standard_normal((M, d))), w1=cast(rng.standard_normal((E, d, F1)) / np.sqrt(d)),
-              w2=cast(rng.standard_normal((E, f, d)) / np.sqrt(f)), scales=cast(rng.uniform(0.1, 1.0, M)) if scales else None,
-              b1=cast(rng.standard_normal((E, F1))) if b1 else None, b2=cast(rng.standard_normal((E, d))) if b2 else None)
-  return args, jnp.asarray(sizes, jnp.int32), cast(rng.standard_normal((M, d)))
-
-
-def run(fn, args, sizes, dy, act, **kw):
-  """y and the gradients of x, w1, w2 (and scales) through jax.vjp."""
-  names = [k for k in args if args[k] is not None]
-
-  def f(*diff):
-    kw_args = dict(zip(names, diff))
-    return fn(kw_args.pop("x"), kw_args.pop("w1"), kw_args.pop("w2"), sizes, activation=act, **kw_args, **kw)
-
-  y, vjp = jax.vjp(f, *[args[k] for k in names])
-  return y, dict(zip(names, vjp(dy)))
-
-
-# The recipes without fast accumulation, which only the CUDA tensorwise path has (its error: the test below).
-EXACT = {name: jaxmlp.Fp8Recipe(name, fast_accumulation=False) for name in ("tensorwise", "blockwise")}
-NUMPY_MODEL = {"tensorwise": fp8_ref.grouped_mlp, "blockwise": fp8_ref.blockwise_grouped_mlp}
-# How far the CUDA path may lie from the emulation. Hopper's FP8 tensor cores sum with fewer bits than
-# float32 between cuBLAS's promotions (even without fast accumulation), and cuBLAS applies the scales to
-# the sum where the emulation sums scaled operands: some elements of h and da round to their other 16-bit
-# neighbour, and through them a's and dh's e4m3 roundings move (measured on an H200, cuBLAS 13.10: up to
-# 1.2e-2 relative error; single elements up to 6e-2 of the largest). Where the moved element is the
-# tensor's largest, its amax moves the whole tensor's e4m3 grid: on an H100, "one_group" with seed
-# 895917586 (JAXMLP_TEST_SEED) puts y 3.4e-2 off, with and without fast accumulation alike (the products'
-# K = 32 leaves their sums exact; the scales' order differs). On the CPU, where the products are float32
-# sums: 1e-2, elements 2e-2.
-CUDA_TOLERANCE = 5e-2
-
-
-def check_recipe(got, want, platform, name):
-  if platform == "cuda":
-    assert rel_error(got, want) < CUDA_TOLERANCE and max_error(got, want) < 4 * CUDA_TOLERANCE, name
-  else:
-    check_close(got, want, 1e-2, name)
-
 
 # Without --full, the "uneven" shape with each recipe, dtype and activation once (`matrix`); the other shapes,
 # each a new compilation of every op of the recipe, only with --full.
@@ -257,9 +186,11 @@ def test_fp8_weights_give_the_results_of_quantizing_in_the_call(platform, rng, r
 def test_fp8_runs_only_where_it_pays_by_default(platform, rng, monkeypatch, recipe, cached):
   """when="faster" (the default, which this suite turns off in conftest): with fewer rows per expert than
   the recipe's MIN_ROWS_PER_EXPERT the call, and the reference's, give the bf16 results bit for bit
-  (gradients of Fp8Weights' weights included); from that many on, the FP8 results of when="always"."""
+  (gradients of Fp8Weights' weights included); from that many on, the FP8 results of when="always" (with
+  16-bit weight gradients below MIN_ROWS_FP8_WEIGHT_GRADIENTS: test_fp8_weight_gradients.py)."""
   monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
   need = jaxmlp.fp8.recipe.MIN_ROWS_PER_EXPERT[recipe, cached]
+  fp8_wgrad = need >= jaxmlp.fp8.recipe.MIN_ROWS_FP8_WEIGHT_GRADIENTS.get(recipe, 0)
   E, d, f = 2, 32, 32
 
   def call(fp8):
@@ -272,8 +203,8 @@ def test_fp8_runs_only_where_it_pays_by_default(platform, rng, monkeypatch, reci
   for M, fp8_runs in ((need * E - 16, False), (need * E, True)):
     args, gs, dy = inputs(rng, M, d, f, [M // 2, M - M // 2], "swiglu", jnp.bfloat16)
     got = run(call(recipe), args, gs, dy, "swiglu")
-    want = run(call(jaxmlp.Fp8Recipe(recipe, when="always")) if fp8_runs else jaxmlp.grouped_mlp, args, gs, dy,
-               "swiglu")
+    always = jaxmlp.Fp8Recipe(recipe, when="always", fp8_weight_gradients=fp8_wgrad)
+    want = run(call(always) if fp8_runs else jaxmlp.grouped_mlp, args, gs, dy, "swiglu")
     for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in want[1]]:
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=f"{M} rows: {k}")
     bf16 = got[0] if not fp8_runs else run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")[0]
@@ -371,12 +302,6 @@ def test_blockwise_column_blocks(sizes, want):
   assert got[:len(want)] == want and all(r == 0 for _, r in got[len(want):]), got
 
 
-def _blockwise_primitive(name, *static):
-  """One of the blockwise recipe's quantizers, CUDA's kernel on a GPU and the JAX definition on the CPU."""
-  cpu, cuda = (getattr(p, name) for p in (blockwise.emulated_primitives(None), fp8_cuda.BLOCKWISE_PRIMITIVES))
-  return lambda *a: jax.lax.platform_dependent(*a, cpu=lambda *a: cpu(*a, *static), cuda=lambda *a: cuda(*a, *static))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
@@ -393,7 +318,7 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   v[:5, 128:256] = 0
   w = rng.standard_normal((3, C, 144)) * 2.0 ** rng.integers(-12, 13, (3, 1, 1))
   v, w, gs = jnp.asarray(v, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)
-  rows_and_columns = _blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
+  rows_and_columns = blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
   read = lambda quantized, gs: blockwise.read_by_products(quantized, Groups.of(gs, M))
   quantizers = {"rows and columns": lambda v, w, gs: read(rows_and_columns(v, Groups.of(gs, M)), gs),
                 "weights": lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("blockwise"))}
@@ -432,7 +357,7 @@ def test_cuda_activation_quantizers_equal_the_jax_ones(rng, act, with_scales, f)
   scales = jnp.asarray(rng.uniform(0.1, 1.0, M), jnp.bfloat16) if with_scales else None
   gs = jnp.asarray(sizes, jnp.int32)
   activation = jaxmlp.Activation(act)
-  a, dh = (_blockwise_primitive(name, activation) for name in ("activation_rows_and_columns",
+  a, dh = (blockwise_primitive(name, activation) for name in ("activation_rows_and_columns",
                                                                   "activation_grad_rows_and_columns"))
   read = lambda quantized, gs: blockwise.read_by_products(quantized, Groups.of(gs, M))
   quantizers = {"a": lambda h, da, s, gs: read(a(h, s, Groups.of(gs, M)), gs),

@@ -34,6 +34,14 @@ qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Betw
 backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is
 e4m3: small blocks leave no range to protect with e5m2.
 
+With 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients False: where FP8's are slower, at few rows per
+expert) the two weight gradients are those of fp8=None from this recipe's h and da:
+
+            dw1 = round(x^T @ round(dh)),  dw2 = round(round(a)^T @ dy)    (16-bit operands, float32 sums)
+
+and no operand is quantized in 128 x 1 blocks: the backward keeps h, x and round(a) (which the quantizer of
+a writes beside its e4m3 rows), and the quantizer of dh writes round(dh) beside its rows.
+
 The recipe runs over `Primitives`, its quantizers and products. On a GPU (jaxmlp.fp8.cuda) the quantizers
 are CUDA kernels that compute this module's quantizers bit for bit (those of a and dh compute the activation
 on the way from h, up to the last bit of act and its derivative) and each product is an FP8 tensor-core
@@ -162,21 +170,48 @@ def read_by_products(quantized, groups: Groups):
           jnp.where(jnp.repeat(in_blocks, BLOCK)[None, :], qt, zero(qt)), jnp.where(in_blocks[:, None], ec, 0)]
 
 
+def quantize_rows_in_groups(v: jax.Array, groups: Groups) -> tuple[jax.Array, jax.Array]:
+  """quantize_rows(v) with v's rows past the groups taken as zeros (no product reads them: a kernel need
+  not write them): a row operand that is no column operand (16-bit weight gradients)."""
+  return quantize_rows(jnp.where(groups.valid[:, None], v, 0))
+
+
+def _activation(h, scales, act: Activation):
+  """The forward's a = act(h) * scales in float32."""
+  a = act(h.astype(jnp.float32))
+  return a if scales is None else a * scales.astype(jnp.float32)[:, None]
+
+
+def _activation_grad(h, da, scales, act: Activation):
+  """The backward's dh = (da * scales) * act'(h) (the vjp of act) in float32."""
+  s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
+  return jax.vjp(act, h.astype(jnp.float32))[1](da.astype(jnp.float32) * s)[0]
+
+
 def activation_rows_and_columns(h, scales, groups: Groups, act: Activation):
   """quantize_rows_and_columns of the forward's a = act(h) * scales in float32 (the rows past the groups
   taken as zeros, as quantize_rows_and_columns takes them)."""
-  a = act(h.astype(jnp.float32))
-  if scales is not None:
-    a = a * scales.astype(jnp.float32)[:, None]
-  return quantize_rows_and_columns(a, groups)
+  return quantize_rows_and_columns(_activation(h, scales, act), groups)
 
 
 def activation_grad_rows_and_columns(h, da, scales, groups: Groups, act: Activation):
   """quantize_rows_and_columns of the backward's dh = (da * scales) * act'(h) (the vjp of act) in float32
   (the rows past the groups taken as zeros)."""
-  s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
-  dh = jax.vjp(act, h.astype(jnp.float32))[1](da.astype(jnp.float32) * s)[0]
-  return quantize_rows_and_columns(dh, groups)
+  return quantize_rows_and_columns(_activation_grad(h, da, scales, act), groups)
+
+
+def activation_rows(h, scales, groups: Groups, act: Activation):
+  """(quantize_rows_in_groups of a = act(h) * scales in float32, a rounded to h's dtype): the forward's a
+  with 16-bit weight gradients, whose dw2 reads round(a)."""
+  a = _activation(h, scales, act)
+  return quantize_rows_in_groups(a, groups), a.astype(h.dtype)
+
+
+def activation_grad_rows(h, da, scales, groups: Groups, act: Activation):
+  """(quantize_rows_in_groups of dh = (da * scales) * act'(h) in float32, dh rounded to h's dtype): the
+  backward's dh with 16-bit weight gradients, whose dw1 (and db1) read round(dh)."""
+  dh = _activation_grad(h, da, scales, act)
+  return quantize_rows_in_groups(dh, groups), dh.astype(h.dtype)
 
 
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
@@ -189,22 +224,28 @@ class Primitives(tp.NamedTuple):
   module of the same names (the emulation: those functions; a kernel reads the tensor of
   quantize_rows_and_columns once), bit for bit, except the activations' up to the last bit of act and its
   derivative (a kernel computes them on the way from h, whose float32 result goes through no memory), and
-  except what no product reads: the rows past the groups and the column blocks past the groups' hold any
-  values (a kernel leaves them unwritten: over P devices the expert-parallel layer's buffers hold up to P
-  times the groups' rows). The products take quantized operands, accumulate in float32 and round once to
-  `dtype`:
+  except what no product reads: the rows past the groups (of the 16-bit a and dh too) and the column
+  blocks past the groups' hold any values (a kernel leaves them unwritten: over P devices the
+  expert-parallel layer's buffers hold up to P times the groups' rows). The products take quantized
+  operands (columns16: 16-bit ones), accumulate in float32 and round once to `dtype`:
     rows(lhs, w, groups, transposed, dtype, zero_padding): per group of rows, lhs [M, k] (quantize_rows) @
       w[g] for w [E, k, n], or with `transposed` @ w[g]^T for w [E, n, k] (quantize_weights; the
       transposed product reads only q and exponents): [M, n]; the rows past the groups zeros with
       zero_padding (as jax.lax.ragged_dot; no pass of masking after each product), else any values;
     columns(lhs, rhs, groups, dtype): per group, lhs^T @ rhs over its rows (quantize_columns of [m, K] and
-      [m, N]): [E, K, N].
+      [m, N]): [E, K, N];
+    columns16(lhs, rhs, groups, dtype): the same of 16-bit lhs [M, K] and rhs [M, N] over each group's rows
+      (the 16-bit weight gradients).
   And the biases' gradients: group_sums(v, weights, groups), jaxmlp.fp8.quantize.group_sums of 16-bit v."""
   quantize_rows_and_columns: tp.Callable
   activation_rows_and_columns: tp.Callable
   activation_grad_rows_and_columns: tp.Callable
+  quantize_rows_in_groups: tp.Callable
+  activation_rows: tp.Callable
+  activation_grad_rows: tp.Callable
   rows: tp.Callable
   columns: tp.Callable
+  columns16: tp.Callable
   group_sums: tp.Callable
 
 
@@ -218,22 +259,31 @@ def emulated_primitives(gemm: Gemm) -> Primitives:
   def columns(lhs, rhs, groups, dtype):
     return gemm("tn", dequantize_columns(*lhs), dequantize_columns(*rhs), padded_sizes(groups)).astype(dtype)
 
+  def columns16(lhs, rhs, groups, dtype):
+    return gemm("tn", lhs, rhs, groups.sizes).astype(dtype)
+
   return Primitives(quantize_rows_and_columns, activation_rows_and_columns, activation_grad_rows_and_columns,
-                    rows, columns, group_sums)
+                    quantize_rows_in_groups, activation_rows, activation_grad_rows, rows, columns, columns16,
+                    group_sums)
 
 
 def forward(p: Primitives, x, w1q, w2q, groups: Groups, scales, act: Activation, b1=None, b2=None,
-            zero_padding=True):
+            zero_padding=True, fp8_wgrad=True):
   """(y, residuals) of the forward for weights quantized by quantize_weights. The residuals: h, x and a in
   128 x 1 blocks (the weight gradients' operands: a's from here, where it is quantized anyway, rather than
-  from h again) and the quantized weights, each with its exponents. y's rows past the groups: zeros with
-  zero_padding, else any values; h's any values (no kernel reads them; XLA's passes mask them)."""
+  from h again; without fp8_wgrad x and round(a) as they are) and the quantized weights, each with its
+  exponents. y's rows past the groups: zeros with zero_padding, else any values; h's any values (no kernel
+  reads them; XLA's passes mask them)."""
   dtype = x.dtype
-  x_rows, x_columns = p.quantize_rows_and_columns(x, groups)
+  if fp8_wgrad:
+    x_rows, x_columns = p.quantize_rows_and_columns(x, groups)
+  else:
+    x_rows, x_columns = p.quantize_rows_in_groups(x, groups), x
   h = p.rows(x_rows, w1q, groups, False, dtype, False)
   if b1 is not None:
     h = (h.astype(jnp.float32) + bias_rows(b1, groups)).astype(dtype)
-  a_rows, a_columns = p.activation_rows_and_columns(h, scales, groups, act)
+  activation = p.activation_rows_and_columns if fp8_wgrad else p.activation_rows
+  a_rows, a_columns = activation(h, scales, groups, act)
   y = p.rows(a_rows, w2q, groups, False, dtype, zero_padding)
   if b2 is not None:
     y = (y.astype(jnp.float32) + scaled_bias(b2, scales, groups, dtype)).astype(dtype)
@@ -241,22 +291,33 @@ def forward(p: Primitives, x, w1q, w2q, groups: Groups, scales, act: Activation,
 
 
 def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None,
-             zero_padding=True):
-  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals;
-  dx's rows past the groups zeros with zero_padding, else any values."""
+             zero_padding=True, fp8_wgrad=True):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals
+  (of a forward with the same fp8_wgrad); dx's rows past the groups zeros with zero_padding, else any
+  values."""
   h, x_columns, a_columns, w1q, w2q = residuals
   dtype = h.dtype
-  dy_rows, dy_columns = p.quantize_rows_and_columns(dy, groups)
+  if fp8_wgrad:
+    dy_rows, dy_columns = p.quantize_rows_and_columns(dy, groups)
+  else:
+    dy_rows = p.quantize_rows_in_groups(dy, groups)
   da = p.rows(dy_rows, w2q, groups, True, dtype, False)
-  dh_rows, dh_columns = p.activation_grad_rows_and_columns(h, da, scales, groups, act)
+  activation_grad = p.activation_grad_rows_and_columns if fp8_wgrad else p.activation_grad_rows
+  dh_rows, dh_columns = activation_grad(h, da, scales, groups, act)
   dx = p.rows(dh_rows, w1q, groups, True, dtype, zero_padding)
-  dw2 = p.columns(a_columns, dy_columns, groups, dtype)
-  dw1 = p.columns(x_columns, dh_columns, groups, dtype)
+  if fp8_wgrad:
+    dw2 = p.columns(a_columns, dy_columns, groups, dtype)
+    dw1 = p.columns(x_columns, dh_columns, groups, dtype)
+  else:  # x, round(a) and round(dh) as they are (dh_columns: round(dh); its rows past the groups any values)
+    dw2 = p.columns16(a_columns, dy, groups, dtype)
+    dw1 = p.columns16(x_columns, dh_columns, groups, dtype)
   # The biases' and scales' gradients in XLA: h and da hold any values past the groups, taken as zeros.
   valid = groups.valid[:, None]
   h, da = jnp.where(valid, h, 0), jnp.where(valid, da.astype(jnp.float32), 0)
   dh = None
-  if b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
+  if b1 is not None and not fp8_wgrad:  # group_sums reads only the groups' rows
+    dh = dh_columns
+  elif b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
     s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
     dh = jax.vjp(act, h.astype(jnp.float32))[1](da * s)[0].astype(dtype)
   act_h = None if scales is None else act(h.astype(jnp.float32))
@@ -268,12 +329,18 @@ def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, 
 def implementation(p: Primitives, quantize_weights_on_platform) -> Implementation:
   """The recipe over a platform's primitives and weight quantizer."""
   def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding):
-    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2, zero_padding)
+    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2, zero_padding, _fp8_wgrad(recipe))
 
   def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
-    return backward(p, residuals, groups, scales, act, dy, b1, b2, zero_padding)
+    return backward(p, residuals, groups, scales, act, dy, b1, b2, zero_padding, _fp8_wgrad(recipe))
 
   return Implementation(quantize_weights_on_platform, forward_, backward_)
+
+
+def _fp8_wgrad(recipe) -> bool:
+  """Whether the recipe's call runs FP8 weight gradients: a recipe as run (Fp8Recipe.as_run) says; one not
+  decided (None: the forward of a call built by hand) runs FP8."""
+  return recipe.fp8_weight_gradients is not False
 
 
 def emulation(gemm: Gemm) -> Implementation:

@@ -125,31 +125,34 @@ def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtyp
                        zero_padding=np.int32(zero_padding))[0]
 
 
-def _block_outputs(R: int, C: int, B: int) -> list:
-  """The results of a blockwise quantizer of [R, C] in B column blocks: (q, exponents) by rows and by columns."""
-  return [((R, C), E4M3), ((R, -(-C // 128)), jnp.int32), ((C, 128 * B), E4M3), ((B, C), jnp.int32)]
+def _block_outputs(R: int, C: int, B: int, columns: bool) -> list:
+  """The results of a blockwise quantizer of [R, C] in B column blocks: (q, exponents) by rows and, with
+  `columns`, by columns (else ABSENT: the rows only)."""
+  return [((R, C), E4M3), ((R, -(-C // 128)), jnp.int32), ((C, 128 * B) if columns else ABSENT, E4M3),
+          ((B, C) if columns else ABSENT, jnp.int32)]
 
 
-def _rows_and_columns(v, groups: Groups):
-  """blockwise.quantize_rows_and_columns in one pass over v."""
+def _quantizer(v, groups: Groups, columns: bool):
+  """blockwise.quantize_rows_and_columns, or without `columns` quantize_rows_in_groups, in one pass over v."""
   _module_or_raise()
   first, rows = blockwise.column_blocks(groups)
-  q, e, qt, ec = _library.call("jaxmlp_fp8_block_rows_and_columns", _block_outputs(*v.shape, first.shape[0]),
-                               v, first, rows)
-  return (q, e), (qt, ec)
+  q, e, qt, ec = _library.call("jaxmlp_fp8_block_rows_and_columns",
+                               _block_outputs(*v.shape, first.shape[0], columns), v, first, rows)
+  return ((q, e), (qt, ec)) if columns else (q, e)
 
 
-def _activation(h, da, scales, groups: Groups, act: Activation):
-  """blockwise.activation_rows_and_columns (da None) or activation_grad_rows_and_columns: the quantizer of
-  a = act(h) * scales [R, f] or of dh [R, F1], computed from h (and da) on the way in."""
+def _activation(h, da, scales, groups: Groups, act: Activation, columns: bool):
+  """The quantizer of a = act(h) * scales [R, f] (da None) or of dh [R, F1], computed from h (and da) on
+  the way in: blockwise.activation_rows_and_columns or activation_grad_rows_and_columns, or without
+  `columns` activation_rows or activation_grad_rows (the rows, and a or dh in h's dtype)."""
   _module_or_raise()
   (R, F1) = h.shape
   C = F1 if da is not None else (F1 // 2 if act.gated else F1)
   first, rows = blockwise.column_blocks(groups)
-  q, e, qt, ec = _library.call("jaxmlp_fp8_block_activation", _block_outputs(R, C, first.shape[0]), h,
-                               optional(da, h.dtype), optional(scales, h.dtype), first, rows,
-                               **_library.activation_attrs(act))
-  return (q, e), (qt, ec)
+  outs = _block_outputs(R, C, first.shape[0], columns) + [((R, C) if not columns else ABSENT, h.dtype)]
+  q, e, qt, ec, values = _library.call("jaxmlp_fp8_block_activation", outs, h, optional(da, h.dtype),
+                                       optional(scales, h.dtype), first, rows, **_library.activation_attrs(act))
+  return (q, e), ((qt, ec) if columns else values)
 
 
 def _scales(e):
@@ -180,11 +183,20 @@ def _group_sums(v, weights, groups: Groups):
   return grouped_gemm("tn", lhs, v, groups.given, (groups.num_groups, 16, v.shape[1]), jnp.float32)[:, 0]
 
 
+def _columns16(lhs, rhs, groups: Groups, dtype):
+  """Per group, lhs^T @ rhs over its rows, of 16-bit operands: jaxmlp's grouped GEMM."""
+  return grouped_gemm("tn", lhs, rhs, groups.given, (groups.num_groups, lhs.shape[1], rhs.shape[1]), dtype)
+
+
 BLOCKWISE_PRIMITIVES = blockwise.Primitives(
-    quantize_rows_and_columns=_rows_and_columns,
-    activation_rows_and_columns=lambda h, scales, groups, act: _activation(h, None, scales, groups, act),
-    activation_grad_rows_and_columns=_activation,
-    rows=_rows, columns=_columns, group_sums=_group_sums)
+    quantize_rows_and_columns=lambda v, groups: _quantizer(v, groups, True),
+    activation_rows_and_columns=lambda h, scales, groups, act: _activation(h, None, scales, groups, act, True),
+    activation_grad_rows_and_columns=lambda h, da, scales, groups, act: _activation(h, da, scales, groups, act,
+                                                                                    True),
+    quantize_rows_in_groups=lambda v, groups: _quantizer(v, groups, False),
+    activation_rows=lambda h, scales, groups, act: _activation(h, None, scales, groups, act, False),
+    activation_grad_rows=lambda h, da, scales, groups, act: _activation(h, da, scales, groups, act, False),
+    rows=_rows, columns=_columns, columns16=_columns16, group_sums=_group_sums)
 BLOCKWISE = blockwise.implementation(BLOCKWISE_PRIMITIVES, block_weights)
 
 IMPLEMENTATIONS = {tensorwise.SCHEME.name: TENSORWISE, blockwise.SCHEME.name: BLOCKWISE}

@@ -59,12 +59,14 @@ def _bfloat16_gemm(op, lhs, rhs, sizes):
   """A float32 grouped product of dequantized FP8 operands on jaxmlp's grouped GEMM, CPU or CUDA: an e4m3
   value, and its product with a power-of-two scale, is exact in bfloat16 (8 bits of exponent, 7 of
   mantissa), so the product of the bfloat16 operands with float32 accumulation and output is the float32
-  product of the dequantized values (up to the order of the sums)."""
+  product of the dequantized values (up to the order of the sums). 16-bit operands (the blockwise
+  recipe's 16-bit weight gradients) go as they are."""
   if op == "tn":
     out_shape = (sizes.shape[0], lhs.shape[1], rhs.shape[1])
   else:
     out_shape = (lhs.shape[0], rhs.shape[2] if op == "nn" else rhs.shape[1])
-  return grouped_gemm(op, lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes, out_shape, jnp.float32)
+  narrow = lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v
+  return grouped_gemm(op, narrow(lhs), narrow(rhs), sizes, out_shape, jnp.float32)
 
 
 def _platforms(recipe: Fp8Recipe) -> dict[str, Implementation]:

@@ -38,7 +38,8 @@ def padded_length(m: int, groups: int, pad: int) -> int:
 
 class Gemm(tp.Protocol):
   """A float32 grouped product (ffi GemmOp) for clamped sizes (int32 [E], summing to at most the rows):
-  "nn" lhs @ rhs[g], "nt" lhs @ rhs[g].T, "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]."""
+  "nn" lhs @ rhs[g], "nt" lhs @ rhs[g].T, "tn" out[g] = lhs[rows of g].T @ rhs[rows of g]; exact products
+  of float32 operands that hold dequantized FP8 values, or of 16-bit operands, summed in float32."""
 
   def __call__(self, op: str, lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array: ...
 

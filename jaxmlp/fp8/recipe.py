@@ -21,6 +21,10 @@ WHEN = ("faster", "always")
 # (Fp8Weights: "cached"); below, the call runs in x's dtype.
 MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 512,
                        ("blockwise", False): 2048, ("blockwise", True): 512}
+# when="faster", per product: the rows per expert from which the blockwise recipe's weight gradients measured
+# faster on FP8 tensor cores than in x's dtype (docs/fp8.md, "When FP8 runs"); below, a call that runs in
+# FP8 runs its weight gradients in x's dtype. Only the blockwise recipe has 16-bit weight gradients.
+MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"blockwise": 1024}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,28 +41,54 @@ class Fp8Recipe:
     default, as in TransformerEngine, which keeps the precise accumulator for gradients; on, the weight
     gradients' products run faster (docs/fp8.md).
   when: "faster": FP8 only where it was measured at least as fast as bf16 at the call's rows per expert
-    (MIN_ROWS_PER_EXPERT; fewer rows run in x's dtype, with its results); "always": FP8 at every shape,
-    for its numerics regardless of speed. None: the environment's JAXMLP_FP8_WHEN, else "faster".
+    (MIN_ROWS_PER_EXPERT; fewer rows run in x's dtype, with its results), and per product
+    (fp8_weight_gradients); "always": all six products in FP8 at every shape, for its numerics regardless
+    of speed. None: the environment's JAXMLP_FP8_WHEN, else "faster".
+  fp8_weight_gradients: whether the two weight gradients of a call that runs in FP8 are FP8 products (True)
+    or products of x's dtype (False: dw1 = x^T dh and dw2 = a^T dy of 16-bit operands, dh and a rounded to
+    x's dtype, as fp8=None computes them from this call's h and da). None: by when: "always", FP8; "faster",
+    FP8 from MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert. False is the blockwise recipe's only.
   """
 
   name: str = "tensorwise"
   fast_accumulation: bool = True
   backward_fast_accumulation: bool = False
   when: str | None = None
+  fp8_weight_gradients: bool | None = None
 
   def __post_init__(self):
     if self.name not in SCHEMES:
       raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
     if self.when is not None and self.when not in WHEN:
       raise ValueError(f"fp8: when={self.when!r}; expected one of {', '.join(WHEN)} or None")
+    if self.fp8_weight_gradients not in (None, True, False):
+      raise TypeError(f"fp8: fp8_weight_gradients={self.fp8_weight_gradients!r}; expected None, True or False")
+    if self.fp8_weight_gradients is False and self.name not in MIN_ROWS_FP8_WEIGHT_GRADIENTS:
+      raise ValueError(f"fp8: fp8_weight_gradients=False: the {self.name} recipe has FP8 weight gradients only "
+                       f"(16-bit ones: {', '.join(MIN_ROWS_FP8_WEIGHT_GRADIENTS)})")
 
   def runs_fp8(self, M: int, E: int, cached: bool) -> bool:
     """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights)."""
+    return self._by_rows(M, E, MIN_ROWS_PER_EXPERT[self.name, cached])
+
+  def as_run(self, M: int, E: int, cached: bool) -> Fp8Recipe | None:
+    """The recipe as a call over M rows and E experts runs it: None where it runs in x's dtype (runs_fp8),
+    else with fp8_weight_gradients decided."""
+    if not self.runs_fp8(M, E, cached):
+      return None
+    fp8_wgrad = self.fp8_weight_gradients
+    if fp8_wgrad is None:
+      fp8_wgrad = self.name not in MIN_ROWS_FP8_WEIGHT_GRADIENTS or self._by_rows(
+          M, E, MIN_ROWS_FP8_WEIGHT_GRADIENTS[self.name])
+    return dataclasses.replace(self, fp8_weight_gradients=fp8_wgrad)
+
+  def _by_rows(self, M: int, E: int, rows_per_expert: int) -> bool:
+    """`when`'s answer: always, or from rows_per_expert rows per expert on."""
     when = self.when or default_when()
     if when not in WHEN:
       raise ValueError(f"JAXMLP_FP8_WHEN={when!r}: expected one of {', '.join(WHEN)}")
     # A symbolic M (jax.export) has no size to decide by: the recipe runs as asked.
-    return when == "always" or not _checks.is_static(M) or M >= MIN_ROWS_PER_EXPERT[self.name, cached] * E
+    return when == "always" or not _checks.is_static(M) or M >= rows_per_expert * E
 
   @property
   def scheme(self) -> Scheme:
@@ -129,15 +159,18 @@ def fp8_when() -> str:
     return "always (JAXMLP_FP8_WHEN): every call with an FP8 recipe runs in FP8"
   rows = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
                    for (name, cached), need in MIN_ROWS_PER_EXPERT.items())
+  wgrad = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_FP8_WEIGHT_GRADIENTS.items())
   return (f"{when}: a call with an FP8 recipe runs in FP8 from these rows per expert on ({rows}), in x's dtype "
-          "below them, unless its Fp8Recipe says when='always'")
+          f"below them; its weight gradients are FP8 products from these on ({wgrad}; the other recipes always), "
+          "products of x's dtype below; unless its Fp8Recipe says when='always' or fp8_weight_gradients")
 
 
-def in_fp8(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> bool:
-  """Whether a checked grouped_mlp call runs its recipe (Fp8Recipe.runs_fp8, by the rows expected in use:
-  an expert-parallel layer's buffer holds more, jaxmlp._gemm_path.padded_buffers); False without one."""
+def as_run(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> Fp8Recipe | None:
+  """The recipe as a checked grouped_mlp call runs it (Fp8Recipe.as_run, by the rows expected in use: an
+  expert-parallel layer's buffer holds more, jaxmlp._gemm_path.padded_buffers); None where the call runs in
+  x's dtype, or without a recipe."""
   cached = isinstance(w1, Fp8Weights) and isinstance(w2, Fp8Weights)
-  return recipe is not None and recipe.runs_fp8(shape.rows_in_use, shape.E, cached)
+  return None if recipe is None else recipe.as_run(shape.rows_in_use, shape.E, cached)
 
 
 def weights_of(w):

@@ -1,8 +1,10 @@
 // CUDA handlers of the blockwise recipe's quantizers (jaxmlp/fp8/blockwise.py defines them, and its JAX code
 // is the CPU's; the kernels and the layouts they write: fp8_block_quantize_kernels.h):
-//   rows_and_columns  v [M, C], first [B], count [B] -> q, e, qt, ec (RowsAndColumns)
+//   rows_and_columns  v [M, C], first [B], count [B] -> q, e, qt, ec (RowsAndColumns; qt and ec absent:
+//            the rows only)
 //   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count -> the same of
-//            a = act(h) * scales [M, f] (da absent: the forward) or of dh = da * scales * act'(h) [M, F1]
+//            a = act(h) * scales [M, f] (da absent: the forward) or of dh = da * scales * act'(h) [M, F1],
+//            and values (optional): a or dh in h's dtype
 //   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
 #include <cuda_runtime.h>
 
@@ -44,11 +46,14 @@ Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t*
   return Error::Success();
 }
 
-// The outputs of a rows-and-columns quantization of [M, C] in B column blocks, checked and poisoned.
+// The outputs of a rows-and-columns quantization of [M, C] in B column blocks, checked and poisoned: qt and
+// ec both present or both absent (the rows only); values (16-bit, [M, C]) null or absent where not asked.
 struct RowsAndColumnsBuffers {
   int64_t M, C, B;
   const AnyBuffer *first, *count;
-  AnyBuffer *q, *e, *qt, *ec;
+  AnyBuffer *q, *e, *qt, *ec, *values = nullptr;
+  bool columns() const { return Present(*qt); }
+  bool has_values() const { return values && Present(*values); }
 };
 
 // Their data, for the kernels.
@@ -56,17 +61,23 @@ RowsAndColumns Pointers(const RowsAndColumnsBuffers& o) {
   return {o.M, o.C, o.B, static_cast<const int32_t*>(o.first->untyped_data()),
           static_cast<const int32_t*>(o.count->untyped_data()),
           static_cast<uint8_t*>(o.q->untyped_data()), static_cast<int32_t*>(o.e->untyped_data()),
-          static_cast<uint8_t*>(o.qt->untyped_data()), static_cast<int32_t*>(o.ec->untyped_data())};
+          static_cast<uint8_t*>(DataIfPresent(*o.qt)), static_cast<int32_t*>(DataIfPresent(*o.ec)),
+          o.has_values() ? o.values->untyped_data() : nullptr};
 }
 
-Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumnsBuffers& o) {
+Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumnsBuffers& o, DataType values_type) {
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *o.q, {o.M, o.C}));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", *o.e, {o.M, ScaleBlocks(o.C)}, DataType::S32, "dtype int32"));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *o.qt, {o.C, o.B * kScaleBlock}));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *o.ec, {o.B, o.C}, DataType::S32, "dtype int32"));
+  if (o.columns() != Present(*o.ec)) return Error::InvalidArgument("jaxmlp: qt and ec must both be present or absent");
+  if (o.columns()) {
+    JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *o.qt, {o.C, o.B * kScaleBlock}));
+    JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("ec", *o.ec, {o.B, o.C}, DataType::S32, "dtype int32"));
+  }
+  if (o.has_values()) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("values", *o.values, {o.M, o.C}, values_type, "h's dtype"));
   if (o.B * ScaleBlocks(o.C) > INT32_MAX)
     return Error::InvalidArgument("jaxmlp: too many 128 x 128 blocks for one grid");
-  return Poison(stream, {o.q, o.e, o.qt, o.ec});
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {o.q, o.e, o.qt, o.ec}));  // an absent one: a scalar, harmless
+  return o.has_values() ? Poison(stream, {o.values}) : Error::Success();
 }
 
 Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, AnyBuffer first, AnyBuffer count,
@@ -75,7 +86,7 @@ Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, A
   JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
   RowsAndColumnsBuffers o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
-  JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
+  JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o, v.element_type()));
   return QuantizeRowsAndColumns(stream, device, v.element_type(), v.untyped_data(), Pointers(o));
 }
 
@@ -83,7 +94,8 @@ Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, A
 // is a [M, f] without da, dh [M, F1] with it.
 Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBuffer da, AnyBuffer scales,
                          AnyBuffer first, AnyBuffer count, int32_t act, float alpha, float limit,
-                         Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
+                         Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec,
+                         Result<AnyBuffer> values) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("h", h, 2));
   const DataType t = h.element_type();
@@ -95,9 +107,9 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
     return Error::InvalidArgument("jaxmlp: h must be [M, F1] with F1 = 2 f (gated) or f, f a multiple of 16");
   if (Present(da)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("da", da, {M, f}, t, "h's dtype"));
   if (Present(scales)) JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("scales", scales, {M}, t, "h's dtype"));
-  RowsAndColumnsBuffers o{M, Present(da) ? F1 : f, 0, &first, &count, &*q, &*e, &*qt, &*ec};
+  RowsAndColumnsBuffers o{M, Present(da) ? F1 : f, 0, &first, &count, &*q, &*e, &*qt, &*ec, &*values};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
-  JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o));
+  JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o, t));
   return QuantizeActivationRowsAndColumns(stream, device, t, p, h.untyped_data(), DataIfPresent(da),
                                           DataIfPresent(scales), f, Pointers(o));
 }
@@ -128,8 +140,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockRowsAndColumns, jaxmlp::Fp8BlockRowsAndCol
                                   .Arg<xla::ffi::AnyBuffer>()   // count
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // e
-                                  .Ret<xla::ffi::AnyBuffer>()   // qt
-                                  .Ret<xla::ffi::AnyBuffer>(),  // ec
+                                  .Ret<xla::ffi::AnyBuffer>()   // qt (optional)
+                                  .Ret<xla::ffi::AnyBuffer>(),  // ec (optional)
                               jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockActivation, jaxmlp::Fp8BlockActivation,
@@ -141,8 +153,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockActivation, jaxmlp::Fp8BlockActivation,
                                                               .Arg<xla::ffi::AnyBuffer>())  // count
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // e
-                                  .Ret<xla::ffi::AnyBuffer>()   // qt
-                                  .Ret<xla::ffi::AnyBuffer>(),  // ec
+                                  .Ret<xla::ffi::AnyBuffer>()   // qt (optional)
+                                  .Ret<xla::ffi::AnyBuffer>()   // ec (optional)
+                                  .Ret<xla::ffi::AnyBuffer>(),  // values (optional)
                               jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,

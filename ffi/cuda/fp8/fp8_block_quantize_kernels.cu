@@ -95,6 +95,7 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
 template <typename T>
 struct TensorSource {
   using Value = T;
+  using Stored = T;  // the call's 16-bit (or float32) dtype
   const T* v;
   int64_t C;
   __device__ Vec<T, 8> operator()(int64_t r, int64_t c) const { return Load<T, 8>(v + r * C + c); }
@@ -107,6 +108,7 @@ struct TensorSource {
 template <typename T, Act kAct>
 struct ActivationSource {
   using Value = float;
+  using Stored = T;
   ActParams p;
   const T *h, *da, *scales;
   int64_t f;
@@ -139,7 +141,8 @@ struct ActivationSource {
 // A block per 128-row block b of the columns' layout (first, count) and 128 columns: both the rows' and the
 // columns' quantization of that 128 x 128 region from one read of it. Each row in groups lies in one block
 // b; the rows past the groups, and the blocks past the groups' (no rows), are neither read nor written:
-// no product reads them.
+// no product reads them. Without qt (RowsAndColumns: the rows only) the block ends after the rows; with
+// values, the rows' pass also stores each value rounded to Stored.
 // The region is loaded into shared memory (rows 16-byte aligned: one 16-byte store per 16-byte load; all
 // eight of bf16's loads in flight at once). Rows: a warp per row, four values a lane from one 8-byte read,
 // its maximum by shuffles, and one 4-byte store a lane: a warp writes the row's 128 bytes at once. Columns:
@@ -159,8 +162,10 @@ static_assert(kTileBytes<uint16_t> >= kScaleBlock * kQtPitch * 4);
 template <typename Source>
 __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t M, int64_t C, const int32_t* first,
                                                             const int32_t* count, int64_t B, uint8_t* q, int32_t* e,
-                                                            uint8_t* qt, int32_t* ec) {
+                                                            uint8_t* qt, int32_t* ec,
+                                                            typename Source::Stored* values) {
   using T = typename Source::Value;
+  using Stored = typename Source::Stored;
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kPitch = kTilePitch<T>, kRows = kScaleBlock;
   T* tile = reinterpret_cast<T*>(smem);                    // [128][kPitch]
@@ -205,7 +210,13 @@ __global__ void __launch_bounds__(256, 3) RowsAndColumnsKernel(Source v, int64_t
     const int64_t r = start + i;
     if (lane == 0) e[r * tiles + column_tile] = exp;
     if (lane_in) *reinterpret_cast<uint32_t*>(q + r * C + c0 + 4 * lane) = Quantize4(x, Unscale(exp));
+    if (values && lane_in) {
+      Vec<Stored, 4> rounded;
+      for (int u = 0; u < 4; ++u) rounded.v[u] = Conv<Stored>::From(x[u]);
+      Store<Stored, 4>(values + r * C + c0 + 4 * lane, rounded);
+    }
   }
+  if (!qt) return;  // the rows only (the same for every thread of the grid)
   {  // columns: 128 x 1 blocks, zeros past the block's rows (the tile's rows past `rows` hold zeros)
     constexpr int kQuarter = kScaleBlock / 4;
     const int c = threadIdx.x % (kScaleBlock / 2) * 2, quarter = threadIdx.x / (kScaleBlock / 2);
@@ -260,7 +271,8 @@ ffi::Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Sourc
   });
   if (!allowed) return CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory");
   const unsigned grid = unsigned(o.B * ScaleBlocks(o.C));
-  kernel<<<grid, 256, kTileBytes<T>, stream>>>(v, o.M, o.C, o.first, o.count, o.B, o.q, o.e, o.qt, o.ec);
+  kernel<<<grid, 256, kTileBytes<T>, stream>>>(v, o.M, o.C, o.first, o.count, o.B, o.q, o.e, o.qt, o.ec,
+                                               static_cast<typename Source::Stored*>(o.values));
   return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
 }
 

@@ -22,6 +22,9 @@ namespace jaxmlp {
 // first, count [B] are int32 on the device. Only what the products read is written: the rows the blocks
 // hold (the groups' rows) and the blocks that hold rows; the rest of q, e, qt and ec keeps what it held
 // (the expert-parallel layer's buffers hold up to P times the groups' rows).
+// qt and ec null: the rows only (the weight gradients run in the 16-bit dtype). values, where not null:
+// also v itself [M, C] rounded to the call's 16-bit dtype, in the groups' rows (the activations' a or dh,
+// for those 16-bit weight gradients; null for a tensor quantized as it lies).
 struct RowsAndColumns {
   int64_t M, C, B;
   const int32_t *first, *count;
@@ -29,6 +32,7 @@ struct RowsAndColumns {
   int32_t* e;
   uint8_t* qt;
   int32_t* ec;
+  void* values = nullptr;
 };
 
 // Of v [M, C] as it lies (t: bfloat16, float16 or float32).
