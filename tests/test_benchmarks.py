@@ -264,7 +264,7 @@ def test_host_time_discards_samples_that_waited_for_the_device(monkeypatch):
   assert measure(1.5)["status"] == "not measured"
 
 
-def test_overhead_train_step_is_one_sgd_step_of_the_stack(monkeypatch):
+def test_overhead_train_step_is_one_sgd_step_of_the_stack(monkeypatch, rng):
   """overhead.train_step on jaxmlp (CPU backend, float32, random inputs): the loss <y, dy> of a 2-layer
   stack and the weights after one SGD step, against the float64 NumPy reference chained through the
   layers. The weights are donated; the step returns new ones."""
@@ -274,7 +274,6 @@ def test_overhead_train_step_is_one_sgd_step_of_the_stack(monkeypatch):
   import numpy_reference as ref
   import overhead
 
-  rng = np.random.default_rng()
   E, d, f, M, lr = 4, 32, 48, 96, 2.0 ** -4
   sizes = [40, 0, 30, 20]  # an empty group and 6 padding rows
   x, dy = rng.standard_normal((M, d)), rng.standard_normal((M, d))
@@ -288,7 +287,9 @@ def test_overhead_train_step_is_one_sgd_step_of_the_stack(monkeypatch):
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   loss, new_w1s, new_w2s = overhead.train_step("jaxmlp", lr)(
       [f32(w) for w in w1s], [f32(w) for w in w2s], f32(x), f32(dy), jnp.asarray(sizes, jnp.int32))
-  np.testing.assert_allclose(float(loss), np.vdot(y2, dy), rtol=1e-4)
+  # The loss sums 3072 terms that may cancel (to 0.02 where the terms' magnitudes sum to ~2000): its float32
+  # error is bounded relative to the terms' magnitudes, not to the sum.
+  assert abs(float(loss) - np.vdot(y2, dy)) <= 1e-5 * np.sum(np.abs(y2 * dy)), (float(loss), np.vdot(y2, dy))
   for got, w, g in zip([*new_w1s, *new_w2s], [*w1s, *w2s], [g1["w1"], g2["w1"], g1["w2"], g2["w2"]]):
     np.testing.assert_allclose(np.asarray(got), w - lr * g, rtol=1e-4, atol=1e-5)
 
