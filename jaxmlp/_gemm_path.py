@@ -122,7 +122,8 @@ def padded_buffers(factor: float):
 def expected_rows(M: int) -> int:
   """The rows a grouped_mlp call over a buffer of M rows is expected to have in use (padded_buffers)."""
   factor = _BUFFER_OVER_ROWS.get()
-  return M if factor == 1.0 or not _checks.is_static(M) else int(M / factor)
+  # Rounded, not floored: a factor made as M / rows gives back rows (M / (M / rows) may fall an ulp short).
+  return M if factor == 1.0 or not _checks.is_static(M) else round(M / factor)
 
 
 def fc1_fusable(act, has_b1: bool, f: int) -> bool:

@@ -153,9 +153,10 @@ def test_fp8_exchange_applies_where_the_experts_run_fp8():
   bfloat16 or float32 tokens of a width in 16-byte e4m3 rows; elsewhere the rows go in their dtype."""
   always = jaxmlp.Fp8Recipe("blockwise", when="always")
 
-  def applies(fp8=always, exchange_="all_gather", dtype=jnp.bfloat16, d=D, tokens=64, asked=True, cached=False):
+  def applies(fp8=always, exchange_="all_gather", dtype=jnp.bfloat16, d=D, tokens=64, asked=True, cached=False,
+              chunks=1):
     return expert_parallel.fp8_exchange_applies(asked, fp8, exchange_, jnp.zeros((tokens, d), dtype), top_k=8,
-                                                num_experts=128, devices=4, cached=cached)
+                                                num_experts=128, devices=4, chunks=chunks, cached=cached)
 
   assert applies() and applies(jaxmlp.Fp8Recipe("tensorwise", when="always"), dtype=jnp.float32)
   assert not applies(None) and not applies(asked=False)
@@ -166,6 +167,8 @@ def test_fp8_exchange_applies_where_the_experts_run_fp8():
   tokens = MIN_ROWS_PER_EXPERT["blockwise", False] * 32 * 4 // 8
   assert not applies(faster, tokens=tokens - 4) and applies(faster, tokens=tokens)
   assert applies(faster, tokens=MIN_ROWS_PER_EXPERT["blockwise", True] * 32 * 4 // 8, cached=True)
+  # in chunks, each chunk's rows (as many as the experts' buffers are expected to hold: _padded)
+  assert applies(faster, tokens=2 * tokens, chunks=2) and not applies(faster, tokens=2 * tokens - 8, chunks=2)
 
 
 def test_fp8_exchange_off_where_the_experts_run_bf16(rng):

@@ -362,6 +362,9 @@ def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
   assert _gemm_path.expected_rows(1000) == 1000
   with _gemm_path.padded_buffers(4.0):
     assert _gemm_path.expected_rows(1000) == 250
+  for buffer, rows in ((1000, 480), (1028, 948), (65536, 20480)):  # a factor buffer / rows gives rows (floored: 479)
+    with _gemm_path.padded_buffers(buffer / rows):
+      assert _gemm_path.expected_rows(buffer) == rows, (buffer, rows)
   assert _gemm_path.expected_rows(1000) == 1000
 
 
