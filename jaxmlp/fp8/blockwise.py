@@ -72,13 +72,20 @@ def exponent(amax: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, e, 0).astype(jnp.int32)
 
 
-def _quantize(v: jax.Array, e: jax.Array) -> jax.Array:
-  """v / 2^e rounded to e4m3 (float8_e4m3fn), saturating at +-448 and keeping NaN."""
-  return to_e4m3(jnp.ldexp(v.astype(jnp.float32), -e))
+def times_pow2(v: jax.Array, e: jax.Array) -> jax.Array:
+  """float32 v times 2^e (e int32, one exponent per block, broadcast against v), rounded as jnp.ldexp(v, e)
+  rounds it wherever the result is a normal float32 (and e4m3 rounds every smaller value to 0 alike): two
+  multiplies by powers of two made from e's halves, each a normal float32 for |e| <= 252 (the recipe's
+  exponents lie in [-158, 120]). An ldexp of every element costs XLA's code far more; the CUDA quantizers
+  multiply likewise (ffi/cuda/fp8/fp8_block_quantize_kernels.cu, Unscale)."""
+  half = e // 2
+  pow2 = lambda n: jnp.ldexp(jnp.ones(n.shape, jnp.float32), n)
+  return v * pow2(half) * pow2(e - half)
 
 
-def _dequantize(q: jax.Array, e: jax.Array) -> jax.Array:
-  return jnp.ldexp(q.astype(jnp.float32), e)
+def _quantize(blocks: jax.Array, e: jax.Array) -> jax.Array:
+  """blocks / 2^e rounded to e4m3 (float8_e4m3fn), saturating at +-448 and keeping NaN."""
+  return to_e4m3(times_pow2(blocks, -e))
 
 
 def _pad_to_blocks(v: jax.Array, axis: int) -> jax.Array:
@@ -87,31 +94,43 @@ def _pad_to_blocks(v: jax.Array, axis: int) -> jax.Array:
   return jnp.pad(v.astype(jnp.float32), pad)
 
 
+def row_blocks(v: jax.Array) -> jax.Array:
+  """v [R, C] as float32 1 x 128 blocks [R, ceil(C / 128), 128], zeros past C."""
+  return _pad_to_blocks(v, 1).reshape(v.shape[0], -1, BLOCK)
+
+
 def quantize_rows(v: jax.Array) -> tuple[jax.Array, jax.Array]:
   """1 x 128 blocks along the last axis of v [R, C]: (q [R, C] e4m3, exponents [R, ceil(C / 128)])."""
-  R, C = v.shape
-  blocks = _pad_to_blocks(v, 1).reshape(R, -1, BLOCK)
+  blocks = row_blocks(v)
   e = exponent(jnp.max(jnp.abs(blocks), axis=2))
-  return _quantize(blocks, e[:, :, None]).reshape(R, -1)[:, :C], e
+  return _quantize(blocks, e[:, :, None]).reshape(v.shape[0], -1)[:, :v.shape[1]], e
 
 
 def dequantize_rows(q: jax.Array, e: jax.Array) -> jax.Array:
-  return _dequantize(q, jnp.repeat(e, BLOCK, axis=1)[:, :q.shape[1]])
+  return times_pow2(row_blocks(q), e[:, :, None]).reshape(q.shape[0], -1)[:, :q.shape[1]]
+
+
+def _weight_blocks(w: jax.Array) -> jax.Array:
+  """w [E, K, N] as float32 128 x 128 blocks [E, ceil(K / 128), 128, ceil(N / 128), 128], zeros past K, N."""
+  E, K, N = w.shape
+  return _pad_to_blocks(_pad_to_blocks(w, 1), 2).reshape(E, -1, BLOCK, (N + BLOCK - 1) // BLOCK, BLOCK)
+
+
+def _from_weight_blocks(blocks: jax.Array, K: int, N: int) -> jax.Array:
+  return blocks.reshape(blocks.shape[0], -1, blocks.shape[3] * BLOCK)[:, :K, :N]
 
 
 def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """128 x 128 blocks of each w[g] [K, N]: (q [E, K, N] e4m3, exponents [E, ceil(K / 128), ceil(N / 128)],
   q transposed [E, N, K]: the layout the forward's FP8 products read)."""
-  E, K, N = w.shape
-  blocks = _pad_to_blocks(_pad_to_blocks(w, 1), 2).reshape(E, -1, BLOCK, (N + BLOCK - 1) // BLOCK, BLOCK)
+  blocks = _weight_blocks(w)
   e = exponent(jnp.max(jnp.abs(blocks), axis=(2, 4)))
-  q = _quantize(blocks, e[:, :, None, :, None]).reshape(E, -1, blocks.shape[3] * BLOCK)[:, :K, :N]
+  q = _from_weight_blocks(_quantize(blocks, e[:, :, None, :, None]), *w.shape[1:])
   return q, e, jnp.swapaxes(q, 1, 2)
 
 
 def dequantize_weights(q: jax.Array, e: jax.Array) -> jax.Array:
-  K, N = q.shape[1:]
-  return _dequantize(q, jnp.repeat(jnp.repeat(e, BLOCK, axis=1), BLOCK, axis=2)[:, :K, :N])
+  return _from_weight_blocks(times_pow2(_weight_blocks(q), e[:, :, None, :, None]), *q.shape[1:])
 
 
 def padded_sizes(groups: Groups) -> jax.Array:
@@ -216,7 +235,7 @@ def activation_grad_rows(h, da, scales, groups: Groups, act: Activation):
 
 def dequantize_columns(q: jax.Array, e: jax.Array) -> jax.Array:
   """[L, C] float32 of quantize_columns's (q, exponents): the padded rows, no longer transposed."""
-  return _dequantize(q.T, jnp.repeat(e, BLOCK, axis=0))
+  return times_pow2(q.T.astype(jnp.float32).reshape(-1, BLOCK, q.shape[0]), e[:, None, :]).reshape(-1, q.shape[0])
 
 
 class Primitives(tp.NamedTuple):

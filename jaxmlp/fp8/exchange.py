@@ -27,10 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from . import blockwise
-from .quantize import to_e4m3
 
-BLOCK = blockwise.BLOCK
-INFINITE = 256  # an exponent whose halves' powers of two overflow float32: 2^128 each
+INFINITE = 256  # an exponent whose halves' powers of two overflow float32 (blockwise.times_pow2): 2^128 each
 
 
 def _gathered_e4m3(v, axis):
@@ -43,32 +41,14 @@ def _gathered_e4m3(v, axis):
   packed = jax.lax.all_gather(packed, axis, tiled=True)
   q = jax.lax.bitcast_convert_type(packed[:, :columns], jnp.float8_e4m3fn)
   e = jax.lax.bitcast_convert_type(packed[:, columns:].reshape(packed.shape[0], -1, 4), jnp.int32)
-  return _scaled(q.astype(jnp.float32), e).astype(v.dtype)
+  return blockwise.dequantize_rows(q, e).astype(v.dtype)
 
 
 def _quantized_rows(v):
-  """blockwise.quantize_rows(v) bit for bit: (q [R, C] e4m3, exponents [R, ceil(C / 128)] int32), but for
-  a block holding an infinity, whose exponent is INFINITE (its 2^e, an infinity, makes it non-finite again
-  on arrival)."""
-  rows, columns = v.shape
-  blocks = jnp.pad(v.astype(jnp.float32), ((0, 0), (0, -columns % BLOCK))).reshape(rows, -1, BLOCK)
-  amax = jnp.max(jnp.abs(blocks), axis=2)
-  e = jnp.where(jnp.isinf(amax), INFINITE, blockwise.exponent(amax))
-  q = to_e4m3(_scaled(blocks.reshape(rows, -1), -e))
-  return q[:, :columns], e
-
-
-def _scaled(v, e):
-  """v [R, C] float32 times 2^e of its 1 x 128 block (e [R, ceil(C / 128)]), as jnp.ldexp rounds it. Two
-  multiplies by powers of two made from e's halves, each a normal float32 (e reaches -141 with bfloat16
-  data, past float32's exponents; INFINITE's overflow): an ldexp of every element costs XLA's GPU code far
-  more."""
-  half = e // 2
-
-  def factor(n):
-    return jnp.repeat(jnp.ldexp(jnp.ones(n.shape, jnp.float32), n), BLOCK, axis=1)[:, :v.shape[1]]
-
-  return v * factor(half) * factor(e - half)
+  """blockwise.quantize_rows(v), but for a block holding an infinity, whose exponent is INFINITE (its 2^e,
+  an infinity, makes it non-finite again on arrival)."""
+  q, e = blockwise.quantize_rows(v)
+  return q, jnp.where(jnp.any(jnp.isinf(blockwise.row_blocks(v)), axis=2), INFINITE, e)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
