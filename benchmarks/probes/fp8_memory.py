@@ -1,0 +1,57 @@
+"""Probe (not a benchmark): the device memory a fwd+bwd step plans, bf16 against each FP8 implementation, and
+FP8's excess over bf16 in bytes per expert weight (the FP8 issue asks for at most 1). XLA's memory analysis
+of the compiled step (jax_impls.peak_bytes: arguments, outputs and temporaries), compiled for abstract
+inputs: nothing is allocated, so the issue's 256-expert DeepSeek-V3 layer (256x7168x2048x16384) fits any
+GPU. The cached implementations' arguments hold both e4m3 layouts of the weights beside the weights
+themselves (jaxmlp.Fp8Weights), as a training step that quantizes once per optimizer step holds them.
+On a GPU that runs FP8 (the FP8 implementations lower to the CUDA custom calls).
+
+  python benchmarks/probes/fp8_memory.py [--shapes qwen3,dsv3,256x7168x2048x16384] [--impls ...]
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import cases  # noqa: E402
+import jax_impls  # noqa: E402
+
+IMPLS = ("jaxmlp,jaxmlp_fp8,jaxmlp_fp8_blockwise,jaxmlp_fp8_blockwise_wgrad16,jaxmlp_fp8_cached,"
+         "jaxmlp_fp8_blockwise_cached,jaxmlp_fp8_blockwise_wgrad16_cached")
+
+
+def planned_bytes(impl: str, s: cases.Shape) -> int | None:
+  """peak_bytes of impl's fwd+bwd step at shape s, compiled without autotuning for abstract inputs."""
+  inputs = jax.eval_shape(lambda: jax_impls.impl_inputs(impl, jax_impls.make_inputs(s.E, s.d, s.f, s.M,
+                                                                                     jnp.bfloat16, 0)))
+  sizes = jax.ShapeDtypeStruct((s.E,), jnp.int32)
+  step = jax.jit(jax_impls.forward_backward(jax_impls.forward(impl)))
+  return jax_impls.peak_bytes(step.lower(*inputs, sizes).compile(compiler_options=jax_impls.NO_AUTOTUNING))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", default="qwen3,gptoss,dsv3,mixtral,256x7168x2048x16384")
+  p.add_argument("--impls", default=IMPLS, help="comma-separated, the first the baseline (default %(default)s)")
+  a = p.parse_args()
+  impls = a.impls.split(",")
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: planned device memory of a fwd+bwd step, GB "
+        f"(bytes per expert weight over {impls[0]})\n")
+  print("| shape | " + " | ".join(impls) + " |")
+  print("|---" * (len(impls) + 1) + "|")
+  for name in a.shapes.split(","):
+    s = cases.shape_named(name)
+    weights = s.E * s.d * 3 * s.f  # w1 [E, d, 2f] and w2 [E, f, d]
+    planned = {impl: planned_bytes(impl, s) for impl in impls}
+    base = planned[impls[0]]
+    cells = [f"{planned[impls[0]] / 1e9:.2f}"] + [
+        f"{planned[i] / 1e9:.2f} ({(planned[i] - base) / weights:+.2f})" for i in impls[1:]]
+    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
