@@ -22,7 +22,7 @@
 // epilogue; kGrad adds a second one, which fits in what those stages leave (Grouped's static_assert).
 //
 // The ping-pong kernel runs the two consumer warpgroups' epilogues one after the other (its order barrier),
-// so they share the staging buffer.
+// so they share the staging buffer; in GatherSplitN (kTwoStagings) both run at once, each with its own.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +38,7 @@ namespace jaxmlp::cutlass_detail {
 
 // Base: the ptr-array TMA epilogue that CUTLASS's builder makes for the kernel (its pipelines and shared
 // storage types are kept, so the kernel drives this as it would drive Base; its stores are replaced).
-template <class Base, bool kGrad>
+template <class Base, bool kGrad, bool kTwoStagings = false>
 struct GatedEpilogue : Base {
   using T = typename Base::ElementD;
   using typename Base::LoadPipeline;
@@ -51,10 +51,13 @@ struct GatedEpilogue : Base {
   // c ^ (r % 8): conflict-free for the 4-byte accesses (8 rows, 4 columns each) and the 16-byte ones (one
   // row a quarter warp). The first staging buffer is Base's shared memory for C and D; kGrad adds a second
   // (the gate and the up piece side by side), which the 6 main-loop stages leave room for (Grouped checks).
+  // kTwoStagings: the second consumer warpgroup's is the second half of Base's shared memory.
   static constexpr int kWarps = 4, kRows = 32, kCols = 64, kChunk = 8;
   using Staging = T[kWarps][kRows][kCols];
   static_assert(sizeof(Staging) <= sizeof(Base::TensorStorage::collective),
                 "Base's shared memory holds no staging");
+  static_assert(!kTwoStagings || (!kGrad && 2 * sizeof(Staging) <= sizeof(Base::TensorStorage::collective)),
+                "Base's shared memory holds no second staging");
   struct GradStorage : Base::TensorStorage {
     alignas(128) Staging second;
   };
@@ -101,8 +104,9 @@ struct GatedEpilogue : Base {
            (!kGrad || (args.dh && aligned(args.dh)));
   }
 
-  CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& storage)
-      : Base(params, storage), p_(params), staging_(*reinterpret_cast<Staging*>(&storage.collective)) {
+  // consumer: the consumer warpgroup (kTwoStagings: the second stages its tiles in the second buffer).
+  CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& storage, int consumer = 0)
+      : Base(params, storage), p_(params), staging_(StagingOf(storage, consumer)) {
     if constexpr (kGrad) second_ = &storage.second;
   }
 
@@ -113,7 +117,7 @@ struct GatedEpilogue : Base {
     return state;
   }
 
-  // No descriptors: the kernel's tensormap hooks do nothing (and GatherPingpong, which calls none, may run it).
+  // No descriptors: the kernel's tensormap hooks do nothing (and GatherSplitN, which calls none, may run it).
   static constexpr bool kNoDescriptors = true;
   CUTLASS_DEVICE auto store_init(typename Base::Params const&, TensorMapStorage&, int32_t, int32_t, int32_t) {
     return cute::make_tuple(static_cast<cute::TmaDescriptor*>(nullptr));
@@ -163,6 +167,7 @@ struct GatedEpilogue : Base {
     };
     const int64_t f = p_.f, ldh = 2 * f, n = get<1>(tile);
     if constexpr (!kGrad) {
+      if (64 * n >= f) return make_tuple(load_state, store_state);  // GatherSplitN: a last tile's second half
       Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2, v0)); }, p_.h + 64 * n, ldh);
       Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8, v0)); }, p_.h + f + 64 * n, ldh);
       // From h as stored (rounded), as ActivationForward computes it.
@@ -293,6 +298,10 @@ struct GatedEpilogue : Base {
   }
 
   Params const& p_;
+  CUTLASS_HOST_DEVICE static Staging& StagingOf(TensorStorage& storage, int consumer) {
+    return reinterpret_cast<Staging*>(&storage.collective)[kTwoStagings ? consumer : 0];
+  }
+
   Staging& staging_;
   Staging* second_ = nullptr;  // kGrad
 };

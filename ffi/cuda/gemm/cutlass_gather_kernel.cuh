@@ -1,17 +1,21 @@
 // The engine's kernel for a product whose A rows are gathered by cp.async (VarlenMainloop's kGatherA: FC1 of
 // the MoE layer, its rows tokens of x chosen by the dispatch plan).
 //
-// CUTLASS 4.2's ptr-array ping-pong kernel fixes the roles of its producer warpgroup's four warps (main-loop
-// loads, auxiliary loads, epilogue loads, the tile schedule), so one warp loads A, and one warp's cp.async
-// copies cannot keep pace with the wgmma main loop where four can (docs/performance.md, "Rows gathered in
-// FC1's loads"). GatherPingpong is that kernel's types, parameters and host side (it derives from it) with a
-// device body of its own:
+// CUTLASS 4.2's ptr-array kernels fix the roles of their producer warpgroup's four warps (main-loop loads,
+// auxiliary loads, epilogue loads, the tile schedule), so one warp loads A, and one warp's cp.async copies
+// cannot keep pace with the wgmma main loop where four can (docs/performance.md, "Rows gathered in FC1's
+// loads"). Even four do not in the GEMM with 128x128 tiles, so GatherSplitN also halves A's bytes a FLOP:
+// a 128x256 tile whose two consumer warpgroups split N, each a 128x128 product over the same A stage (the
+// main loop's TiledMma lays its warpgroups along N; B's stage holds 64-column gate and up pieces in turn,
+// so each warpgroup's 128 columns are gate and up columns for the gated epilogue). It is CUTLASS's
+// ptr-array cooperative kernel's types, parameters and host side (it derives from it) with a device body of
+// its own:
 //   - the producer warpgroup: all 128 threads call the main loop's load for every tile (A's share of each
 //     thread, B by thread 0's TMA); warp 3 also publishes the tile schedule (CUTLASS's group scheduler, whose
 //     work-tile pipeline every other warp consumes), the next tile's before it loads the current one, so no
 //     warp waits on its loads for the schedule;
-//   - the two consumer warpgroups as in the ping-pong kernel: they take tiles in turn, one's epilogue under
-//     the other's main loop (the math order barrier).
+//   - the two consumer warpgroups: both consume every stage, then each stores its 128 columns through its
+//     own staging buffer (GatedEpilogue's kTwoStagings), as the 128x128 tile 2 n + warpgroup.
 // The epilogue must load no source and write through no descriptors (GatedEpilogue: kNoDescriptors): there is
 // no epilogue load warp here, and no descriptor is updated between groups.
 #pragma once
@@ -23,10 +27,10 @@
 
 namespace jaxmlp::cutlass_detail {
 
-// Base: cutlass::gemm::kernel::GemmUniversal of a ptr-array ping-pong schedule, its main loop a VarlenMainloop
-// with kGatherA.
+// Base: cutlass::gemm::kernel::GemmUniversal of a ptr-array cooperative schedule, its main loop a
+// VarlenMainloop with kGatherA whose TiledMma lays two warpgroups along N.
 template <class Base>
-struct GatherPingpong : Base {
+struct GatherSplitN : Base {
   using typename Base::ClusterShape;
   using typename Base::CollectiveEpilogue;
   using typename Base::CollectiveMainloop;
@@ -35,15 +39,20 @@ struct GatherPingpong : Base {
   using typename Base::TileScheduler;
   using typename Base::TileShape;
   using typename Base::TiledMma;
-  static_assert(Base::NumMmaWarpGroups == 2 && cute::size(TiledMma{}) == cutlass::NumThreadsPerWarpGroup,
+  static_assert(Base::NumMmaWarpGroups == 2 && cute::size(TiledMma{}) == 2 * cutlass::NumThreadsPerWarpGroup,
                 "two consumer warpgroups of 128 threads, one producer warpgroup");
+  static constexpr int kBlkM = cute::size<0>(TileShape{}), kBlkN = cute::size<1>(TileShape{});
+  static_assert(kBlkM == 128 && kBlkN == 256, "each consumer warpgroup's epilogue takes a 128x128 tile");
+  // The tile each consumer warpgroup's epilogue sees: its 128 columns.
+  using ConsumerTile = cute::Shape<cute::_128, cute::_128, cute::_64>;
   static_assert(CollectiveMainloop::NumProducerThreadEvents == 1 + cutlass::NumThreadsPerWarpGroup,
                 "the main loop's stages count the producer warpgroup's cp.async arrivals");
   static_assert(CollectiveEpilogue::kNoDescriptors, "the epilogue loads no source and updates no descriptor");
 
   // The producer warps hold their rows' tokens beside the copies' addresses: at CUTLASS's 40 registers they
-  // spill, at 56 not; the consumers get 224 of CUTLASS's 232 (the register file holds 128 x 56 + 256 x 224;
-  // bfloat16's consumers spill nothing there, float16's epilogue a little more than at 232).
+  // spill (in the 128x128 ping-pong version, which this replaced), at 56 not; the consumers get 224 of
+  // CUTLASS's 232 (the register file holds 128 x 56 + 256 x 224). ptxas reports 64-80 bytes of spills for
+  // bfloat16's consumers here, more for float16's; what they cost is not measured apart.
   static constexpr uint32_t kLoadRegisters = 56;
   static constexpr uint32_t kMmaRegisters = 224;
   static constexpr int kScheduleWarp = 3;
@@ -55,17 +64,15 @@ struct GatherPingpong : Base {
     using SchedulePipeline = typename TileScheduler::Pipeline;
     using EpiLoadPipeline = typename CollectiveEpilogue::LoadPipeline;
     using EpiStorePipeline = typename CollectiveEpilogue::StorePipeline;
-    enum class Role { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
 
     SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int thread = int(threadIdx.x), group_thread = thread % cutlass::NumThreadsPerWarpGroup;
     const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
-    const Role role = Role(cutlass::canonical_warp_group_idx());
-    const bool producer = role == Role::kProducer, schedules = producer && warp_in_group == kScheduleWarp;
+    const bool producer = cutlass::canonical_warp_group_idx() == 0;
+    const bool schedules = producer && warp_in_group == kScheduleWarp;
 
     TileScheduler scheduler{params.scheduler, shared.scheduler_response};
     CollectiveMainloop mainloop;
-    CollectiveEpilogue epilogue(params.epilogue, shared.tensors.epilogue);
 
     // The schedule: produced by warp 3, consumed by the other three producer warps and both consumers.
     typename SchedulePipeline::Params schedule_params;
@@ -80,7 +87,7 @@ struct GatherPingpong : Base {
     mainloop_params.role = producer ? MainloopPipeline::ThreadCategory::Producer
                                     : MainloopPipeline::ThreadCategory::Consumer;
     mainloop_params.is_leader = producer && group_thread == 0;
-    mainloop_params.num_consumers = cutlass::NumThreadsPerWarpGroup;
+    mainloop_params.num_consumers = cute::size(TiledMma{});
     mainloop_params.num_producers = CollectiveMainloop::NumProducerThreadEvents;
     mainloop_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
     MainloopPipeline mainloop_pipeline(shared.pipelines.mainloop, mainloop_params, ClusterShape{});
@@ -91,16 +98,11 @@ struct GatherPingpong : Base {
                                     : EpiLoadPipeline::ThreadCategory::Consumer;
     epi_load_params.dst_blockid = block_rank_in_cluster();
     epi_load_params.producer_arv_count = cutlass::NumThreadsPerWarp;
-    epi_load_params.consumer_arv_count = cutlass::NumThreadsPerWarpGroup;
+    epi_load_params.consumer_arv_count = cute::size(TiledMma{});
     EpiLoadPipeline epi_load_pipeline(shared.pipelines.epi_load, epi_load_params);
     typename EpiStorePipeline::Params epi_store_params;
     epi_store_params.always_wait = true;
     EpiStorePipeline epi_store_pipeline(epi_store_params);
-
-    typename Base::MathWarpGroupOrderBarrier::Params order_params;
-    order_params.group_id = int(role) - int(Role::kConsumer0);
-    order_params.group_size = cutlass::NumThreadsPerWarpGroup;
-    typename Base::MathWarpGroupOrderBarrier math_order(shared.pipelines.math_wg_order, order_params);
 
     // Every pipeline's barriers initialized before any thread of the cluster uses them.
     if constexpr (size(ClusterShape{}) > 1) {
@@ -161,50 +163,31 @@ struct GatherPingpong : Base {
     }
 
     cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
+    // The TiledMma's warpgroup of this thread (thread % 256, as CUTLASS's kernels number the consumers'
+    // threads: warpgroup 1 of the block is the TiledMma's second), whose 128 columns it holds.
+    const int mma_thread = thread % size(TiledMma{}), consumer = mma_thread / cutlass::NumThreadsPerWarpGroup;
+    CollectiveEpilogue epilogue(params.epilogue, shared.tensors.epilogue, consumer);
     TiledMma tiled_mma;
-    const int mma_thread = thread % size(TiledMma{});
-    const auto c_tiles = CollectiveEpilogue::get_load_pipe_increment(tile);
-    const auto d_tiles = CollectiveEpilogue::get_store_pipe_increment(tile);
     typename CollectiveMainloop::PipelineState stage;
     typename CollectiveEpilogue::LoadPipelineState epi_load_state;
     auto epi_store_state = cutlass::make_producer_start_state<EpiStorePipeline>();
     const auto descriptors = get<0>(epilogue.store_init(params.epilogue, shared.tensormaps.epilogue, 0, 0, 0));
-    // The consumers take the schedule's tiles in turn: consumer 1 starts at its second.
-    if (role == Role::kConsumer1) {
-      stage.advance(TileScheduler::get_work_k_tile_count(work, problem, tile));
-      epi_load_state.advance(c_tiles);
-      epi_store_state.advance(d_tiles);
-      work = fetch(work);
-      if (!work.is_valid()) return;
-    }
     do {
       problem = problem_of(work.L_idx);
       const int k_count = TileScheduler::get_work_k_tile_count(work, problem, tile);
-      auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(tile));  // (MMA, MMA_M, MMA_N)
-      math_order.wait();
+      // This warpgroup's 128 x 128 accumulators (the TiledMma's warpgroups lie along N).
+      auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(tile));
       mainloop.mma(mainloop_pipeline, stage, accumulators, k_count, mma_thread, shared.tensors.mainloop,
                    params.mainloop);
-      math_order.arrive();
       mainloop.mma_tail(mainloop_pipeline, stage, k_count);
-      math_order.wait();
       stage.advance(k_count);
       auto [epi_load_next, epi_store_next] = epilogue.store(
-          epi_load_pipeline, epi_load_state, epi_store_pipeline, epi_store_state, problem, tile,
-          make_coord(work.M_idx, work.N_idx, _, work.L_idx), accumulators, tiled_mma, mma_thread,
-          shared.tensors.epilogue, descriptors);
-      // The other consumer's tile: skipped here, its k-tiles in the main loop's stages.
+          epi_load_pipeline, epi_load_state, epi_store_pipeline, epi_store_state, problem, ConsumerTile{},
+          make_coord(work.M_idx, 2 * work.N_idx + consumer, _, work.L_idx), accumulators, tiled_mma,
+          group_thread, shared.tensors.epilogue, descriptors);
+      epi_load_state = epi_load_next;
+      epi_store_state = epi_store_next;
       work = fetch(work);
-      if (work.is_valid()) {
-        stage.advance(TileScheduler::get_work_k_tile_count(work, problem_of(work.L_idx), tile));
-        work = fetch(work);
-      }
-      auto [epi_load_tail, epi_store_tail] =
-          epilogue.store_tail(epi_load_pipeline, epi_load_next, epi_store_pipeline, epi_store_next);
-      epi_load_state = epi_load_tail;
-      epi_store_state = epi_store_tail;
-      epi_load_state.advance(c_tiles);
-      epi_store_state.advance(d_tiles);
-      math_order.arrive();  // the other consumer's epilogue may start
     } while (work.is_valid());
 #endif
   }

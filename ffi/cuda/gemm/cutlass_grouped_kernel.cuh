@@ -50,6 +50,37 @@ struct Pingpong128x128NoCluster : Pingpong128x128 {
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
 constexpr int64_t kSmallExpertWeights = int64_t(4) << 20;
+
+// The gathered FC1's configuration (GatherSplitN): 128x256 tiles, the two consumer warpgroups side by side
+// along N over the same A stage (CUTLASS's cooperative kernel's host side), with and without the cluster.
+struct SplitN128x256 {
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct SplitN128x256NoCluster : SplitN128x256 {
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+
+// Collective with its TiledMma replaced (the builder lays a cooperative kernel's warpgroups along M).
+template <class Collective, class TiledMma>
+struct WithTiledMma;
+template <class Policy, class Tile, class EA, class SA, class EB, class SB, class Old, class GA, class LA, class CA,
+          class XA, class GB, class LB, class CB, class XB, class TiledMma>
+struct WithTiledMma<cutlass::gemm::collective::CollectiveMma<Policy, Tile, EA, SA, EB, SB, Old, GA, LA, CA, XA, GB, LB,
+                                                             CB, XB>,
+                    TiledMma> {
+  using type = cutlass::gemm::collective::CollectiveMma<Policy, Tile, EA, SA, EB, SB, TiledMma, GA, LA, CA, XA, GB, LB,
+                                                        CB, XB>;
+};
+// Two warpgroups along N, each 64x128 wgmma atoms (twice along M for its 128 x 128): A K-major, B N-major
+// (row-major A [rows, K] and B [K, N]: the gathered FC1's kNN).
+template <typename T>
+using SplitNTiledMma = decltype(cute::make_tiled_mma(
+    cute::SM90::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::_128, cute::_64>,
+                                     cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+    cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
 inline bool WithoutCluster(const CutlassLaunch& l) {
   constexpr int64_t kTileRows = cute::size<0>(Pingpong128x128::Tile{});
   return l.rows <= kTileRows * l.E || l.K * l.N <= kSmallExpertWeights;
@@ -61,7 +92,7 @@ inline bool WithoutCluster(const CutlassLaunch& l) {
 enum class Fusion { kNone, kGatedFc1, kGatedDgrad };
 
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged;
-// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherPingpong).
+// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherSplitN).
 template <typename T, typename LayoutA, typename LayoutB, typename Config, Fusion kFusion = Fusion::kNone,
           bool kGather = false>
 struct Grouped {
@@ -72,7 +103,7 @@ struct Grouped {
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
   using Epilogue = cute::conditional_t<kFusion == Fusion::kNone, TmaEpilogue,
-                                       GatedEpilogue<TmaEpilogue, kFusion == Fusion::kGatedDgrad>>;
+                                       GatedEpilogue<TmaEpilogue, kFusion == Fusion::kGatedDgrad, kGather>>;
   using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
       typename Config::Tile, typename Config::Cluster,
@@ -80,16 +111,21 @@ struct Grouped {
           sizeof(typename TmaEpilogue::SharedStorage) + sizeof(typename Epilogue::TensorStorage) -
           sizeof(typename TmaEpilogue::TensorStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using Mainloop = VarlenMainloop<PtrArrayMainloop, /*kSplitB=*/kFusion == Fusion::kGatedFc1, kGather>;
+  using BuiltMainloop = cute::conditional_t<kGather, typename WithTiledMma<PtrArrayMainloop, SplitNTiledMma<T>>::type,
+                                            PtrArrayMainloop>;
+  using Mainloop = VarlenMainloop<BuiltMainloop, /*kSplitB=*/kFusion == Fusion::kGatedFc1, kGather>;
   using UniversalKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  // Gathered rows: the same kernel with its whole producer warpgroup loading (cutlass_gather_kernel.cuh).
-  static_assert(!kGather || kFusion == Fusion::kGatedFc1, "only the gated FC1 gathers its rows");
-  using Kernel = cute::conditional_t<kGather, GatherPingpong<UniversalKernel>, UniversalKernel>;
+  // Gathered rows: the cooperative kernel's host side with a device body of our own (cutlass_gather_kernel.cuh).
+  static_assert(!kGather || (kFusion == Fusion::kGatedFc1 && cute::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
+                             cute::is_same_v<LayoutB, cutlass::layout::RowMajor>),
+                "only the gated FC1 (kNN) gathers its rows");
+  using Kernel = cute::conditional_t<kGather, GatherSplitN<UniversalKernel>, UniversalKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr Fusion kFuses = kFusion;
   // The gated epilogues' staging leaves the main loop the stages it has without them (6): FC1's lives in
   // Base's shared memory; the data gradient's second buffer (16 KB) fits in the ~17 KB the 6 stages leave.
-  static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= 6, "the epilogue's shared memory costs main-loop stages");
+  static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= (kGather ? 4 : 6),
+                "the epilogue's shared memory costs main-loop stages");
 };
 
 // The setup kernel writes one int64 leading dimension of D per group, and three int32 per problem: the
@@ -168,8 +204,13 @@ template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = c
           bool kGather = false>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, Pingpong128x128NoCluster, kFusion, kGather>(l, nt);
-  return LaunchTypes<LayoutA, LayoutB, Pingpong128x128, kFusion, kGather>(l, nt);
+  if constexpr (kGather) {
+    if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, SplitN128x256NoCluster, kFusion, kGather>(l, nt);
+    return LaunchTypes<LayoutA, LayoutB, SplitN128x256, kFusion, kGather>(l, nt);
+  } else {
+    if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, Pingpong128x128NoCluster, kFusion, kGather>(l, nt);
+    return LaunchTypes<LayoutA, LayoutB, Pingpong128x128, kFusion, kGather>(l, nt);
+  }
 }
 
 }  // namespace jaxmlp

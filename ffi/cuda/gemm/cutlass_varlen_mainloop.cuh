@@ -10,14 +10,15 @@
 //      problem's M is M_g). TMA bounds every load by the descriptors, whatever the offsets hold.
 //   B: one 3-D descriptor over the groups' matrices (N, K, groups), a tile of group g at batch coordinate g.
 //      With kSplitB (a gated FC1, whose epilogue pairs each gate column with its up column), output tile n
-//      is two half tiles of B's columns, [n BLK_N/2, +BLK_N/2) (gate) and [up + n BLK_N/2, +BLK_N/2) (up,
-//      Arguments::up_column), loaded into the two halves of the stage's B tile, so that accumulator columns
-//      j and j + BLK_N/2 are a gate column and its up column.
+//      is pairs of 64-column pieces of B, gate [64 i, +64) and up [up + 64 i, +64) (Arguments::up_column)
+//      for i = BLK_N / 128 n + j, j < BLK_N / 128, loaded into the stage as gate, up, gate, up, ...: within
+//      each 128 columns of the tile (a warpgroup's, in the 128x256 kernel), accumulator columns c and c + 64
+//      are a gate column and its up column.
 //   With kGatherA (FC1 of the MoE layer, whose rows are tokens of x chosen by the dispatch plan), A is the
 //      tokens (sources, K) and row r of the product is token gather[r] / gather_div of it (the plan's choice
 //      t k + j: token t), zeros where gather[r] < 0 (padding) or the token is past the tokens: no gathered
 //      copy of the rows is ever written. Hopper's TMA cannot gather rows, so the producer warpgroup's 128
-//      threads load A's tiles by cp.async (GatherPingpong, cutlass_gather_kernel.cuh, calls load with all
+//      threads load A's tiles by cp.async (GatherSplitN, cutlass_gather_kernel.cuh, calls load with all
 //      of them), thread 0 also B's by TMA: each stage's full barrier then completes on 1 + 128 arrivals
 //      (NumProducerThreadEvents, which the kernel reads), thread 0's with B's transaction bytes alone and
 //      each thread's when its copies have landed (cp.async.mbarrier.arrive.noinc), as CUTLASS's
@@ -88,21 +89,22 @@ struct VarlenMainloop : Base {
     return s;
   }
 
-  // kSplitB: B's loads are half tiles (BLK_N / 2 columns) into the two halves of a stage. The halves must be
-  // contiguous in shared memory, as CUTLASS lays out an N-major B (its atoms along K first): then the second
-  // half starts a whole number of swizzle periods in, and one half-tile layout serves both.
+  // kSplitB: B's loads are 64-column pieces into consecutive pieces of a stage. They must be contiguous in
+  // shared memory, as CUTLASS lays out an N-major B (its 64-column swizzle atoms along K first): then each
+  // piece starts a whole number of swizzle periods in, and one piece layout serves all.
   static constexpr int kBlkN = cute::size<1>(TileShape{}), kBlkK = cute::size<2>(TileShape{});
   static constexpr int kStages = cute::size<2>(SmemLayoutB{});
   static constexpr int kBlkM = cute::size<0>(TileShape{});
-  using BTileShape = cute::conditional_t<kSplitB, cute::Shape<cute::Int<kBlkM>, cute::Int<kBlkN / 2>, cute::Int<kBlkK>>,
-                                         TileShape>;
+  static constexpr int kPieceN = kSplitB ? 64 : kBlkN, kPieces = kBlkN / kPieceN;
+  using BTileShape = cute::Shape<cute::Int<kBlkM>, cute::Int<kPieceN>, cute::Int<kBlkK>>;
   using SmemLayoutBLoad = cute::conditional_t<kSplitB,
       decltype(cute::composition(SmemLayoutB{}, cute::make_layout(
-          cute::make_shape(cute::Int<kBlkN / 2>{}, cute::Int<kBlkK>{}, cute::Int<kStages>{}),
+          cute::make_shape(cute::Int<kPieceN>{}, cute::Int<kBlkK>{}, cute::Int<kStages>{}),
           cute::make_stride(cute::_1{}, cute::Int<kBlkN>{}, cute::Int<kBlkN * kBlkK>{})))),
       SmemLayoutB>;
-  static constexpr int kHalfB = kBlkN / 2 * kBlkK;  // elements of one half of a stage
-  static_assert(!kSplitB || SmemLayoutB{}(kBlkN / 2, 0, 0) == kHalfB, "B's halves are not contiguous in a stage");
+  static constexpr int kPieceB = kPieceN * kBlkK;  // elements of one piece of a stage
+  static_assert(!kSplitB || (kBlkN % 128 == 0 && SmemLayoutB{}(kPieceN, 0, 0) == kPieceB),
+                "B's pieces are not contiguous in a stage");
 
   // kGatherA: the producer warpgroup's cp.async arrivals and thread 0's; else the leader's alone.
   static constexpr int kGatherThreads = cutlass::NumThreadsPerWarpGroup;
@@ -135,7 +137,7 @@ struct VarlenMainloop : Base {
     int64_t groups, ldb;
     int64_t N, K;               // CUTLASS's N and K of every group
     int64_t const* offsets;     // [groups] the first row of each group in A (device)
-    int64_t up_column = 0;      // kSplitB: the first up column of B (a multiple of BLK_N / 2)
+    int64_t up_column = 0;      // kSplitB: the first up column of B (a multiple of 64)
     int32_t const* gather = nullptr;  // kGatherA: [rows] each row's source (any values; see above)
     int32_t gather_div = 1;           // kGatherA: row r is token gather[r] / gather_div of A
     int64_t sources = 0;              // kGatherA: A's rows (tokens)
@@ -146,7 +148,7 @@ struct VarlenMainloop : Base {
     TmaB tma_b;
     int32_t rows, N, K, groups;
     int64_t const* offsets;
-    int32_t up_tile;  // kSplitB: up_column in half tiles
+    int32_t up_piece;  // kSplitB: up_column in 64-column pieces
     ElementA const* A;  // kGatherA: the tokens, leading dimension lda
     int64_t lda;
     int32_t const* gather;
@@ -167,7 +169,7 @@ struct VarlenMainloop : Base {
     p.tma_transaction_bytes = kGatherA ? kTmaBytesB : Base::TmaTransactionBytes;
     p.rows = int32_t(args.rows), p.N = int32_t(args.N), p.K = int32_t(args.K), p.groups = int32_t(args.groups);
     p.offsets = args.offsets;
-    p.up_tile = int32_t(args.up_column / (kBlkN / 2));
+    p.up_piece = int32_t(args.up_column / kPieceN);
     p.A = args.A, p.lda = args.lda, p.gather = args.gather, p.gather_div = args.gather_div;
     p.sources = int32_t(args.sources);
     return p;
@@ -194,14 +196,14 @@ struct VarlenMainloop : Base {
            args.lda % kA == 0 && args.ldb % kB == 0 && args.offsets != nullptr &&
            extent(args.rows, INT32_MAX - kRowSlack) && extent(args.groups, INT32_MAX) && extent(args.N, INT32_MAX) &&
            extent(args.K, INT32_MAX) &&
-           (!kSplitB || (args.up_column > 0 && args.up_column % (kBlkN / 2) == 0 && args.N == 2 * args.up_column)) &&
+           (!kSplitB || (args.up_column > 0 && args.up_column % kPieceN == 0 && args.N == 2 * args.up_column)) &&
            (!kGatherA || (args.gather != nullptr && args.gather_div >= 1 && extent(args.sources, INT32_MAX)));
   }
 
   // The tiled coordinate tensors of group `group`, whose rows start at row `row` of A: (BLK_M, BLK_K, m, k, 1)
   // and (BLK_N, BLK_K, n, k, groups) with the origin moved to batch `group`, so that the kernel's slice at
   // batch 0 (it passes the group's index to the epilogue only) is the group's. The kernel reads the tile
-  // counts of these two; the loads read the third, B in the tiles it loads (half tiles with kSplitB), and
+  // counts of these two; the loads read the third, B in the tiles it loads (pieces with kSplitB), and
   // with kGatherA the group's rows [row, row_end).
   CUTLASS_DEVICE static auto Tiles(Params const& p, int32_t row, int32_t group, int32_t row_end) {
     using namespace cute;
@@ -241,7 +243,7 @@ struct VarlenMainloop : Base {
 
   // The producer: k_tile_count k-tiles of the tile at blk_coord (m, n, _, 0) into the pipeline's stages, A and
   // B of one stage behind one transaction barrier. CUTLASS's kernel calls it with the whole producer warp
-  // (`thread` its lane): one elected thread issues the TMA copies. With kGatherA GatherPingpong calls it with
+  // (`thread` its lane): one elected thread issues the TMA copies. With kGatherA GatherSplitN calls it with
   // the whole producer warpgroup (`thread` 0 to 127): thread 0, the pipeline's leader, which arrives with the
   // transaction bytes, issues B's copies, every thread its share of A's.
   template <class Inputs, class TensorMaps, class KTileIterator, class BlockCoord>
@@ -252,8 +254,6 @@ struct VarlenMainloop : Base {
     const bool issues_tma = kGatherA ? thread == 0 : bool(elect_one_sync());
     if (!kGatherA && !issues_tma) return;
     Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-    // (BLK_N, BLK_K, PIPE), or with kSplitB its first half (BLK_N / 2, BLK_K, PIPE)
-    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), SmemLayoutBLoad{});
     constexpr uint32_t cluster_m = size<0>(ClusterShape{});
     const uint32_t in_m = block_rank_in_cluster % cluster_m, in_n = block_rank_in_cluster / cluster_m;
     auto tma_a = p.tma_a.get_slice(in_n);
@@ -261,11 +261,16 @@ struct VarlenMainloop : Base {
     auto [m, n, k, l] = blk_coord;
     Tensor tAgA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA, TMA_M, TMA_K, k)
     Tensor tAsA = tma_a.partition_D(sA);                             // (TMA, TMA_M, TMA_K, PIPE)
-    Tensor tBgB = tma_b.partition_S(get<2>(inputs)(_, _, n, _, l));
-    Tensor tBsB = tma_b.partition_D(sB);
-    // kSplitB: the up half, from half tile n + up_tile into the stage's second half.
-    Tensor tBgB_up = tma_b.partition_S(get<2>(inputs)(_, _, kSplitB ? n + p.up_tile : n, _, l));
-    Tensor tBsB_up = tma_b.partition_D(make_tensor(make_smem_ptr(storage.smem_B.data() + kHalfB), SmemLayoutBLoad{}));
+    // Piece q of the stage's B: the whole tile n, or with kSplitB gate piece kPieces / 2 n + q / 2 (even q) or
+    // the up piece of the same gate columns (odd q).
+    const int n_tile = int(n), l_tile = int(l);  // (a lambda may not capture structured bindings in C++17)
+    const auto tBgB = [&](int q) {
+      const int piece = kSplitB ? (q % 2 ? p.up_piece : 0) + kPieces / 2 * n_tile + q / 2 : n_tile;
+      return tma_b.partition_S(get<2>(inputs)(_, _, piece, _, l_tile));
+    };
+    const auto tBsB = [&](int q) {
+      return tma_b.partition_D(make_tensor(make_smem_ptr(storage.smem_B.data() + q * kPieceB), SmemLayoutBLoad{}));
+    };
     // A tile of A is shared by the cluster's CTAs of the same M (along N), one of B by those of the same N.
     uint16_t mask_a = 0, mask_b = 0;
     auto cluster = Layout<ClusterShape>{};  // (m, n) -> block rank
@@ -293,9 +298,9 @@ struct VarlenMainloop : Base {
       if (issues_tma) {
         if constexpr (!kGatherA)
           copy(p.tma_a.with(*barrier, mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage.index()));
-        copy(p.tma_b.with(*barrier, mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage.index()));
-        if constexpr (kSplitB)
-          copy(p.tma_b.with(*barrier, mask_b), tBgB_up(_, _, _, *k_tile_iter), tBsB_up(_, _, _, stage.index()));
+        CUTLASS_PRAGMA_UNROLL
+        for (int q = 0; q < kPieces; ++q)
+          copy(p.tma_b.with(*barrier, mask_b), tBgB(q)(_, _, _, *k_tile_iter), tBsB(q)(_, _, _, stage.index()));
       }
       if constexpr (kGatherA) {
         // Each row is read once (L2 only: .cg); the swizzled stage (sA) places each chunk.
