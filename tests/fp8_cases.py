@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import check_close, max_error, rel_error
+from conftest import check_close, check_padding_rows_zero, max_error, rel_error
 
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
@@ -89,3 +89,14 @@ def blockwise_primitive(name, *static):
   """One of the blockwise recipe's quantizers, CUDA's kernel on a GPU and the JAX definition on the CPU."""
   cpu, cuda = (getattr(p, name) for p in (blockwise.emulated_primitives(None), fp8_cuda.BLOCKWISE_PRIMITIVES))
   return lambda *a: jax.lax.platform_dependent(*a, cpu=lambda *a: cpu(*a, *static), cuda=lambda *a: cuda(*a, *static))
+
+
+def check_against_model(y, grads, want_y, want, args, platform, M, sizes):
+  """y and every gradient of `run` against the NumPy model's (check_recipe), each in its operand's dtype,
+  and y's and dx's rows past the groups zeros."""
+  check_recipe(y, want_y, platform, "y")
+  assert set(grads) == set(want)
+  for k in grads:
+    assert grads[k].dtype == args[k].dtype, k
+    check_recipe(grads[k], want[k], platform, k)
+  check_padding_rows_zero(M, sizes, y, grads["x"])
