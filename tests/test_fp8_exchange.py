@@ -62,15 +62,16 @@ def rows_of_magnitudes(rng, rows, dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gather_carries_each_row_quantized_once(rng, dtype):
   """Every device gets all rows as their e4m3 blocks dequantized, exactly, but a block holding an
-  infinity, which arrives non-finite; the gradient passes straight through to the rows' devices, summed
-  over the devices (the plain gather's transpose)."""
+  infinity (with or without a NaN), which arrives non-finite, every value of it; the gradient passes
+  straight through to the rows' devices, summed over the devices (the plain gather's transpose)."""
   n, per_device = 4, 6
   v = rows_of_magnitudes(rng, n * per_device, dtype).at[7, 3].set(jnp.inf)
+  v = v.at[8, 130].set(-jnp.inf).at[8, 131].set(jnp.nan)
   c = jnp.asarray(rng.standard_normal((n * n * per_device, D)), dtype)  # each device's cotangent of all rows
   gathered = np.asarray(run_sharded(lambda v: exchange.gather(v, AXIS), v), np.float64).reshape(n, -1, D)
-  assert not np.isfinite(gathered[:, 7, :128]).any()
-  want = e4m3_rows(np.asarray(v, np.float64).clip(-1e300, 1e300))  # row 7's first block: compared above
-  gathered[:, 7, :128] = want[7, :128]
+  assert not np.isfinite(gathered[:, 7, :128]).any() and not np.isfinite(gathered[:, 8, 128:]).any()
+  want = e4m3_rows(np.nan_to_num(np.asarray(v, np.float64)).clip(-1e300, 1e300))  # those blocks: above
+  gathered[:, 7, :128], gathered[:, 8, 128:] = want[7, :128], want[8, 128:]
   np.testing.assert_array_equal(gathered, np.broadcast_to(want, gathered.shape))
   grad = run_sharded(lambda v, c: jax.grad(lambda v: jnp.sum((exchange.gather(v, AXIS) * c).astype(jnp.float32)))(v),
                      v, c)

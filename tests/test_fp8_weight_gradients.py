@@ -36,7 +36,8 @@ def test_16bit_weight_gradients_follow_the_recipe(platform, rng, case, act, dtyp
   want_y, want = fp8_ref.blockwise_grouped_mlp(n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"),
                                                np.asarray(dy, np.float64), DTYPES[dtype], b1=n.get("b1"),
                                                b2=n.get("b2"), fp8_weight_gradients=False)
-  check_against_model(y, grads, want_y, want, args, platform, M, sizes)
+  # On the CPU within 2e-3 (measured: 6e-5, elements 5e-4): a bias gradient off by 1% fails.
+  check_against_model(y, grads, want_y, want, args, platform, M, sizes, cpu_tolerance=2e-3)
   if sum(sizes):  # ...and they are not the FP8 weight gradients: the test tells the two apart
     fp8_wgrad = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=dataclasses.replace(WGRAD16, fp8_weight_gradients=True))
     np.testing.assert_array_equal(np.asarray(fp8_wgrad[1]["x"], np.float32), np.asarray(grads["x"], np.float32))
@@ -83,10 +84,12 @@ def test_by_default_16bit_weight_gradients_below_their_rows(rng, monkeypatch, ro
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(name="tensorwise", fp8_weight_gradients=False), ValueError, "fp8_weight_gradients=False: the tensorwise"),
     (dict(name="blockwise", fp8_weight_gradients="no"), TypeError, "fp8_weight_gradients='no'"),
+    (dict(name="blockwise", fp8_weight_gradients=0), TypeError, "fp8_weight_gradients=0"),  # 0 == False
 ])
 def test_bad_fp8_weight_gradients(kwargs, error, match):
   with pytest.raises(error, match=match):
     jaxmlp.Fp8Recipe(**kwargs)
+  assert jaxmlp.Fp8Recipe("blockwise", fp8_weight_gradients=np.False_).fp8_weight_gradients is False
 
 
 @pytest.mark.gpu
@@ -112,9 +115,10 @@ def test_cuda_rows_only_quantizers_equal_the_jax_ones(rng, dtype, act):
   activation = jaxmlp.Activation(act)
   rows = blockwise_primitive("quantize_rows_in_groups")
   a, dh = (blockwise_primitive(name, activation) for name in ("activation_rows", "activation_grad_rows"))
+  flat = lambda rows_and_values: (*rows_and_values[0], rows_and_values[1])  # (q, e, values)
   quantizers = {"x": lambda v, h, da, s, gs: (*rows(v, Groups.of(gs, M)), None),
-                "a": lambda v, h, da, s, gs: (*a(h, s, Groups.of(gs, M))[0], a(h, s, Groups.of(gs, M))[1]),
-                "dh": lambda v, h, da, s, gs: (*dh(h, da, s, Groups.of(gs, M))[0], dh(h, da, s, Groups.of(gs, M))[1])}
+                "a": lambda v, h, da, s, gs: flat(a(h, s, Groups.of(gs, M))),
+                "dh": lambda v, h, da, s, gs: flat(dh(h, da, s, Groups.of(gs, M)))}
   in_groups = np.arange(M) < sum(sizes)
   exact = act == "relu"
   for name, quantize in quantizers.items():

@@ -48,6 +48,8 @@ def main():
     weights = s.E * s.d * 3 * s.f  # w1 [E, d, 2f] and w2 [E, f, d]
     planned = {impl: planned_bytes(impl, s) for impl in impls}
     base = planned[impls[0]]
+    if None in planned.values():
+      sys.exit("XLA gave no memory analysis for this backend")
     cells = [f"{planned[impls[0]] / 1e9:.2f}"] + [
         f"{planned[i] / 1e9:.2f} ({(planned[i] - base) / weights:+.2f})" for i in impls[1:]]
     print(f"| {name} | " + " | ".join(cells) + " |", flush=True)

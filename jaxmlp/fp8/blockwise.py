@@ -76,8 +76,11 @@ def times_pow2(v: jax.Array, e: jax.Array) -> jax.Array:
   """float32 v times 2^e (e int32, one exponent per block, broadcast against v), rounded as jnp.ldexp(v, e)
   rounds it wherever the result is a normal float32 (and e4m3 rounds every smaller value to 0 alike): two
   multiplies by powers of two made from e's halves, each a normal float32 for |e| <= 252 (the recipe's
-  exponents lie in [-158, 120]). An ldexp of every element costs XLA's code far more; the CUDA quantizers
-  multiply likewise (ffi/cuda/fp8/fp8_block_quantize_kernels.cu, Unscale)."""
+  exponents lie in [-158, 120]; jaxmlp.fp8.exchange's INFINITE, 256, overflows on purpose). An ldexp of
+  every element costs XLA's code far more; the CUDA quantizers multiply likewise
+  (ffi/cuda/fp8/fp8_block_quantize_kernels.cu, Unscale). (XLA:CPU flushes float32 subnormals: there
+  `exponent` reads 0 for a block whose amax / 448 is subnormal, under 2^-126, where the CUDA kernels give
+  its exponent; such a block's values quantize to e4m3 zeros there.)"""
   half = e // 2
   pow2 = lambda n: jnp.ldexp(jnp.ones(n.shape, jnp.float32), n)
   return v * pow2(half) * pow2(e - half)
@@ -294,19 +297,21 @@ def forward(p: Primitives, x, w1q, w2q, groups: Groups, scales, act: Activation,
   exponents. y's rows past the groups: zeros with zero_padding, else any values; h's any values (no kernel
   reads them; XLA's passes mask them)."""
   dtype = x.dtype
+  # *_wgrad: a weight gradient's operand, quantize_columns' (q, exponents) or with 16-bit weight gradients
+  # the 16-bit tensor itself.
   if fp8_wgrad:
-    x_rows, x_columns = p.quantize_rows_and_columns(x, groups)
+    x_rows, x_wgrad = p.quantize_rows_and_columns(x, groups)
   else:
-    x_rows, x_columns = p.quantize_rows_in_groups(x, groups), x
+    x_rows, x_wgrad = p.quantize_rows_in_groups(x, groups), x
   h = p.rows(x_rows, w1q, groups, False, dtype, False)
   if b1 is not None:
     h = (h.astype(jnp.float32) + bias_rows(b1, groups)).astype(dtype)
   activation = p.activation_rows_and_columns if fp8_wgrad else p.activation_rows
-  a_rows, a_columns = activation(h, scales, groups, act)
+  a_rows, a_wgrad = activation(h, scales, groups, act)
   y = p.rows(a_rows, w2q, groups, False, dtype, zero_padding)
   if b2 is not None:
     y = (y.astype(jnp.float32) + scaled_bias(b2, scales, groups, dtype)).astype(dtype)
-  return y, (h, x_columns, a_columns, w1q[:2], w2q[:2])
+  return y, (h, x_wgrad, a_wgrad, w1q[:2], w2q[:2])
 
 
 def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None,
@@ -314,31 +319,27 @@ def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, 
   """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals
   (of a forward with the same fp8_wgrad); dx's rows past the groups zeros with zero_padding, else any
   values."""
-  h, x_columns, a_columns, w1q, w2q = residuals
+  h, x_wgrad, a_wgrad, w1q, w2q = residuals  # *_wgrad: as in forward
   dtype = h.dtype
   if fp8_wgrad:
-    dy_rows, dy_columns = p.quantize_rows_and_columns(dy, groups)
+    dy_rows, dy_wgrad = p.quantize_rows_and_columns(dy, groups)
   else:
-    dy_rows = p.quantize_rows_in_groups(dy, groups)
+    dy_rows, dy_wgrad = p.quantize_rows_in_groups(dy, groups), dy
   da = p.rows(dy_rows, w2q, groups, True, dtype, False)
   activation_grad = p.activation_grad_rows_and_columns if fp8_wgrad else p.activation_grad_rows
-  dh_rows, dh_columns = activation_grad(h, da, scales, groups, act)
+  dh_rows, dh_wgrad = activation_grad(h, da, scales, groups, act)
   dx = p.rows(dh_rows, w1q, groups, True, dtype, zero_padding)
-  if fp8_wgrad:
-    dw2 = p.columns(a_columns, dy_columns, groups, dtype)
-    dw1 = p.columns(x_columns, dh_columns, groups, dtype)
-  else:  # x, round(a) and round(dh) as they are (dh_columns: round(dh); its rows past the groups any values)
-    dw2 = p.columns16(a_columns, dy, groups, dtype)
-    dw1 = p.columns16(x_columns, dh_columns, groups, dtype)
+  weight_gradient = p.columns if fp8_wgrad else p.columns16  # 16-bit: rows past the groups any values
+  dw2 = weight_gradient(a_wgrad, dy_wgrad, groups, dtype)
+  dw1 = weight_gradient(x_wgrad, dh_wgrad, groups, dtype)
   # The biases' and scales' gradients in XLA: h and da hold any values past the groups, taken as zeros.
   valid = groups.valid[:, None]
   h, da = jnp.where(valid, h, 0), jnp.where(valid, da.astype(jnp.float32), 0)
   dh = None
-  if b1 is not None and not fp8_wgrad:  # group_sums reads only the groups' rows
-    dh = dh_columns
+  if b1 is not None and not fp8_wgrad:  # round(dh) itself (group_sums reads only the groups' rows)
+    dh = dh_wgrad
   elif b1 is not None:  # the quantizer's dh goes through no memory: db1 takes its own, rounded to x's dtype
-    s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
-    dh = jax.vjp(act, h.astype(jnp.float32))[1](da * s)[0].astype(dtype)
+    dh = _activation_grad(h, da, scales, act).astype(dtype)
   act_h = None if scales is None else act(h.astype(jnp.float32))
   db1, db2, dscales = bias_and_scale_grads(da, dh, dy, act_h, dtype, scales, groups, b1, b2,
                                            group_sums=p.group_sums)

@@ -21,8 +21,9 @@ WHEN = ("faster", "always")
 # (Fp8Weights: "cached"); below, the call runs in x's dtype.
 MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 512,
                        ("blockwise", False): 2048, ("blockwise", True): 512}
-# when="faster", per product: the rows per expert from which the blockwise recipe's weight gradients measured
-# faster on FP8 tensor cores than in x's dtype (docs/fp8.md, "When FP8 runs"); below, a call that runs in
+# when="faster", per product: the rows per expert from which the blockwise recipe's step measured as fast
+# with FP8 weight gradients as with 16-bit ones (docs/fp8.md, "When FP8 runs": below, the FP8 products are
+# slower or no faster, and their operands' 128 x 1 quantizations cost passes); below, a call that runs in
 # FP8 runs its weight gradients in x's dtype. Only the blockwise recipe has 16-bit weight gradients.
 MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"blockwise": 1024}
 
@@ -61,8 +62,10 @@ class Fp8Recipe:
       raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
     if self.when is not None and self.when not in WHEN:
       raise ValueError(f"fp8: when={self.when!r}; expected one of {', '.join(WHEN)} or None")
-    if self.fp8_weight_gradients not in (None, True, False):
-      raise TypeError(f"fp8: fp8_weight_gradients={self.fp8_weight_gradients!r}; expected None, True or False")
+    if self.fp8_weight_gradients is not None:
+      if not isinstance(self.fp8_weight_gradients, (bool, np.bool_)):  # 0 == False, but 0 is no answer
+        raise TypeError(f"fp8: fp8_weight_gradients={self.fp8_weight_gradients!r}; expected None, True or False")
+      object.__setattr__(self, "fp8_weight_gradients", bool(self.fp8_weight_gradients))  # np.False_ too
     if self.fp8_weight_gradients is False and self.name not in MIN_ROWS_FP8_WEIGHT_GRADIENTS:
       raise ValueError(f"fp8: fp8_weight_gradients=False: the {self.name} recipe has FP8 weight gradients only "
                        f"(16-bit ones: {', '.join(MIN_ROWS_FP8_WEIGHT_GRADIENTS)})")
