@@ -36,7 +36,7 @@ def test_16bit_weight_gradients_follow_the_recipe(platform, rng, case, act, dtyp
   want_y, want = fp8_ref.blockwise_grouped_mlp(n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"),
                                                np.asarray(dy, np.float64), DTYPES[dtype], b1=n.get("b1"),
                                                b2=n.get("b2"), fp8_weight_gradients=False)
-  # On the CPU within 2e-3 (measured: 6e-5, elements 5e-4): a bias gradient off by 1% fails.
+  # On the CPU within 2e-3, elements 8e-3 (measured: 6e-5, elements 5e-4): a bias gradient off by 1% fails.
   check_against_model(y, grads, want_y, want, args, platform, M, sizes, cpu_tolerance=2e-3)
   if sum(sizes):  # ...and they are not the FP8 weight gradients: the test tells the two apart
     fp8_wgrad = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=dataclasses.replace(WGRAD16, fp8_weight_gradients=True))
