@@ -34,8 +34,9 @@ qr: 1 x 128 blocks, qc: 128 x 1 blocks in the groups, qb: 128 x 128 blocks. Betw
 backward keeps h, qc(x) and qc(a) with their scales and the quantized weights with theirs. All data is
 e4m3: small blocks leave no range to protect with e5m2.
 
-With 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients False: where FP8's are slower, at few rows per
-expert) the two weight gradients are those of fp8=None from this recipe's h and da:
+With 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients False; by default below 1024 rows per expert,
+where the step measured faster with them) the two weight gradients are those of fp8=None from this
+recipe's h and da:
 
             dw1 = round(x^T @ round(dh)),  dw2 = round(round(a)^T @ dy)    (16-bit operands, float32 sums)
 
