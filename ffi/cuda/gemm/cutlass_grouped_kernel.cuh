@@ -40,27 +40,26 @@ struct Pingpong128x128 {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-// The same without the cluster, for products where sharing B's loads gains less than the cluster costs:
+// A configuration without the cluster, for products where sharing B's loads gains less than the cluster costs:
 // groups of one 128-row tile (on average: M <= 128 E), where the cluster's second CTA gets a tile past the
 // group's rows and computes nothing (half the SMs idle at decode sizes), and skewed routing over small
 // experts, where many groups have an odd number of tiles; with an expert's weights at most
 // kSmallExpertWeights elements, L2 serves the repeated loads of B that the cluster would have shared. Larger
 // experts' steps lose time without it (docs/performance.md, "The cluster").
-struct Pingpong128x128NoCluster : Pingpong128x128 {
+template <class Config>
+struct NoCluster : Config {
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
 constexpr int64_t kSmallExpertWeights = int64_t(4) << 20;
 
 // The gathered FC1's configuration (GatherSplitN): 128x256 tiles, the two consumer warpgroups side by side
-// along N over the same A stage (CUTLASS's cooperative kernel's host side), with and without the cluster.
+// along N over the same A stage (CUTLASS's cooperative kernel's host side), with the cluster or without it
+// (NoCluster, as above).
 struct SplitN128x256 {
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct SplitN128x256NoCluster : SplitN128x256 {
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
 };
 
 // Collective with its TiledMma replaced (the builder lays a cooperative kernel's warpgroups along M).
@@ -204,13 +203,10 @@ template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = c
           bool kGather = false>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {
   using namespace cutlass_detail;
-  if constexpr (kGather) {
-    if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, SplitN128x256NoCluster, kFusion, kGather>(l, nt);
-    return LaunchTypes<LayoutA, LayoutB, SplitN128x256, kFusion, kGather>(l, nt);
-  } else {
-    if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, Pingpong128x128NoCluster, kFusion, kGather>(l, nt);
-    return LaunchTypes<LayoutA, LayoutB, Pingpong128x128, kFusion, kGather>(l, nt);
-  }
+  // The gathered FC1 on its split-N tiles (GatherSplitN), every other product on ping-pong 128x128 ones.
+  using Config = cute::conditional_t<kGather, SplitN128x256, Pingpong128x128>;
+  if (WithoutCluster(l)) return LaunchTypes<LayoutA, LayoutB, NoCluster<Config>, kFusion, kGather>(l, nt);
+  return LaunchTypes<LayoutA, LayoutB, Config, kFusion, kGather>(l, nt);
 }
 
 }  // namespace jaxmlp
