@@ -7,6 +7,8 @@ an identity plan over the given rows), for balanced and skewed routing. GPU only
 of the others, as the layer would (the engine at this shape).
 
   python benchmarks/probes/gather_fc1.py [--rounds 5]
+  ncu --clock-control none --kernel-name-base demangled --kernel-name regex:device_kernel -c 4 \
+      python benchmarks/probes/gather_fc1.py --once   # FC1 and FC2 given, then gathered: the engine's kernels
 """
 import argparse
 import sys
@@ -35,6 +37,8 @@ def routed(skew: float):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--once", action="store_true",
+                 help="run the balanced forwards given and gathered once each, untimed (for a profiler)")
   a = p.parse_args()
   keys = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(keys[0], (T, d), jnp.bfloat16)
@@ -64,6 +68,11 @@ def main():
 
     def step(fn):
       return jax.jit(lambda a, w1, w2: jax.vjp(fn, a, w1, w2)[1](dy))
+
+    if a.once:  # traced_on runs each once
+      traced_on("auto", lambda: (jax.jit(given), (rows, w1, w2)))
+      traced_on("cutlass", lambda: (jax.jit(gathered), (x, w1, w2)))
+      return
 
     calls = {}
     for name, fn, a0 in (("given", given, rows), ("copied", copied, x), ("gathered", gathered, x),

@@ -278,18 +278,32 @@ struct VarlenMainloop : Base {
       for (int j = 0; j < size<1>(cluster); ++j) mask_a |= uint16_t(1) << cluster(in_m, j, Int<0>{});
     if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>)
       for (int i = 0; i < size<0>(cluster); ++i) mask_b |= uint16_t(1) << cluster(i, in_n, Int<0>{});
-    // kGatherA: this thread's chunk, and the token of its rows row0 + kRowsPerPass i of the tile (-1: zeros).
+    // kGatherA: this thread's chunk of its rows row0 + kRowsPerPass i of the tile, addressed once a tile: each
+    // row's source (its token's row of A at the chunk's column; A's first row for a row of zeros, which reads
+    // nothing) and whether it is read (bit i of `reads`), and where the chunk lies in the stages. A stage's
+    // rows are 128 bytes (static_assert above) under the 128-byte swizzle, whose pattern repeats every 8 rows:
+    // kRowsPerPass rows further down is the same distance for every chunk, and a stage is a whole number of
+    // patterns. A copy's addresses are then two additions: the per-copy address arithmetic and the swizzle,
+    // recomputed for each copy, had made the producer warps the main loop's bottleneck (docs/performance.md,
+    // "Rows gathered in FC1's loads").
     [[maybe_unused]] const int chunk = thread % kChunksPerRow, row0 = thread / kChunksPerRow;
-    [[maybe_unused]] int32_t tokens[kPasses];
+    [[maybe_unused]] InternalElementA const* sources[kPasses];
+    [[maybe_unused]] uint32_t reads = 0, smem = 0, pass_bytes = 0, stage_bytes = 0;
     if constexpr (kGatherA) {
       const int32_t first = get<3>(inputs) + int32_t(m) * kBlkM + row0, end = get<4>(inputs);
+      const auto* A = reinterpret_cast<InternalElementA const*>(p.A) + chunk * kChunk;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kPasses; ++i) {
         const int32_t r = first + kRowsPerPass * i;
         const int32_t choice = r < end ? p.gather[r] : -1;
         const int32_t token = choice >= 0 ? choice / p.gather_div : p.sources;
-        tokens[i] = token < p.sources ? token : -1;
+        const bool read = token < p.sources;
+        sources[i] = A + (read ? int64_t(token) * p.lda : int64_t(0));
+        reads |= uint32_t(read) << i;
       }
+      smem = cast_smem_ptr_to_uint(&sA(row0, chunk * kChunk, 0));
+      pass_bytes = cast_smem_ptr_to_uint(&sA(row0 + kRowsPerPass, chunk * kChunk, 0)) - smem;
+      stage_bytes = cast_smem_ptr_to_uint(&sA(row0, chunk * kChunk, 1)) - smem;
     }
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count, ++k_tile_iter, ++stage) {
@@ -303,14 +317,17 @@ struct VarlenMainloop : Base {
           copy(p.tma_b.with(*barrier, mask_b), tBgB(q)(_, _, _, *k_tile_iter), tBsB(q)(_, _, _, stage.index()));
       }
       if constexpr (kGatherA) {
-        // Each row is read once (L2 only: .cg); the swizzled stage (sA) places each chunk.
-        const int32_t column = int32_t(*k_tile_iter) * kBlkK + chunk * kChunk;
+        // Each row is read once (L2 only: .cg). Past K (a last k-tile cut short) nothing is read: zeros, from
+        // the rows' first columns' addresses.
+        const int32_t column = int32_t(*k_tile_iter) * kBlkK;
+        const bool in_k = column + chunk * kChunk < p.K;
+        const int32_t offset = in_k ? column : 0;
+        const uint32_t to = smem + uint32_t(stage.index()) * stage_bytes;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kPasses; ++i) {
-          const bool valid = tokens[i] >= 0 && column < p.K;
-          SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
-              *reinterpret_cast<uint128_t const*>(valid ? p.A + int64_t(tokens[i]) * p.lda + column : p.A),
-              *reinterpret_cast<uint128_t*>(&sA(row0 + kRowsPerPass * i, chunk * kChunk, stage.index())), valid);
+          const uint32_t bytes = in_k && (reads >> i & 1u) ? 16u : 0u;  // 0: zero fill
+          asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(to + i * pass_bytes),
+                       "l"(sources[i] + offset), "r"(bytes));
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t const*>(barrier));
       }
