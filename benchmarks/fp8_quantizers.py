@@ -33,6 +33,16 @@ def median_ms(fn, *args, repeats: int = 7) -> float:
   return 1e3 * sorted(times)[repeats // 2]
 
 
+def to_bf16(quantize_weights):
+  """A CUDA weight quantizer (w, dtype) of w rounded to bfloat16."""
+  return lambda w: quantize_weights(w, jnp.bfloat16)
+
+
+def rounded(quantize_weights):
+  """A JAX weight quantizer of w.astype(bfloat16)."""
+  return lambda w: quantize_weights(w.astype(jnp.bfloat16))
+
+
 def bits(a) -> np.ndarray:
   return np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)
 
@@ -46,7 +56,8 @@ def main() -> None:
   key = jax.random.key(0)
   x = jax.random.normal(key, (M, d), jnp.bfloat16)  # x and dy: bfloat16
   dh = jax.random.normal(key, (M, 2 * f), jnp.float32)  # a and dh: float32, as XLA makes them
-  w1 = jax.random.normal(key, (E, d, 2 * f), jnp.bfloat16)
+  w1_master = jax.random.normal(key, (E, d, 2 * f), jnp.float32)  # an optimizer's float32 weights
+  w1 = w1_master.astype(jnp.bfloat16)
   sizes = jnp.asarray(cases.group_sizes("balanced", E, M), jnp.int32)
   gpu = jax.default_backend() == "gpu"
   cuda = fp8_cuda.BLOCKWISE_PRIMITIVES
@@ -68,10 +79,13 @@ def main() -> None:
           ("rows + columns of dh", *both, (dh,), dh.nbytes + quantized(dh)),
           ("a = swiglu(h)", *act, (h,), h.nbytes + quantized(da)),
           ("dh of swiglu(h), da", *act_grad, (h, da), h.nbytes + da.nbytes + quantized(h)),
-          ("weights w1 (bf16)", blockwise.quantize_weights, fp8_cuda.block_weights, (w1,),
+          ("weights w1 (bf16)", blockwise.quantize_weights, to_bf16(fp8_cuda.block_weights), (w1,),
            w1.nbytes + 2 * w1.size),
+          # float32 master weights rounded to bfloat16: by XLA, then the quantizer (JAX), or in the kernel
+          ("weights w1 (f32)", rounded(blockwise.quantize_weights), to_bf16(fp8_cuda.block_weights),
+           (w1_master,), w1_master.nbytes + 2 * w1.size),
           # one scale for the tensor: a pass for its amax, then one for both e4m3 layouts
-          ("tensorwise w1 (bf16)", tensorwise.quantize_weights, fp8_cuda.tensor_weights, (w1,),
+          ("tensorwise w1 (bf16)", tensorwise.quantize_weights, to_bf16(fp8_cuda.tensor_weights), (w1,),
            2 * w1.nbytes + 2 * w1.size)]
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))

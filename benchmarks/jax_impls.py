@@ -12,6 +12,9 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
               (Fp8Recipe.backward_fast_accumulation)
   jaxmlp_fp8_blockwise_wgrad16, jaxmlp_fp8_blockwise_wgrad16_cached  jaxmlp_fp8_blockwise(_cached) with
               16-bit weight gradients (Fp8Recipe.fp8_weight_gradients=False)
+  jaxmlp_master, jaxmlp_fp8_master, jaxmlp_fp8_blockwise_master, jaxmlp_fp8_blockwise_wgrad16_master  the
+              weights as an optimizer holds them, float32 master weights, rounded to x's dtype in the step
+              (bf16: astype; FP8: jaxmlp.fp8_weights(w, recipe, x.dtype), the weights' gradients float32)
   ragged_dot  jaxmlp.reference.grouped_mlp, i.e. jax.lax.ragged_dot: what a JAX user writes today
   tokamax     the same MLP over tokamax.ragged_dot (when tokamax is installed)
   dense       the same MLP as one dense expert over all M rows (jnp.dot): equal FLOPs, no routing;
@@ -32,6 +35,7 @@ from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
              "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached",
+             "jaxmlp_master", "jaxmlp_fp8_master", "jaxmlp_fp8_blockwise_master", "jaxmlp_fp8_blockwise_wgrad16_master",
              "ragged_dot", "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
 CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
@@ -52,6 +56,12 @@ def forward(impl: str):
   a compiler must not specialise on one routing."""
   if impl == "jaxmlp":
     return jaxmlp.grouped_mlp
+  if impl == "jaxmlp_master":
+    return lambda x, w1, w2, gs: jaxmlp.grouped_mlp(x, w1.astype(x.dtype), w2.astype(x.dtype), gs)
+  if impl.endswith("_master"):  # an FP8 implementation, its weights quantized in the step from float32
+    fp8 = forward(impl[:-len("_master")]).keywords["fp8"]
+    return lambda x, w1, w2, gs: jaxmlp.grouped_mlp(x, jaxmlp.fp8_weights(w1, fp8, x.dtype),
+                                                    jaxmlp.fp8_weights(w2, fp8, x.dtype), gs, fp8=fp8)
   if impl in ("jaxmlp_fp8", "jaxmlp_fp8_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", when="always"))
   if impl == "jaxmlp_fp8_cached_fast_bwd":
@@ -153,6 +163,9 @@ def impl_inputs(impl: str, inputs):
   """The operands (x, w1, w2, dy) `impl` takes, from make_inputs'."""
   if impl == "dense":
     return dense_inputs(inputs)
+  if impl.endswith("_master"):
+    x, w1, w2, dy = inputs
+    return x, w1.astype(jnp.float32), w2.astype(jnp.float32), dy
   if impl in CACHED_WEIGHTS:
     x, w1, w2, dy = inputs
     quantize = jax.jit(jaxmlp.fp8_weights, static_argnums=1)

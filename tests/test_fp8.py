@@ -1,5 +1,6 @@
 """grouped_mlp(fp8=...) against the float64 NumPy model of each recipe and against the exact MLP, on the CPU
 emulation and, where a GPU can run it, the CUDA FP8 path; the CUDA path also against the CPU emulation."""
+import functools
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -301,7 +302,8 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   exponents (amax) of their JAX quantizers bit for bit: rows of magnitudes 2^-12 to 2^12, a zero block,
   blocks cut short by the widths (272, 144) and by the groups (300 rows: 128, 128 and 44), an empty group
   and rows past the groups (what no product reads, those rows and the blocks past the groups', not compared:
-  a kernel leaves them unwritten)."""
+  a kernel leaves them unwritten). float32 weights are master weights: quantized as rounded to bfloat16
+  and to float16 (the blockwise kernel rounds them as it reads them; the JAX code rounds first)."""
   reason = fp8_reason()
   if reason:
     pytest.skip(reason)
@@ -312,10 +314,13 @@ def test_cuda_quantizers_equal_the_jax_ones(rng, dtype):
   v, w, gs = jnp.asarray(v, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)
   rows_and_columns = blockwise_primitive("quantize_rows_and_columns")  # CUDA's kernel on a GPU, JAX's on the CPU
   read = lambda quantized, gs: blockwise.read_by_products(quantized, Groups.of(gs, M))
-  quantizers = {"rows and columns": lambda v, w, gs: read(rows_and_columns(v, Groups.of(gs, M)), gs),
-                "weights": lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("blockwise"))}
-  if dtype != "float32":  # and the tensorwise recipe's weights (16-bit only), one scale for the whole tensor
-    quantizers["tensorwise weights"] = lambda v, w, gs: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe("tensorwise"))
+  quantizers = {"rows and columns": lambda v, w, gs: read(rows_and_columns(v, Groups.of(gs, M)), gs)}
+  # The weights of both recipes (tensorwise: one scale for the whole tensor), in the computation dtypes.
+  for recipe in ("blockwise", "tensorwise"):
+    for computation in (["bfloat16", "float16"] if dtype == "float32" else [dtype]):
+      quantizers[f"{recipe} weights as {computation}"] = functools.partial(
+          lambda v, w, gs, recipe, computation: fp8_mlp._quantize_weights(w, jaxmlp.Fp8Recipe(recipe), computation),
+          recipe=recipe, computation=jnp.dtype(computation))
   bits = lambda a: np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a)
   for name, quantize in quantizers.items():
     results = {}

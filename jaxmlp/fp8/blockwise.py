@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from .._groups import Groups
 from ..activations import Activation
 from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, bias_and_scale_grads, bias_rows, group_sums,
-                       padded_length, scaled_bias, to_e4m3)
+                       padded_length, rounded_first, scaled_bias, to_e4m3)
 
 BLOCK = 128
 
@@ -365,7 +365,7 @@ def _fp8_wgrad(recipe) -> bool:
 
 
 def emulation(gemm: Gemm) -> Implementation:
-  return implementation(emulated_primitives(gemm), quantize_weights)
+  return implementation(emulated_primitives(gemm), rounded_first(quantize_weights))
 
 
 SCHEME = Scheme(name="blockwise", pad=BLOCK,

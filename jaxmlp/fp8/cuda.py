@@ -49,9 +49,11 @@ def _module_or_raise():
 
 
 # ---- tensorwise ------------------------------------------------------------------------------------------
-def tensor_weights(w):
-  """tensorwise.quantize_weights on the GPU: (q [E, K, N] e4m3, amax float32 [], q transposed [E, N, K])."""
+def tensor_weights(w, dtype):
+  """tensorwise.quantize_weights of w.astype(dtype) on the GPU: (q [E, K, N] e4m3, amax float32 [], q
+  transposed [E, N, K]). Its kernels read 16-bit weights: wider ones are rounded by XLA first (a copy)."""
   _module_or_raise()
+  w = w.astype(dtype)
   E, K, N = w.shape
   q, amax, qt = _library.call("jaxmlp_fp8_tensor_weights", [((E, K, N), E4M3), ((1,), jnp.float32),
                                                              ((E, N, K), E4M3)], w)
@@ -100,13 +102,15 @@ TENSORWISE = Implementation(tensor_weights, _mlp_forward, _mlp_backward)
 
 
 # ---- blockwise -------------------------------------------------------------------------------------------
-def block_weights(w):
-  """blockwise.quantize_weights on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K / 128), ceil(N / 128)]
-  int32, q transposed [E, N, K])."""
+def block_weights(w, dtype):
+  """blockwise.quantize_weights of w.astype(dtype) on the GPU: (q [E, K, N] e4m3, exponents [E, ceil(K /
+  128), ceil(N / 128)] int32, q transposed [E, N, K]). The kernel rounds w (float32 master weights too) to
+  dtype as it reads it: one pass over w, no 16-bit copy."""
   _module_or_raise()
   E, K, N = w.shape
   q, qt, e = _library.call("jaxmlp_fp8_block_weights", [((E, K, N), E4M3), ((E, N, K), E4M3),
-                                                        ((E, -(-K // 128), -(-N // 128)), jnp.int32)], w)
+                                                        ((E, -(-K // 128), -(-N // 128)), jnp.int32)], w,
+                           dtype=np.int32(_library.dtype_code(dtype)))
   return q, e, qt
 
 

@@ -51,7 +51,7 @@ def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weight
       it is quantized, as grouped_mlp would take it; default w's dtype.
   """
   recipe, dtype = check_weights_args(w, fp8, dtype)
-  quantized = _quantize_weights(jax.lax.stop_gradient(w).astype(dtype), recipe)
+  quantized = _quantize_weights(jax.lax.stop_gradient(w), recipe, dtype)
   return Fp8Weights(w, *quantized, recipe=recipe.name)
 
 
@@ -74,9 +74,10 @@ def _platforms(recipe: Fp8Recipe) -> dict[str, Implementation]:
   return dict(cpu=recipe.scheme.emulation(_bfloat16_gemm), cuda=cuda.IMPLEMENTATIONS[recipe.name])
 
 
-def _quantize_weights(w, recipe: Fp8Recipe):
-  """(q, scales, qt) of weights [E, K, N] for the recipe, on this platform's kernels."""
-  return on_platforms(w, **{p: i.quantize_weights for p, i in _platforms(recipe).items()})
+def _quantize_weights(w, recipe: Fp8Recipe, dtype):
+  """(q, scales, qt) of weights [E, K, N] rounded to dtype, for the recipe, on this platform's kernels."""
+  return on_platforms(w, **{p: functools.partial(i.quantize_weights, dtype=dtype)
+                            for p, i in _platforms(recipe).items()})
 
 
 # w1q and w2q: the weights quantized by the caller (Fp8Weights), or None to quantize them here; they take no
@@ -95,8 +96,8 @@ def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shap
 def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding, residuals: bool):
   """(y, what the backward takes: the recipe's residuals, or None without `residuals`, and the operands it
   reads again)."""
-  w1q = _quantize_weights(w1, recipe) if w1q is None else w1q
-  w2q = _quantize_weights(w2, recipe) if w2q is None else w2q
+  w1q = _quantize_weights(w1, recipe, x.dtype) if w1q is None else w1q
+  w2q = _quantize_weights(w2, recipe, x.dtype) if w2q is None else w2q
   groups = Groups.of(group_sizes, shape.M)
 
   def on(implementation):

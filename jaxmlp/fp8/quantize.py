@@ -49,7 +49,9 @@ class Implementation(tp.NamedTuple):
   the same three functions, with the same residuals on every platform, so one custom_vjp (jaxmlp.fp8.mlp)
   serves them all.
 
-  quantize_weights(w) -> (q [E, K, N] e4m3, the recipe's scales, qt [E, N, K] e4m3);
+  quantize_weights(w, dtype) -> (q [E, K, N] e4m3, the recipe's scales, qt [E, N, K] e4m3) of
+    w.astype(dtype), dtype the call's 16-bit dtype; w may be wider (float32 master weights), which a
+    platform may round on its way in, with no copy (rounded_first: the emulation's);
   forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding) -> (y,
     residuals or None): w1q, w2q as quantize_weights gives them; b1, b2, scales may be None; without
     `residuals` (a call that is not differentiated) an implementation may skip what only the backward
@@ -62,6 +64,12 @@ class Implementation(tp.NamedTuple):
   quantize_weights: tp.Callable
   forward: tp.Callable
   backward: tp.Callable
+
+
+def rounded_first(quantize_weights: tp.Callable) -> tp.Callable:
+  """Implementation.quantize_weights(w, dtype) of a Scheme's quantize_weights(w): w rounded to dtype, then
+  quantized."""
+  return lambda w, dtype: quantize_weights(w.astype(dtype))
 
 
 class Scheme(tp.NamedTuple):

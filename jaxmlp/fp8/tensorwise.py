@@ -51,7 +51,7 @@ import numpy as np
 from .._groups import Groups
 from ..activations import Activation
 from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, amax, bias_and_scale_grads, bias_rows, padded_length,
-                       scaled_bias, to_e4m3)
+                       rounded_first, scaled_bias, to_e4m3)
 
 # The weight gradients' operands on FP8 tensor cores: transposed (contiguous along the tokens), each group's
 # rows from a multiple of PAD.
@@ -178,7 +178,7 @@ def emulation(gemm: Gemm) -> Implementation:
   def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
     return backward(gemm, residuals, groups, scales, act, dy, b1, b2)
 
-  return Implementation(quantize_weights, forward_, backward_)
+  return Implementation(rounded_first(quantize_weights), forward_, backward_)
 
 
 SCHEME = Scheme(name="tensorwise", pad=PAD, weight_scales=lambda E, K, N: ((), jnp.float32),

@@ -5,7 +5,8 @@
 //   activation  h [M, F1], da [M, f] (optional), scales [M] (optional), first, count -> the same of
 //            a = act(h) * scales [M, f] (da absent: the forward) or of dh = da * scales * act'(h) [M, F1],
 //            and values (optional): a or dh in h's dtype
-//   weights  w [E, K, N] -> q [E, K, N], qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
+//   weights  w [E, K, N] (float32 master weights too), rounded to the attribute dtype -> q [E, K, N],
+//            qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
 #include <cuda_runtime.h>
 
 #include "codes.h"
@@ -114,10 +115,14 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
                                           DataIfPresent(scales), f, Pointers(o));
 }
 
+// dtype: the computation dtype (ffi/codes.h DType: bfloat16 or float16) that w is rounded to first.
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
-                      Result<AnyBuffer> e) {
+                      Result<AnyBuffer> e, int32_t dtype) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
+  if (dtype != int32_t(DType::kBfloat16) && dtype != int32_t(DType::kFloat16))
+    return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16 (dtype)");
+  const DataType rounded = dtype == int32_t(DType::kBfloat16) ? DataType::BF16 : DataType::F16;
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {E, K, N}));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {E, N, K}));
@@ -125,7 +130,7 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
       CheckShapeAndType("e", *e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
   if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
-  return QuantizeWeightBlocks(stream, w.element_type(), w.untyped_data(), E, K, N,
+  return QuantizeWeightBlocks(stream, w.element_type(), rounded, w.untyped_data(), E, K, N,
                               static_cast<uint8_t*>(q->untyped_data()), static_cast<uint8_t*>(qt->untyped_data()),
                               static_cast<int32_t*>(e->untyped_data()));
 }
@@ -164,5 +169,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
                                   .Arg<xla::ffi::AnyBuffer>()   // w
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
-                                  .Ret<xla::ffi::AnyBuffer>(),  // e
+                                  .Ret<xla::ffi::AnyBuffer>()   // e
+                                  .Attr<int32_t>("dtype"),
                               jaxmlp::kGraphSafe);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 #include "activations.h"
 #include "cuda/block_reduce.cuh"
@@ -42,14 +43,26 @@ __device__ __forceinline__ uint32_t Quantize4(const float (&v)[4], const Unscale
   return uint32_t(Quantize2(v[0], v[1], u)) | uint32_t(Quantize2(v[2], v[3], u)) << 16;
 }
 
-// A block per 128 x 128 tile of one expert, reading the tile twice (the second time from L2): its maximum,
-// then its quantized values as they lie (q) and, through shared memory, transposed (qt). Eight elements a
-// thread and access (K and N are multiples of 16). Reading the tile twice keeps a thread's registers few
-// (8 blocks an SM): holding it in registers instead, as floats or as 16-bit vectors, cost occupancy and
-// was slower (docs/performance.md, "Kernel measurements").
-template <typename T>
+// v rounded to R (to nearest even, as XLA's convert), as a float: w of type T as the computation dtype R
+// takes it. The identity where T is R.
+template <typename R, typename T>
+__device__ __forceinline__ float RoundedTo(T v) {
+  if constexpr (std::is_same_v<R, T>) return Conv<T>::To(v);
+  else return Conv<R>::To(Conv<R>::From(Conv<T>::To(v)));
+}
+
+// A block per 128 x 128 tile of one expert: its maximum, then its quantized values as they lie (q) and,
+// through shared memory, transposed (qt). Eight elements a thread and access (K and N are multiples of 16).
+// w of type T (float32 master weights too) is rounded to the computation dtype R on the way in: the
+// quantization of w.astype(R), with no copy of it. A 16-bit w is read twice (the second time from L2):
+// that keeps a thread's registers few (8 blocks an SM), and holding it in registers instead, as floats or
+// as 16-bit vectors, cost occupancy and was slower. A wider w is held in registers, rounded to R (kHold):
+// its second read missed L2 (docs/performance.md, "Kernel measurements").
+template <typename T, typename R>
 __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
                                                           int32_t* e) {
+  constexpr int kRowsPerPass = 16, kPasses = kScaleBlock / kRowsPerPass;
+  constexpr bool kHold = sizeof(T) > sizeof(R);
   __shared__ uint8_t tile[kScaleBlock][kScaleBlock + 4];
   __shared__ float warp_max[8];
   const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
@@ -57,11 +70,19 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
   const T* src = w + g * K * N;
   const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;  // 16 threads a row, 16 rows a pass
   const bool in_columns = n0 + j < N;
+  Vec<R, 8> held[kHold ? kPasses : 1];
   float amax = 0.0f;
-  for (int i = first_row; i < kScaleBlock; i += 16) {
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int i = first_row + p * kRowsPerPass;
     if (k0 + i >= K || !in_columns) continue;
     const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
-    for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(Conv<T>::To(x.v[u])));
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const float v = RoundedTo<R>(x.v[u]);
+      amax = fmaxf(amax, fabsf(v));
+      if constexpr (kHold) held[p].v[u] = Conv<R>::From(v);  // exact: v is a value of R
+    }
   }
   amax = WarpMax(amax);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
@@ -70,12 +91,19 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
   const int exp = Exponent(amax);
   const Unscale unscale(exp);
   if (threadIdx.x == 0) e[(g * gridDim.y + kb) * gridDim.x + nb] = exp;
-  for (int i = first_row; i < kScaleBlock; i += 16) {
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int i = first_row + p * kRowsPerPass;
     if (k0 + i >= K || !in_columns) continue;
-    const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
+    float v[8];
+    if constexpr (kHold) {
+      for (int u = 0; u < 8; ++u) v[u] = Conv<R>::To(held[p].v[u]);
+    } else {
+      const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
+      for (int u = 0; u < 8; ++u) v[u] = RoundedTo<R>(x.v[u]);
+    }
     uint64_t packed = 0;
-    for (int u = 0; u < 8; u += 2)
-      packed |= uint64_t(Quantize2(Conv<T>::To(x.v[u]), Conv<T>::To(x.v[u + 1]), unscale)) << (8 * u);
+    for (int u = 0; u < 8; u += 2) packed |= uint64_t(Quantize2(v[u], v[u + 1], unscale)) << (8 * u);
     for (int u = 0; u < 8; ++u) tile[i][j + u] = uint8_t(packed >> (8 * u));
     *reinterpret_cast<uint64_t*>(q + g * K * N + (k0 + i) * N + n0 + j) = packed;
   }
@@ -303,13 +331,16 @@ ffi::Error QuantizeActivationRowsAndColumns(cudaStream_t stream, int device, ffi
   return status;
 }
 
-ffi::Error QuantizeWeightBlocks(cudaStream_t stream, ffi::DataType t, const void* w, int64_t E, int64_t K, int64_t N,
-                                uint8_t* q, uint8_t* qt, int32_t* e) {
+ffi::Error QuantizeWeightBlocks(cudaStream_t stream, ffi::DataType t, ffi::DataType r, const void* w, int64_t E,
+                                int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
   if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
   const dim3 grid(unsigned(ScaleBlocks(N)), unsigned(ScaleBlocks(K)), unsigned(E));
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
-    WeightBlocksKernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(w), K, N, q, qt, e);
+    By16BitType(r, [&](auto rounded) {
+      using R = decltype(rounded);
+      WeightBlocksKernel<T, R><<<grid, 256, 0, stream>>>(static_cast<const T*>(w), K, N, q, qt, e);
+    });
   });
   return CheckCuda(cudaGetLastError(), "launching the 128x128 quantizer");
 }

@@ -47,9 +47,10 @@ ffi::Error QuantizeActivationRowsAndColumns(cudaStream_t stream, int device, ffi
                                             const void* h, const void* da, const void* scales, int64_t f,
                                             const RowsAndColumns& o);
 
-// w [E, K, N] (t: bfloat16, float16 or float32; K and N multiples of 16) in 128 x 128 blocks: q [E, K, N],
-// qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)].
-ffi::Error QuantizeWeightBlocks(cudaStream_t stream, ffi::DataType t, const void* w, int64_t E, int64_t K, int64_t N,
-                                uint8_t* q, uint8_t* qt, int32_t* e);
+// w [E, K, N] (t: bfloat16, float16 or float32; K and N multiples of 16), rounded to the computation dtype r
+// (bfloat16 or float16; no copy is written), in 128 x 128 blocks: q [E, K, N], qt [E, N, K],
+// e [E, ceil(K / 128), ceil(N / 128)].
+ffi::Error QuantizeWeightBlocks(cudaStream_t stream, ffi::DataType t, ffi::DataType r, const void* w, int64_t E,
+                                int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e);
 
 }  // namespace jaxmlp
