@@ -107,6 +107,8 @@ def block_weights(w, dtype):
   128), ceil(N / 128)] int32, q transposed [E, N, K]). The kernel rounds w (float32 master weights too) to
   dtype as it reads it: one pass over w, no 16-bit copy."""
   _module_or_raise()
+  if w.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):  # the kernel's types: float64 rounded by XLA
+    w = w.astype(dtype)
   E, K, N = w.shape
   q, qt, e = _library.call("jaxmlp_fp8_block_weights", [((E, K, N), E4M3), ((E, N, K), E4M3),
                                                         ((E, -(-K // 128), -(-N // 128)), jnp.int32)], w,

@@ -49,10 +49,10 @@ struct GatherSplitN : Base {
                 "the main loop's stages count the producer warpgroup's cp.async arrivals");
   static_assert(CollectiveEpilogue::kNoDescriptors, "the epilogue loads no source and updates no descriptor");
 
-  // The producer warps hold their rows' tokens beside the copies' addresses: at CUTLASS's 40 registers they
-  // spill (in the 128x128 ping-pong version, which this replaced), at 56 not; the consumers get 224 of
-  // CUTLASS's 232 (the register file holds 128 x 56 + 256 x 224). ptxas reports 64-80 bytes of spills for
-  // bfloat16's consumers here, more for float16's; what they cost is not measured apart.
+  // The producer warps hold their rows' source addresses a tile: at CUTLASS's 40 registers the 128x128
+  // ping-pong version, which this replaced, spilled; at 56 none. The consumers get 224 of CUTLASS's 232 (the
+  // register file holds 128 x 56 + 256 x 224). ptxas reports 44-60 bytes of spills for bfloat16's kernels
+  // here, more for float16's; what they cost is not measured apart.
   static constexpr uint32_t kLoadRegisters = 56;
   static constexpr uint32_t kMmaRegisters = 224;
   static constexpr int kScheduleWarp = 3;

@@ -317,8 +317,8 @@ struct VarlenMainloop : Base {
           copy(p.tma_b.with(*barrier, mask_b), tBgB(q)(_, _, _, *k_tile_iter), tBsB(q)(_, _, _, stage.index()));
       }
       if constexpr (kGatherA) {
-        // Each row is read once (L2 only: .cg). Past K (a last k-tile cut short) nothing is read: zeros, from
-        // the rows' first columns' addresses.
+        // Each row is read once (L2 only: .cg). Past K (a last k-tile cut short) nothing is read (zeros; the
+        // copies name the chunk's column of the first k-tile).
         const int32_t column = int32_t(*k_tile_iter) * kBlkK;
         const bool in_k = column + chunk * kChunk < p.K;
         const int32_t offset = in_k ? column : 0;
