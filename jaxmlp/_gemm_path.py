@@ -135,7 +135,7 @@ def fc1_fusable(act, has_b1: bool, f: int) -> bool:
 
 # grouped_mlp(..., gather=plan) with FC1 reading the rows from the tokens in the engine's loads (cp.async from
 # the producer warpgroup) runs the forward slower than XLA's gather followed by TMA loads of the copied rows
-# at Qwen3's shape (1.06-1.08x; the step 1.005-1.02x: docs/performance.md, "Rows gathered in FC1's loads").
+# at Qwen3's shape, and its step no faster (docs/performance.md, "Rows gathered in FC1's loads").
 # So `auto` gathers the rows with XLA first, and only JAXMLP_GEMM_PATH=cutlass or fused, which ask for the
 # engine, takes the gathered loads.
 GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: the engine's cp.async loads of the gathered "
