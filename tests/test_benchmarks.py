@@ -344,7 +344,8 @@ def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [line.split() for line in proc.stdout.splitlines()[2:]]
   assert [" ".join(r[:-2]) for r in rows] == ["rows + columns of x", "rows + columns of dh", "a = swiglu(h)",
-                                              "dh of swiglu(h), da", "weights w1 (bf16)", "tensorwise w1 (bf16)"]
+                                              "dh of swiglu(h), da", "weights w1 (bf16)", "weights w1 (f32)",
+                                              "tensorwise w1 (bf16)"]
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
 
 
