@@ -20,6 +20,7 @@ import cases
 import jaxmlp
 from jaxmlp._groups import Groups
 from jaxmlp.fp8 import blockwise, cuda as fp8_cuda, tensorwise
+from jaxmlp.fp8.quantize import rounded_first
 
 
 def median_ms(fn, *args, repeats: int = 7) -> float:
@@ -34,13 +35,8 @@ def median_ms(fn, *args, repeats: int = 7) -> float:
 
 
 def to_bf16(quantize_weights):
-  """A CUDA weight quantizer (w, dtype) of w rounded to bfloat16."""
+  """A weight quantizer (w, dtype) (Implementation.quantize_weights) of w rounded to bfloat16."""
   return lambda w: quantize_weights(w, jnp.bfloat16)
-
-
-def rounded(quantize_weights):
-  """A JAX weight quantizer of w.astype(bfloat16)."""
-  return lambda w: quantize_weights(w.astype(jnp.bfloat16))
 
 
 def bits(a) -> np.ndarray:
@@ -82,7 +78,7 @@ def main() -> None:
           ("weights w1 (bf16)", blockwise.quantize_weights, to_bf16(fp8_cuda.block_weights), (w1,),
            w1.nbytes + 2 * w1.size),
           # float32 master weights rounded to bfloat16: by XLA, then the quantizer (JAX), or in the kernel
-          ("weights w1 (f32)", rounded(blockwise.quantize_weights), to_bf16(fp8_cuda.block_weights),
+          ("weights w1 (f32)", to_bf16(rounded_first(blockwise.quantize_weights)), to_bf16(fp8_cuda.block_weights),
            (w1_master,), w1_master.nbytes + 2 * w1.size),
           # one scale for the tensor: a pass for its amax, then one for both e4m3 layouts
           ("tensorwise w1 (bf16)", tensorwise.quantize_weights, to_bf16(fp8_cuda.tensor_weights), (w1,),
