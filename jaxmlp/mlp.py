@@ -61,7 +61,7 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       result is grouped_mlp of those rows, and x's gradient sums each token's rows' gradients. The rows
       are not kept for the backward, which gathers them again: one [M, d] less of activation memory for
       one more gather. With JAXMLP_GEMM_PATH=cutlass or fused on Hopper, where the engine runs FC1 with its
-      activation (a gated activation without b1, f a multiple of 64, 16-bit operands), FC1 reads the rows
+      activation (a gated activation, f a multiple of 64, 16-bit operands), FC1 reads the rows
       from x in its loads, no copy of them written (today slower than the copy:
       backend_info()["cuda"]["gather_in_fc1"]); elsewhere XLA gathers them first.
 
@@ -160,7 +160,7 @@ _gathered_mlp.defvjp(_gathered_mlp_fwd, _gathered_mlp_bwd)
 def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, act: Activation, forward: bool, b1, b2) -> tuple[str, int]:
   path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.rows_in_use, s.d, s.F1),
                               mlp="forward" if forward else "backward",
-                              fusable=_gemm_path.fc1_fusable(act, b1 is not None, s.f))
+                              fusable=_gemm_path.fc1_fusable(act, s.f))
   biases = b1 is not None or b2 is not None
   ws = _library.cuda_module().mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E,
                                                   _library.dtype_code(dtype), biases)
@@ -189,7 +189,7 @@ def mlp_forward(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, s: _che
   def cuda(*a):
     path, ws = _mlp_path_and_workspace(dt, s, act, True, b1, b2)
     options = dict(workspace=ws, zero_padding=np.int32(zero_padding), **attrs)
-    if slots and _gemm_path.gathers_in_fc1(path, act, b1 is not None, s.f):
+    if slots and _gemm_path.gathers_in_fc1(path, act, s.f):
       return _library.call("jaxmlp_mlp_fwd_gathered", outs, *a, top_k=np.int32(gather.row_of_slot.shape[1]),
                            fc2_on_engine=np.int32(path == "cutlass"), **options)
     return _library.call(f"jaxmlp_mlp_fwd_{path}", outs, *rows_first(*a), **options)

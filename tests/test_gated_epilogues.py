@@ -1,12 +1,13 @@
-"""The gated activation in the CUTLASS engine's epilogues (f a multiple of 64): FC1's (without b1) and FC2's
-data gradient's (the activation's backward: dh, a_s and the scales' gradient in partial sums; d at least
-4096), the same values as the activation passes they replace, on every backend.
+"""The gated activation in the CUTLASS engine's epilogues (f a multiple of 64): FC1's (b1 added to h, the
+activation) and FC2's data gradient's (the activation's backward: dh, a_s and the scales' gradient in partial
+sums; d at least 4096), the same values as the activation passes they replace, on every backend.
 
-On cuda-cutlass and cuda-fused a call without b1 takes FC1's epilogue and one with b1 = 0 the separate
-activation pass (on cuda-fused after cuBLASLt's FC1, whose sums over d = 64 the engine's equal): the two give
-the same bits (h = x @ w1 rounded once either way); both match the float64 reference, the scales' gradient
-included. On cuda-cutlass both take FC2's data-gradient epilogue; the second test checks it against the separate
-backward pass bit for bit (the engine takes the epilogue by d). The shapes put groups across tile edges
+On cuda-fused FC1 takes its epilogue, and the same call on the grouped path (cuBLASLt's FC1, whose sums over
+d = 64 the engine's equal, then the separate activation pass; the other products are cuBLASLt's on both
+paths) gives the same bits: h = x @ w1 rounded, then + b1 rounded again, either way. Every backend matches
+the float64 reference, the scales' and biases' gradients included. On cuda-cutlass (d = 4096) the step also
+takes FC2's data-gradient epilogue; the second test checks it against the separate backward pass bit for bit
+(the engine takes the epilogue by d). The shapes put groups across tile edges
 (128 rows), an empty group first and last, a group of fewer rows than a tile, padding rows holding NaN, and
 f = 64 (one tile of gate and up columns in FC1; one half tile in the data gradient), 192 (three in FC1, the
 up columns starting at an odd tile; the data gradient's last tile half full) or 256 (whole tiles).
@@ -27,8 +28,10 @@ ACTS = ["swiglu", "geglu", "reglu", "clamped_swiglu"]
 @pytest.mark.parametrize("f", [64, 192, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("scales, b2, zero_padding", [(True, True, True), (False, False, False), (True, False, False)])
-def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act, scales, b2, zero_padding):
+@pytest.mark.parametrize("scales, b1, b2, zero_padding", [(True, True, True, True), (False, False, False, False),
+                                                          (True, False, False, False), (False, True, False, False)])
+def test_fused_activation_equals_the_activation_pass(backend, rng, monkeypatch, f, dtype, act, scales, b1, b2,
+                                                     zero_padding):
   skip_unless_served(backend, dtype)
   # d = 4096 where FC2's data gradient takes the epilogue; elsewhere the same semantics at a smaller d.
   M, d, E = 400, 4096 if backend == "cuda-cutlass" else 64, len(SIZES)
@@ -38,38 +41,43 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, f, dtype, act
   w1 = cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
   w2 = cast(rng.standard_normal((E, f, d)) / np.sqrt(f))
   kw = dict(scales=cast(rng.uniform(0.1, 1.0, M)) if scales else None,
+            b1=cast(rng.standard_normal((E, 2 * f)) * 0.5) if b1 else None,
             b2=cast(rng.standard_normal((E, d)) * 0.5) if b2 else None)
   dy = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
   sizes = jnp.asarray(SIZES, jnp.int32)
   activation = jaxmlp.Activation(act, alpha=1.702, limit=7.0)
-  names = ["y", "dx", "dw1", "dw2"] + (["dscales"] if scales else [])
+  names = ["y", "dx", "dw1", "dw2", "dscales", "db1", "db2"]
 
-  def run(**b1):
-    def f_(x, w1, w2, scales, *b):
+  def run():
+    def f_(x, w1, w2, scales, b1, b2):
       return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=activation, zero_padding=zero_padding,
-                                scales=scales, b2=kw["b2"], **dict(zip(b1, b)))
-    y, vjp = jax.vjp(f_, x, w1, w2, kw["scales"], *b1.values())
-    return (y, *vjp(dy)[:len(names) - 1])
+                                scales=scales, b1=b1, b2=b2)
+    y, vjp = jax.vjp(f_, x, w1, w2, kw["scales"], kw["b1"], kw["b2"])
+    return (y, *vjp(dy))
 
   fused = run()
-  separate = run(b1=jnp.zeros((E, 2 * f), dtype))
-  for name, got, want in zip(names, fused, separate):
-    rows = slice(0, total) if name in ("y", "dx", "dscales") else slice(None)
-    np.testing.assert_array_equal(np.asarray(got[rows], np.float32), np.asarray(want[rows], np.float32), name)
+  if backend == "cuda-fused":
+    monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
+    separate = run()
+    for name, got, want in zip(names, fused, separate):
+      if got is not None:
+        rows = slice(0, total) if name in ("y", "dx", "dscales") else slice(None)
+        np.testing.assert_array_equal(np.asarray(got[rows], np.float32), np.asarray(want[rows], np.float32), name)
 
   n = {k: None if v is None else np.asarray(v, np.float64) for k, v in kw.items()}
   xr, dyr = np.asarray(x, np.float64), np.asarray(dy, np.float64)
   xr[total:], dyr[total:] = 0, 0
   want_y, want = ref.grouped_mlp(xr, np.asarray(w1, np.float64), np.asarray(w2, np.float64), np.asarray(SIZES),
-                                 act, None, n["b2"], n["scales"], dy=dyr, alpha=1.702, limit=7.0)
+                                 act, n["b1"], n["b2"], n["scales"], dy=dyr, alpha=1.702, limit=7.0)
   if act != "reglu":  # its derivative jumps at 0, where 16-bit rounding of h moves elements across
     tol = TOLERANCE[jnp.dtype(dtype).name]
     check_close(fused[0][:total], want_y[:total], tol, "y")
-    for name, got in zip(["x", "w1", "w2", "scales"], fused[1:]):
-      rows = slice(0, total) if name in ("x", "scales") else slice(None)
-      check_close(got[rows], want[name][rows], tol, name)
+    for name, got in zip(["x", "w1", "w2", "scales", "b1", "b2"], fused[1:]):
+      if got is not None:
+        rows = slice(0, total) if name in ("x", "scales") else slice(None)
+        check_close(got[rows], want[name][rows], tol, name)
   if zero_padding:
-    check_padding_rows_zero(M, SIZES, *fused[:2], *fused[4:])
+    check_padding_rows_zero(M, SIZES, *(a for a in fused[:2] + fused[4:5] if a is not None))
 
 
 @pytest.mark.parametrize("f", [64, 192, 256])

@@ -33,47 +33,51 @@ def _operands(rng, dtype, d, f, tokens=T):
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("act, b1", [("swiglu", False), ("geglu", True)])
 @pytest.mark.parametrize("capacity, pad_to", [(None, 1), (130, 16), (90, 1)])
 @pytest.mark.parametrize("f", [64, 192])
-def test_gathered_mlp_equals_the_mlp_of_the_dispatched_rows(backend, rng, dtype, act, capacity, pad_to, f):
+def test_gathered_mlp_equals_the_mlp_of_the_dispatched_rows(backend, rng, dtype, act, b1, capacity, pad_to, f):
   d = 64
   skip_unless_served(backend, dtype, d, f, 2 * f)
   x, w1, w2 = _operands(rng, dtype, d, f)
+  b1 = jnp.asarray(rng.standard_normal((E, 2 * f)) * 0.5, dtype) if b1 else None
   experts = _experts(rng)
   rows, sizes, plan = dispatch.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)
   M = rows.shape[0]
   scales = jnp.asarray(rng.uniform(0.1, 1.0, M), dtype)
   dy = jnp.asarray(rng.standard_normal((M, d)), dtype)
 
-  def gathered(x, w1, w2, scales):
-    return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=act, scales=scales, gather=plan)
+  def gathered(x, w1, w2, scales, *b1):
+    return jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=act, b1=b1[0] if b1 else None, scales=scales,
+                              gather=plan)
 
-  def dispatched(x, w1, w2, scales):
+  def dispatched(x, w1, w2, scales, *b1):
     rows = dispatch.dispatch(x, experts, E, capacity=capacity, pad_to=pad_to)[0]
-    return jaxmlp.grouped_mlp(rows, w1, w2, sizes, activation=act, scales=scales)
+    return jaxmlp.grouped_mlp(rows, w1, w2, sizes, activation=act, b1=b1[0] if b1 else None, scales=scales)
+
+  operands = (x, w1, w2, scales) + (() if b1 is None else (b1,))
 
   def run(f_):
-    y, vjp = jax.vjp(f_, x, w1, w2, scales)
+    y, vjp = jax.vjp(f_, *operands)
     return (y, *vjp(dy))
 
   got, want = jax.jit(lambda: run(gathered))(), jax.jit(lambda: run(dispatched))()
-  for name, a, b in zip(["y", "dx", "dw1", "dw2", "dscales"], got, want):
+  for name, a, b in zip(["y", "dx", "dw1", "dw2", "dscales", "db1"], got, want):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
   engine = backend in ("cuda-cutlass", "cuda-fused")
-  assert ("jaxmlp_mlp_fwd_gathered" in jax.jit(gathered).lower(x, w1, w2, scales).as_text()) == engine
+  assert ("jaxmlp_mlp_fwd_gathered" in jax.jit(gathered).lower(*operands).as_text()) == engine
 
   # The float64 reference over the rows, its x gradient summed over each token's rows.
   f64 = lambda a: np.asarray(a, np.float64)
-  want_y, want_g = ref.grouped_mlp(f64(rows), f64(w1), f64(w2), np.asarray(sizes), act, scales=f64(scales),
-                                   dy=f64(dy))
+  want_y, want_g = ref.grouped_mlp(f64(rows), f64(w1), f64(w2), np.asarray(sizes), act,
+                                   b1=None if b1 is None else f64(b1), scales=f64(scales), dy=f64(dy))
   token = np.asarray(plan.slot_of_row) // K
   want_dx = np.zeros((T, d))
   np.add.at(want_dx, token[token >= 0], want_g["x"][token >= 0])
   tol = TOLERANCE[jnp.dtype(dtype).name]
   check_close(got[0], want_y, tol, "y")
-  for name, a, b in zip(["x", "w1", "w2", "scales"], got[1:], [want_dx, want_g["w1"], want_g["w2"],
-                                                                 want_g["scales"]]):
+  for name, a, b in zip(["x", "w1", "w2", "scales", "b1"], got[1:], [want_dx, want_g["w1"], want_g["w2"],
+                                                                       want_g["scales"], want_g.get("b1")]):
     check_close(a, b, tol, name)
 
 
@@ -150,19 +154,18 @@ def test_dispatch_gather_takes_the_dispatched_rows_again(rng, dtype):
 
 def test_only_a_forced_engine_path_reads_the_rows_in_fc1(monkeypatch):
   """`auto` gathers with XLA first (the gathered loads measured slower); JAXMLP_GEMM_PATH=cutlass or fused
-  takes them for an FC1 the engine fuses (gated, no b1, f a multiple of 64)."""
+  takes them for an FC1 the engine fuses (gated, f a multiple of 64)."""
   from jaxmlp import _gemm_path
   swiglu, gelu = jaxmlp.Activation("swiglu"), jaxmlp.Activation("gelu")
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "auto")
-  assert not _gemm_path.gathers_in_fc1("cutlass", swiglu, False, 768)
+  assert not _gemm_path.gathers_in_fc1("cutlass", swiglu, 768)
   for path in ("cutlass", "fused"):
     monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
-    assert _gemm_path.gathers_in_fc1(path, swiglu, False, 768)
-    assert not _gemm_path.gathers_in_fc1(path, swiglu, True, 768)  # b1
-    assert not _gemm_path.gathers_in_fc1(path, swiglu, False, 96)
-    assert not _gemm_path.gathers_in_fc1(path, gelu, False, 768)
+    assert _gemm_path.gathers_in_fc1(path, swiglu, 768)
+    assert not _gemm_path.gathers_in_fc1(path, swiglu, 96)
+    assert not _gemm_path.gathers_in_fc1(path, gelu, 768)
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
-  assert not _gemm_path.gathers_in_fc1("grouped", swiglu, False, 768)
+  assert not _gemm_path.gathers_in_fc1("grouped", swiglu, 768)
 
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto],

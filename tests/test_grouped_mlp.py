@@ -324,9 +324,9 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
 
 
 def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
-  """The policy alone (a GPU's status stubbed): `auto` runs a gated grouped_mlp without b1 on the engine
+  """The policy alone (a GPU's status stubbed): `auto` runs a gated grouped_mlp (b1 or not) on the engine
   within ENGINE_ROWS_PER_GROUP for small experts, forward and backward; a larger experts' forward on the
-  fused path within FUSED_ROWS_PER_GROUP; everything else (other activations, b1, ragged_dot's products)
+  fused path within FUSED_ROWS_PER_GROUP; everything else (other activations, ragged_dot's products)
   on cuBLASLt; forcing the fused path where the engine cannot run is an error naming it."""
   from jaxmlp import _gemm_path
   from jaxmlp.activations import resolve
@@ -354,10 +354,9 @@ def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
   with pytest.raises(RuntimeError, match="JAXMLP_GEMM_PATH=fused, but jaxmlp's CUTLASS engine cannot run"):
     path(256, *small)
   swiglu = resolve("swiglu")
-  assert _gemm_path.fc1_fusable(swiglu, False, 768)
-  assert not _gemm_path.fc1_fusable(swiglu, True, 768)  # b1: h holds it, the epilogue does not add it
-  assert not _gemm_path.fc1_fusable(swiglu, False, 96)  # 2f = 192 is not a whole number of 128-column tiles
-  assert not _gemm_path.fc1_fusable(resolve("gelu"), False, 768)
+  assert _gemm_path.fc1_fusable(swiglu, 768)
+  assert not _gemm_path.fc1_fusable(swiglu, 96)  # 2f = 192 is not a whole number of 128-column tiles
+  assert not _gemm_path.fc1_fusable(resolve("gelu"), 768)
   # A padded buffer (the expert-parallel layer's): the policy decides by the rows expected in use.
   assert _gemm_path.expected_rows(1000) == 1000
   with _gemm_path.padded_buffers(4.0):

@@ -3,7 +3,8 @@ jaxmlp's CUTLASS engine (cutlass) and the two together (fused: cuBLASLt, FC1 wit
 engine), and `auto`, timed in turn in one process (timing.measure_alternating), with a dense GEMM of the
 same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, its forward alone
 (on the engine FC1 computes the activation in its epilogue), and each grouped product of it alone (FC1,
-FC2, the data gradients and FC1's weight gradient). GPU only.
+FC2, the data gradients and FC1's weight gradient). With --biases the step and its forward take b1 and b2
+(gpt-oss's experts have both; on the engine FC1's epilogue adds b1). GPU only.
 
   python benchmarks/probes/gemm_engines.py --shapes qwen3,128x2048x768x65536 --routings balanced,skewed
 """
@@ -17,6 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cases  # noqa: E402
 import kernel_share  # noqa: E402
 from timing import measure_alternating  # noqa: E402
+
+def step_and_args(shape, routing, biases):
+  return biased_step(shape, routing) if biases else kernel_share.step_and_args(shape, routing, "jaxmlp")
+
 
 def traced_on(path, build):
   """build() -> (jitted fn, args), traced and compiled with JAXMLP_GEMM_PATH=path (the path is picked at
@@ -35,7 +40,27 @@ def traced_on(path, build):
   return fn, args
 
 
-def products(shape, routing):
+def biased_step(shape, routing):
+  """(jitted fwd+bwd step with b1 and b2, its arguments): bench.py's step, the biases' gradients too."""
+  import jax
+  import jax.numpy as jnp
+  import jaxmlp
+  s = cases.shape_named(shape)
+  key = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(key[0], (s.M, s.d), jnp.bfloat16)
+  w1 = jax.random.normal(key[1], (s.E, s.d, 2 * s.f), jnp.bfloat16) * 0.02
+  w2 = jax.random.normal(key[2], (s.E, s.f, s.d), jnp.bfloat16) * 0.02
+  b1 = jax.random.normal(key[3], (s.E, 2 * s.f), jnp.bfloat16) * 0.1
+  b2 = jax.random.normal(key[4], (s.E, s.d), jnp.bfloat16) * 0.1
+  dy = jax.random.normal(key[5], (s.M, s.d), jnp.bfloat16)
+
+  def step(x, w1, w2, b1, b2, dy, gs):
+    y, vjp = jax.vjp(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2), x, w1, w2, b1, b2)
+    return (y, *vjp(dy))
+  return jax.jit(step), (x, w1, w2, b1, b2, dy, jnp.asarray(cases.group_sizes(routing, s.E, s.M)))
+
+
+def products(shape, routing, biases=False):
   """{name: build} of the step's forward and of its grouped products alone."""
   import jax
   import jax.numpy as jnp
@@ -52,8 +77,12 @@ def products(shape, routing):
 
   def build(op, lhs, rhs, out_shape):
     return lambda: (jax.jit(lambda l, r, g: gemm.grouped_gemm(op, l, r, g, out_shape, jnp.bfloat16)), (lhs, rhs, gs))
+  b1 = jnp.full((s.E, 2 * s.f), 0.1, jnp.bfloat16) if biases else None
+  b2 = jnp.full((s.E, s.d), 0.1, jnp.bfloat16) if biases else None
+
   def forward():
-    return jax.jit(lambda x, w1, w2, g: jaxmlp.grouped_mlp(x, w1, w2, g)), (x, w1, w2, gs)
+    fn = jax.jit(lambda x, w1, w2, g, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, g, b1=b1, b2=b2))
+    return fn, (x, w1, w2, gs, b1, b2)
   return {"MLP fwd": forward, "fc1 nn": build("nn", x, w1, (s.M, 2 * s.f)), "fc2 nn": build("nn", a, w2, (s.M, s.d)),
           "dgrad2 nt": build("nt", x, w2, (s.M, s.f)), "dgrad1 nt": build("nt", h, w1, (s.M, s.d)), "wgrad1 tn": build("tn", x, h, (s.E, s.d, 2 * s.f))}
 
@@ -65,6 +94,7 @@ def main():
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--paths", default="grouped,cutlass,fused", help="JAXMLP_GEMM_PATH values; the first is the baseline")
   p.add_argument("--no-products", action="store_true", help="the MLP step only")
+  p.add_argument("--biases", action="store_true", help="the MLP with b1 and b2")
   p.add_argument("--what", default=None, help="only these products (comma-separated: 'MLP fwd', 'fc1 nn', ...; "
                                                  "with --trace also 'MLP step')")
   p.add_argument("--trace", action="store_true",
@@ -75,8 +105,7 @@ def main():
   if a.trace:
     for shape in a.shapes.split(","):
       for routing in a.routings.split(","):
-        builds = {"MLP step": lambda: kernel_share.step_and_args(shape, routing, "jaxmlp"),
-                  **products(shape, routing)}
+        builds = {"MLP step": lambda: step_and_args(shape, routing, a.biases), **products(shape, routing, a.biases)}
         for what, build in builds.items():
           if a.what and what not in a.what.split(","):
             continue
@@ -100,7 +129,7 @@ def main():
 
   for shape in a.shapes.split(","):
     for routing in a.routings.split(","):
-      steps = {path: traced_on(path, lambda: kernel_share.step_and_args(shape, routing, "jaxmlp")) for path in paths}
+      steps = {path: traced_on(path, lambda: step_and_args(shape, routing, a.biases)) for path in paths}
       dense = kernel_share.step_and_args(shape, routing, "dense")
       calls = {path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in steps.items()}
       calls["dense"] = lambda i, fa=dense: fa[0](*fa[1])
@@ -109,7 +138,7 @@ def main():
       del steps, dense, calls
       if a.no_products:
         continue
-      for name, build in products(shape, routing).items():
+      for name, build in products(shape, routing, a.biases).items():
         if a.what and name not in a.what.split(","):
           continue
         fns = {path: traced_on(path, build) for path in paths}

@@ -1,7 +1,8 @@
 // The epilogues of a gated activation on the engine, for two products of the MLP:
 //   FC1 (kNN, kGrad false): from one output tile of x @ w1 it stores the tile's h (the gate and up columns,
-//     rounded to the output type, as the unfused product stores them) and the activation output
-//     a = act(gate, up) * scales[row], which the unfused path computes in a separate pass over h
+//     rounded to the output type, as the unfused product stores them; with b1, h + b1[g] rounded again, as
+//     the unfused pass adds it to the stored product) and the activation output a = act(gate, up) *
+//     scales[row] of h as stored, which the unfused path computes in a separate pass over h
 //     (ActivationForward). The main loop (VarlenMainloop with kSplitB) loads B so that accumulator columns j
 //     and j + 64 of a 128-column tile are gate column 64 n + j and up column f + 64 n + j.
 //   FC2's data gradient (kNT, kGrad true): the tile is da = dy @ w2^T, columns 128 n + j of f. With h's gate
@@ -68,6 +69,7 @@ struct GatedEpilogue : Base {
     T* a = nullptr;                    // [rows, f] a (FC1), a_s over da (kGrad)
     T* dh = nullptr;                   // kGrad: [rows, 2 f], may be h
     T const* scales = nullptr;         // [rows] or null (1)
+    T const* b1 = nullptr;             // FC1: [groups, 2 f] or null
     float* ds = nullptr;               // kGrad with scales: [rows, ceil(f / 128)] the row sums' tile parts
     int64_t const* offsets = nullptr;  // [groups] each group's first row
     int64_t f = 0;
@@ -79,6 +81,7 @@ struct GatedEpilogue : Base {
     T* a;
     T* dh;
     T const* scales;
+    T const* b1;
     float* ds;
     int64_t const* offsets;
     int64_t f;
@@ -89,7 +92,8 @@ struct GatedEpilogue : Base {
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
     Params p{};
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(shape, args, workspace);
-    p.h = args.h, p.a = args.a, p.dh = args.dh, p.scales = args.scales, p.ds = args.ds, p.offsets = args.offsets;
+    p.h = args.h, p.a = args.a, p.dh = args.dh, p.scales = args.scales, p.b1 = args.b1, p.ds = args.ds;
+    p.offsets = args.offsets;
     p.f = args.f, p.act = args.act;
     return p;
   }
@@ -168,9 +172,31 @@ struct GatedEpilogue : Base {
     const int64_t f = p_.f, ldh = 2 * f, n = get<1>(tile);
     if constexpr (!kGrad) {
       if (64 * n >= f) return make_tuple(load_state, store_state);  // GatherSplitN: a last tile's second half
+      // With b1 the accumulators become h's values before their last rounding: the product rounded, plus b1's
+      // element (PlusBias), so that T(acc) below is h as the unfused pass stores it. Each pair of b1 is read
+      // once for the thread's four rows (read where h's values are formed, each was read eight times:
+      // docs/performance.md).
+      if (p_.b1) {
+        T const* b1 = p_.b1 + get<3>(tile) * ldh + 64 * n + 2 * (lane % 4);  // columns 8 v2 + 2 (lane % 4) + v0
+        CUTLASS_PRAGMA_UNROLL
+        for (int piece = 0; piece < 2; ++piece)  // gate, up
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < 8; ++v2) {
+            const cutlass::Array<T, 2> pair = *reinterpret_cast<cutlass::Array<T, 2> const*>(b1 + piece * f + 8 * v2);
+            CUTLASS_PRAGMA_UNROLL
+            for (int mm = 0; mm < 2; ++mm)
+              CUTLASS_PRAGMA_UNROLL
+              for (int v1 = 0; v1 < 2; ++v1)
+                CUTLASS_PRAGMA_UNROLL
+                for (int v0 = 0; v0 < 2; ++v0) {
+                  float& value = accumulators(make_coord(v0, v1, v2 + 8 * piece), mm, 0);
+                  value = float(T(value)) + float(pair[v0]);
+                }
+          }
+      }
       Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2, v0)); }, p_.h + 64 * n, ldh);
       Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8, v0)); }, p_.h + f + 64 * n, ldh);
-      // From h as stored (rounded), as ActivationForward computes it.
+      // From h as stored, as ActivationForward computes it.
       by_act([&](auto kind) {
         Store(rows, [&](int mm, int v1, int v2, int v0) {
           const float gate = float(T(acc(mm, v1, v2, v0))), up = float(T(acc(mm, v1, v2 + 8, v0)));

@@ -63,8 +63,9 @@ bool CutlassPathAvailable(int device, std::string* reason);
 __host__ __device__ inline int64_t ScaleGradientParts(int64_t f) { return (f + 127) / 128; }
 
 // A gated activation in a product's epilogue (cutlass_gated_epilogue.cuh), for two products of the MLP:
-//   FC1 (kNN, N = 2 f): the product writes h as usual and, for every row in a group, a = act(gate, up) *
-//     scales[row]: the activation forward (ActivationForward) of a call without b1.
+//   FC1 (kNN, N = 2 f): the product writes h (with b1: h + b1[g], each rounded, as the activation pass
+//     adds it to the stored product) and, for every row in a group, a = act(gate, up) * scales[row]: the
+//     activation forward (ActivationForward).
 //   FC2's data gradient (kNT, da = dy w2^T, K = f): for every row in a group, dh = da * scales[row] *
 //     act'(h) (dh may be h), a_s = act(h) * scales[row] in the product's output instead of da, and with
 //     scales the partial sums of da * act(h) per row and 128 columns, ds_parts[row, ceil(f / 128)]: what
@@ -73,13 +74,14 @@ struct CutlassActivation {
   ActParams act;
   const void* scales;  // [rows], or null
   void* a;             // FC1: [rows, f]
+  const void* b1;      // FC1: [E, 2 f], or null
   const void* h;       // FC2's data gradient: [rows, 2 f] FC1's output
   void* dh;            // FC2's data gradient: [rows, 2 f]
   float* ds_parts;     // FC2's data gradient with scales: [rows, ceil(f / 128)]; else null
 };
 
 // Whether the engine runs product s with activation `act` in its epilogue: a gated activation, beta 0 (no
-// bias to add), and either FC1 (kNN, f = N / 2 a multiple of 64: each 128-column tile holds 64 gate and 64
+// output to add to), and either FC1 (kNN, f = N / 2 a multiple of 64: each 128-column tile holds 64 gate and 64
 // up columns) or FC2's data gradient (kNT, f = K a multiple of 64: whole 64-column pieces; d = N at least
 // 4096, where the main loop hides the epilogue: cutlass_grouped.cu).
 bool CutlassFusesActivation(const GemmSpec& s, Act act);

@@ -171,6 +171,7 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
     args.epilogue.a = static_cast<ElementD*>(kFc1 ? act.a : l.out);
     args.epilogue.dh = static_cast<ElementD*>(act.dh);
     args.epilogue.scales = static_cast<const ElementD*>(act.scales);
+    args.epilogue.b1 = static_cast<const ElementD*>(act.b1);
     args.epilogue.ds = act.ds_parts;
     args.epilogue.offsets = l.offsets;
     args.epilogue.f = kFc1 ? l.N / 2 : l.K;

@@ -79,17 +79,19 @@ Error RunForward(cudaStream_t stream, int32_t device, AnyBuffer x, Fc1Rows rows,
        m.has_b2 ? 1.0f : 0.0f, false, true},
   }));
   const ActParams ap{Act(act), alpha, limit};
-  // On the engine FC1's epilogue computes a (without b1, which h holds and the epilogue does not add); what
-  // is left of the activation pass is y's prefill with b2 (and its padding rows), or y's padding rows alone.
-  const bool fused = !m.has_b1 && gemms.FusesActivation(0, ap.act);
+  // On the engine FC1's epilogue adds b1 to h and computes a; what is left of the activation pass is y's
+  // prefill with b2 (and its padding rows), or y's padding rows alone.
+  const bool fused = gemms.FusesActivation(0, ap.act);
   if (rows.gather && !fused)
-    return Error::InvalidArgument("jaxmlp: the gathered forward runs on the engine's FC1 with a gated activation, "
-                                  "no b1 and f a multiple of 64");
-  if (fused) JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, DataIfPresent(scales), s.a}));  // h, a
+    return Error::InvalidArgument("jaxmlp: the gathered forward runs on the engine's FC1 with a gated activation "
+                                  "and f a multiple of 64");
+  if (fused)  // h (+ b1), a
+    JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, DataIfPresent(scales), s.a, DataIfPresent(b1)}));
   else JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x @ w1
   if (!fused || m.has_b2)
     JAXMLP_RETURN_IF_ERROR(ActivationForward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
-                                             h->untyped_data(), DataIfPresent(b1), DataIfPresent(scales), s.a,
+                                             h->untyped_data(), fused ? nullptr : DataIfPresent(b1),
+                                             DataIfPresent(scales), s.a,
                                              y->untyped_data(), DataIfPresent(b2), zero_padding != 0,
                                              /*activation=*/!fused));
   else if (zero_padding)
@@ -164,8 +166,8 @@ Error MlpBackward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1
   const bool fused = gemms.FusesActivation(0, ap.act);
   void* ds = m.has_scales ? dscales->untyped_data() : nullptr;
   if (fused)
-    JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(
-        0, {ap, DataIfPresent(scales), nullptr, h.untyped_data(), dh->untyped_data(), ds ? s.ds_parts : nullptr}));
+    JAXMLP_RETURN_IF_ERROR(gemms.RunWithActivation(0, {ap, DataIfPresent(scales), nullptr, nullptr, h.untyped_data(),
+                                                       dh->untyped_data(), ds ? s.ds_parts : nullptr}));
   else JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
   if (!fused || ds)
     JAXMLP_RETURN_IF_ERROR(ActivationBackward(stream, device, t, ap, gemms.offsets(), m.E, m.M, m.f, m.d,
