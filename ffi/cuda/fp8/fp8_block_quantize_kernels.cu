@@ -51,13 +51,31 @@ __device__ __forceinline__ float RoundedTo(T v) {
   else return Conv<R>::To(Conv<R>::From(Conv<T>::To(v)));
 }
 
+// Two floats rounded to R (to nearest even) by one packed conversion into one register, and back: how
+// WeightBlocksKernel holds a wider tile, in fewer registers than as 16-bit vectors (a block more an SM:
+// docs/performance.md, "Kernel measurements").
+template <typename R>
+struct RoundedPair;
+template <>
+struct RoundedPair<__nv_bfloat16> {
+  using Type = __nv_bfloat162;
+  static __device__ __forceinline__ Type From(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ float2 To(Type p) { return __bfloat1622float2(p); }
+};
+template <>
+struct RoundedPair<__half> {
+  using Type = __half2;
+  static __device__ __forceinline__ Type From(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ float2 To(Type p) { return __half22float2(p); }
+};
+
 // A block per 128 x 128 tile of one expert: its maximum, then its quantized values as they lie (q) and,
 // through shared memory, transposed (qt). Eight elements a thread and access (K and N are multiples of 16).
 // w of type T (float32 master weights too) is rounded to the computation dtype R on the way in: the
 // quantization of w.astype(R), with no copy of it. A 16-bit w is read twice (the second time from L2):
 // that keeps a thread's registers few (8 blocks an SM), and holding it in registers instead, as floats or
-// as 16-bit vectors, cost occupancy and was slower. A wider w is held in registers, rounded to R (kHold):
-// its second read missed L2 (docs/performance.md, "Kernel measurements").
+// as 16-bit vectors, cost occupancy and was slower. A wider w is held in registers, rounded to R in pairs
+// (kHold): its second read missed L2 (docs/performance.md, "Kernel measurements").
 template <typename T, typename R>
 __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
                                                           int32_t* e) {
@@ -70,7 +88,7 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
   const T* src = w + g * K * N;
   const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;  // 16 threads a row, 16 rows a pass
   const bool in_columns = n0 + j < N;
-  Vec<R, 8> held[kHold ? kPasses : 1];
+  typename RoundedPair<R>::Type held[kHold ? kPasses : 1][4];
   float amax = 0.0f;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -78,10 +96,14 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
     if (k0 + i >= K || !in_columns) continue;
     const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const float v = RoundedTo<R>(x.v[u]);
-      amax = fmaxf(amax, fabsf(v));
-      if constexpr (kHold) held[p].v[u] = Conv<R>::From(v);  // exact: v is a value of R
+    for (int u = 0; u < 8; u += 2) {
+      if constexpr (kHold) {  // held as R, rounded once
+        held[p][u / 2] = RoundedPair<R>::From(Conv<T>::To(x.v[u]), Conv<T>::To(x.v[u + 1]));
+        const float2 v = RoundedPair<R>::To(held[p][u / 2]);
+        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+      } else {
+        amax = fmaxf(amax, fmaxf(fabsf(RoundedTo<R>(x.v[u])), fabsf(RoundedTo<R>(x.v[u + 1]))));
+      }
     }
   }
   amax = WarpMax(amax);
@@ -97,7 +119,10 @@ __global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K,
     if (k0 + i >= K || !in_columns) continue;
     float v[8];
     if constexpr (kHold) {
-      for (int u = 0; u < 8; ++u) v[u] = Conv<R>::To(held[p].v[u]);
+      for (int u = 0; u < 8; u += 2) {
+        const float2 pair = RoundedPair<R>::To(held[p][u / 2]);
+        v[u] = pair.x, v[u + 1] = pair.y;
+      }
     } else {
       const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
       for (int u = 0; u < 8; ++u) v[u] = RoundedTo<R>(x.v[u]);
