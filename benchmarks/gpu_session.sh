@@ -73,8 +73,8 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
   print("memcheck run done")
   raise SystemExit
 # The fourth case spans two passes of the block scans (256 groups each); the fifth and sixth take the CUTLASS
-# engine's gated epilogues (f a multiple of 64: FC1's, b1 added in `g`; the sixth FC2's data gradient's
-# too, d = 4096, its last tile half full); the last is the host-overhead layer, which takes the tiled path by
+# engine's activation epilogues (f a multiple of 64: FC1's, b1 added in `g` and `ungated`; the sixth FC2's
+# data gradient's too, d = 4096, its last tile half full); the last is the host-overhead layer, which takes the tiled path by
 # itself.
 for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (64, 96, [50, 0, 20, 1]),
                     (64, 96, [*rng.integers(-5, 3, 300), 2**31 - 1, 7]), (64, 128, [100, -7, 2**31 - 1, 0]),
@@ -88,13 +88,15 @@ for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (
   g = jax.grad(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=x[:, 0])
                .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
   plain = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
+  ungated = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs, activation="gelu", b1=b1[:, :f])
+                     .astype(jnp.float32).sum(), argnums=(0, 1))(x, w1[:, :, :f])
   r = jax.grad(lambda a, b: jaxmlp.ragged_dot(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
   # Rows gathered from 100 tokens by a plan whose slot_of_row holds anything (FC1's loads on the engine).
   slots = jnp.asarray(np.r_[rng.integers(-3, 230, M - 3), 2**31 - 1, -2**31, 199], jnp.int32)
   plan = jaxmlp.dispatch.Plan(jnp.asarray(rng.integers(-1, M, (100, 2)), jnp.int32), slots, jnp.zeros(E, jnp.int32))
   gathered = jax.grad(lambda t, w1: jaxmlp.grouped_mlp(t, w1, w2, gs, b1=b1, gather=plan).astype(jnp.float32).sum(),
                       argnums=(0, 1))(x[:100], w1)
-  jax.block_until_ready((g, plain, r, gathered))
+  jax.block_until_ready((g, plain, ungated, r, gathered))
 print("memcheck run done")
 PY
     echo "memcheck $path: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$OUT/memcheck-$path.log") error lines)" | tee -a "$OUT/summary.txt"

@@ -5,10 +5,10 @@ CUDA targets of the grouped products come in five variants (ffi/targets.inc):
               declared command-buffer compatible, so XLA may capture them in CUDA graphs;
   *_cutlass   jaxmlp's CUTLASS grouped GEMM engine on Hopper (sm_90a), also sync-free, for the 16-bit
               products ragged in their rows whose output dtype is the input's (cuBLASLt's grouped GEMM
-              runs the others: the weight gradients, FP8); grouped_mlp's FC1 of a gated activation,
-              f a multiple of 64, adds b1 and computes the activation in its epilogue;
-  *_fused     cuBLASLt's grouped GEMM, except that FC1 of such a gated activation runs on the engine with
-              the activation in its epilogue;
+              runs the others: the weight gradients, FP8); grouped_mlp's FC1, f a multiple of 64, adds
+              b1 and computes the activation in its epilogue;
+  *_fused     cuBLASLt's grouped GEMM, except that such an FC1 runs on the engine with the activation in
+              its epilogue;
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
               product dominates: fewer launches, also sync-free;
   *_fallback  cublasGemmGroupedBatchedEx, which needs the group sizes on the host (one device-to-host copy
@@ -44,8 +44,8 @@ FUSED_ROWS_PER_GROUP = (128, 1024)
 # Where `auto` runs a fusable grouped_mlp's forward and backward on the engine: more than one 128-row tile a
 # group, at most 1024 rows, and FC1's weights at most this many elements an expert, where the engine runs
 # without clusters (kSmallExpertWeights, cutlass_grouped_kernel.cuh, the same number) and measured ahead of
-# cuBLASLt, most with skewed routing (docs/performance.md, "The cluster"; with b1, added in FC1's epilogue,
-# the same: "b1 in FC1's epilogue"). Only gated activations were measured, so only those calls take it.
+# cuBLASLt, most with skewed routing (docs/performance.md, "The cluster"; with b1 and with an ungated
+# activation in FC1's epilogue the same: "b1 and ungated activations in FC1's epilogue").
 ENGINE_ROWS_PER_GROUP = (129, 1024)
 ENGINE_MAX_EXPERT_WEIGHTS = 4 << 20
 
@@ -126,11 +126,11 @@ def expected_rows(M: int) -> int:
   return M if factor == 1.0 or not _checks.is_static(M) else round(M / factor)
 
 
-def fc1_fusable(act, f: int) -> bool:
+def fc1_fusable(f: int) -> bool:
   """Whether the engine can compute an MLP forward's activation (and add b1) in FC1's epilogue
-  (CutlassFusesActivation, ffi/cuda/gemm/cutlass_grouped.cu): a gated activation, FC1's width 2f a multiple
-  of the 128-column tile."""
-  return act.gated and f % 64 == 0
+  (CutlassFusesActivation, ffi/cuda/gemm/cutlass_grouped.cu): whole 64-column pieces of f (gated: so FC1's
+  width 2f is a multiple of the 128-column tile)."""
+  return f % 64 == 0
 
 
 # grouped_mlp(..., gather=plan) with FC1 reading the rows from the tokens in the engine's loads (cp.async from
@@ -145,7 +145,8 @@ GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: the engine's 
 def gathers_in_fc1(path: str, act, f: int) -> bool:
   """Whether a grouped_mlp forward with `gather` on CUDA path `path` reads its rows in FC1's loads
   (GATHER_IN_FC1_WHY), else XLA gathers them first."""
-  return forced_path() in ("cutlass", "fused") and path in ("cutlass", "fused") and fc1_fusable(act, f)
+  return (forced_path() in ("cutlass", "fused") and path in ("cutlass", "fused") and act.gated
+          and fc1_fusable(f))
 
 
 def _rows_within(bounds: tuple[int, int], E: int, M: int) -> bool:

@@ -160,7 +160,7 @@ _gathered_mlp.defvjp(_gathered_mlp_fwd, _gathered_mlp_bwd)
 def _mlp_path_and_workspace(dtype, s: _checks.MlpShape, act: Activation, forward: bool, b1, b2) -> tuple[str, int]:
   path = _gemm_path.cuda_path(dtype, s.d, s.f, s.F1, problem=(s.E, s.rows_in_use, s.d, s.F1),
                               mlp="forward" if forward else "backward",
-                              fusable=_gemm_path.fc1_fusable(act, s.f))
+                              fusable=_gemm_path.fc1_fusable(s.f))
   biases = b1 is not None or b2 is not None
   ws = _library.cuda_module().mlp_workspace_bytes(path, forward, s.M, s.d, s.f, s.F1, s.E,
                                                   _library.dtype_code(dtype), biases)

@@ -324,12 +324,12 @@ def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
 
 
 def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
-  """The policy alone (a GPU's status stubbed): `auto` runs a gated grouped_mlp (b1 or not) on the engine
-  within ENGINE_ROWS_PER_GROUP for small experts, forward and backward; a larger experts' forward on the
-  fused path within FUSED_ROWS_PER_GROUP; everything else (other activations, ragged_dot's products)
-  on cuBLASLt; forcing the fused path where the engine cannot run is an error naming it."""
+  """The policy alone (a GPU's status stubbed): `auto` runs a grouped_mlp whose FC1 the engine fuses (any
+  activation, b1 or not, f a multiple of 64) on the engine within ENGINE_ROWS_PER_GROUP for small experts,
+  forward and backward; a larger experts' forward on the fused path within FUSED_ROWS_PER_GROUP; everything
+  else (other f, ragged_dot's products) on cuBLASLt; forcing the fused path where the engine cannot run is an
+  error naming it."""
   from jaxmlp import _gemm_path
-  from jaxmlp.activations import resolve
   status = {"grouped_available": True, "tiled_available": True, "cutlass_available": True}
   monkeypatch.setattr(_gemm_path, "cuda_status", lambda: status)
   monkeypatch.delenv("JAXMLP_GEMM_PATH", raising=False)
@@ -353,10 +353,8 @@ def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):
   monkeypatch.setenv("JAXMLP_GEMM_PATH", "fused")
   with pytest.raises(RuntimeError, match="JAXMLP_GEMM_PATH=fused, but jaxmlp's CUTLASS engine cannot run"):
     path(256, *small)
-  swiglu = resolve("swiglu")
-  assert _gemm_path.fc1_fusable(swiglu, 768)
-  assert not _gemm_path.fc1_fusable(swiglu, 96)  # 2f = 192 is not a whole number of 128-column tiles
-  assert not _gemm_path.fc1_fusable(resolve("gelu"), 768)
+  assert _gemm_path.fc1_fusable(768)
+  assert not _gemm_path.fc1_fusable(96)  # not whole 64-column pieces (gated: 2f = 192, not whole 128-column tiles)
   # A padded buffer (the expert-parallel layer's): the policy decides by the rows expected in use.
   assert _gemm_path.expected_rows(1000) == 1000
   with _gemm_path.padded_buffers(4.0):

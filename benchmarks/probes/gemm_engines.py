@@ -4,7 +4,8 @@ engine), and `auto`, timed in turn in one process (timing.measure_alternating), 
 same FLOPs as the ceiling. Per shape and routing: the bf16 MLP fwd+bwd step of bench.py, its forward alone
 (on the engine FC1 computes the activation in its epilogue), and each grouped product of it alone (FC1,
 FC2, the data gradients and FC1's weight gradient). With --biases the step and its forward take b1 and b2
-(gpt-oss's experts have both; on the engine FC1's epilogue adds b1). GPU only.
+(gpt-oss's experts have both; on the engine FC1's epilogue adds b1), with --activation another activation
+than swiglu (the products alone stay swiglu's). GPU only.
 
   python benchmarks/probes/gemm_engines.py --shapes qwen3,128x2048x768x65536 --routings balanced,skewed
 """
@@ -19,8 +20,10 @@ import cases  # noqa: E402
 import kernel_share  # noqa: E402
 from timing import measure_alternating  # noqa: E402
 
-def step_and_args(shape, routing, biases):
-  return biased_step(shape, routing) if biases else kernel_share.step_and_args(shape, routing, "jaxmlp")
+def step_and_args(shape, routing, biases, activation):
+  if biases or activation != "swiglu":
+    return custom_step(shape, routing, biases, activation)
+  return kernel_share.step_and_args(shape, routing, "jaxmlp")
 
 
 def traced_on(path, build):
@@ -40,27 +43,31 @@ def traced_on(path, build):
   return fn, args
 
 
-def biased_step(shape, routing):
-  """(jitted fwd+bwd step with b1 and b2, its arguments): bench.py's step, the biases' gradients too."""
+def custom_step(shape, routing, biases, activation):
+  """(jitted fwd+bwd step, its arguments): bench.py's step with b1 and b2 (their gradients too) or another
+  activation."""
   import jax
   import jax.numpy as jnp
   import jaxmlp
   s = cases.shape_named(shape)
+  F1 = 2 * s.f if jaxmlp.Activation(activation).gated else s.f
   key = jax.random.split(jax.random.key(0), 6)
   x = jax.random.normal(key[0], (s.M, s.d), jnp.bfloat16)
-  w1 = jax.random.normal(key[1], (s.E, s.d, 2 * s.f), jnp.bfloat16) * 0.02
+  w1 = jax.random.normal(key[1], (s.E, s.d, F1), jnp.bfloat16) * 0.02
   w2 = jax.random.normal(key[2], (s.E, s.f, s.d), jnp.bfloat16) * 0.02
-  b1 = jax.random.normal(key[3], (s.E, 2 * s.f), jnp.bfloat16) * 0.1
-  b2 = jax.random.normal(key[4], (s.E, s.d), jnp.bfloat16) * 0.1
+  b = (jax.random.normal(key[3], (s.E, F1), jnp.bfloat16) * 0.1,
+       jax.random.normal(key[4], (s.E, s.d), jnp.bfloat16) * 0.1) if biases else ()
   dy = jax.random.normal(key[5], (s.M, s.d), jnp.bfloat16)
 
-  def step(x, w1, w2, b1, b2, dy, gs):
-    y, vjp = jax.vjp(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2), x, w1, w2, b1, b2)
+  def step(x, w1, w2, dy, gs, *b):
+    def mlp(x, w1, w2, *b):
+      return jaxmlp.grouped_mlp(x, w1, w2, gs, activation=activation, **dict(zip(("b1", "b2"), b)))
+    y, vjp = jax.vjp(mlp, x, w1, w2, *b)
     return (y, *vjp(dy))
-  return jax.jit(step), (x, w1, w2, b1, b2, dy, jnp.asarray(cases.group_sizes(routing, s.E, s.M)))
+  return jax.jit(step), (x, w1, w2, dy, jnp.asarray(cases.group_sizes(routing, s.E, s.M)), *b)
 
 
-def products(shape, routing, biases=False):
+def products(shape, routing, biases=False, activation="swiglu"):
   """{name: build} of the step's forward and of its grouped products alone."""
   import jax
   import jax.numpy as jnp
@@ -77,12 +84,13 @@ def products(shape, routing, biases=False):
 
   def build(op, lhs, rhs, out_shape):
     return lambda: (jax.jit(lambda l, r, g: gemm.grouped_gemm(op, l, r, g, out_shape, jnp.bfloat16)), (lhs, rhs, gs))
-  b1 = jnp.full((s.E, 2 * s.f), 0.1, jnp.bfloat16) if biases else None
+  F1 = 2 * s.f if jaxmlp.Activation(activation).gated else s.f
+  b1 = jnp.full((s.E, F1), 0.1, jnp.bfloat16) if biases else None
   b2 = jnp.full((s.E, s.d), 0.1, jnp.bfloat16) if biases else None
 
   def forward():
-    fn = jax.jit(lambda x, w1, w2, g, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, g, b1=b1, b2=b2))
-    return fn, (x, w1, w2, gs, b1, b2)
+    fn = jax.jit(lambda x, w1, w2, g, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, g, activation=activation, b1=b1, b2=b2))
+    return fn, (x, w1[:, :, :F1], w2, gs, b1, b2)
   return {"MLP fwd": forward, "fc1 nn": build("nn", x, w1, (s.M, 2 * s.f)), "fc2 nn": build("nn", a, w2, (s.M, s.d)),
           "dgrad2 nt": build("nt", x, w2, (s.M, s.f)), "dgrad1 nt": build("nt", h, w1, (s.M, s.d)), "wgrad1 tn": build("tn", x, h, (s.E, s.d, 2 * s.f))}
 
@@ -95,6 +103,7 @@ def main():
   p.add_argument("--paths", default="grouped,cutlass,fused", help="JAXMLP_GEMM_PATH values; the first is the baseline")
   p.add_argument("--no-products", action="store_true", help="the MLP step only")
   p.add_argument("--biases", action="store_true", help="the MLP with b1 and b2")
+  p.add_argument("--activation", default="swiglu", help="the MLP's activation (the step and its forward)")
   p.add_argument("--what", default=None, help="only these products (comma-separated: 'MLP fwd', 'fc1 nn', ...; "
                                                  "with --trace also 'MLP step')")
   p.add_argument("--trace", action="store_true",
@@ -105,7 +114,8 @@ def main():
   if a.trace:
     for shape in a.shapes.split(","):
       for routing in a.routings.split(","):
-        builds = {"MLP step": lambda: step_and_args(shape, routing, a.biases), **products(shape, routing, a.biases)}
+        builds = {"MLP step": lambda: step_and_args(shape, routing, a.biases, a.activation),
+                  **products(shape, routing, a.biases, a.activation)}
         for what, build in builds.items():
           if a.what and what not in a.what.split(","):
             continue
@@ -129,7 +139,8 @@ def main():
 
   for shape in a.shapes.split(","):
     for routing in a.routings.split(","):
-      steps = {path: traced_on(path, lambda: step_and_args(shape, routing, a.biases)) for path in paths}
+      steps = {path: traced_on(path, lambda: step_and_args(shape, routing, a.biases, a.activation))
+               for path in paths}
       dense = kernel_share.step_and_args(shape, routing, "dense")
       calls = {path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in steps.items()}
       calls["dense"] = lambda i, fa=dense: fa[0](*fa[1])
@@ -138,7 +149,7 @@ def main():
       del steps, dense, calls
       if a.no_products:
         continue
-      for name, build in products(shape, routing, a.biases).items():
+      for name, build in products(shape, routing, a.biases, a.activation).items():
         if a.what and name not in a.what.split(","):
           continue
         fns = {path: traced_on(path, build) for path in paths}

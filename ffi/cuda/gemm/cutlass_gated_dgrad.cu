@@ -1,5 +1,5 @@
 // The engine's kernels for FC2's data gradient of a gated activation (cutlass_grouped.h, CutlassActivation):
-// kNT with the activation's backward in the epilogue (cutlass_gated_epilogue.cuh).
+// kNT with the activation's backward in the epilogue (cutlass_activation_epilogue.cuh).
 #include "cuda/gemm/cutlass_grouped_kernel.cuh"
 
 namespace jaxmlp {

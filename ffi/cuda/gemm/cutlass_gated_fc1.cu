@@ -1,5 +1,5 @@
 // The engine's FC1 kernels for gated activations (cutlass_grouped.h, CutlassActivation): kNN with B's tiles
-// in gate and up halves and the activation in the epilogue (cutlass_gated_epilogue.cuh).
+// in gate and up halves and the activation in the epilogue (cutlass_activation_epilogue.cuh).
 #include "cuda/gemm/cutlass_grouped_kernel.cuh"
 
 namespace jaxmlp {

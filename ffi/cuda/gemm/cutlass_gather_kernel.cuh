@@ -15,8 +15,8 @@
 //     work-tile pipeline every other warp consumes), the next tile's before it loads the current one, so no
 //     warp waits on its loads for the schedule;
 //   - the two consumer warpgroups: both consume every stage, then each stores its 128 columns through its
-//     own staging buffer (GatedEpilogue's kTwoStagings), as the 128x128 tile 2 n + warpgroup.
-// The epilogue must load no source and write through no descriptors (GatedEpilogue: kNoDescriptors): there is
+//     own staging buffer (ActivationEpilogue's kTwoStagings), as the 128x128 tile 2 n + warpgroup.
+// The epilogue must load no source and write through no descriptors (ActivationEpilogue: kNoDescriptors): there is
 // no epilogue load warp here, and no descriptor is updated between groups.
 #pragma once
 

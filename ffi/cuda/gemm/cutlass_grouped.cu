@@ -27,7 +27,8 @@ bool CutlassSupports(const GemmSpec& s) {
 constexpr int32_t kGatedDgradMinReduction = 4096;
 
 bool CutlassFusesActivation(const GemmSpec& s, Act act) {
-  if (!IsGated(act) || !CutlassSupports(s) || s.beta != 0.0f) return false;
+  if (!CutlassSupports(s) || s.beta != 0.0f) return false;
+  if (!IsGated(act)) return s.op == GemmOp::kNN && s.N % 64 == 0 && !s.gather;
   return (s.op == GemmOp::kNN && s.N % 128 == 0) ||
          (s.op == GemmOp::kNT && s.K % 64 == 0 && s.N >= kGatedDgradMinReduction);
 }
@@ -71,7 +72,8 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
                         out_ptrs, s.beta, workspace, s.out, activation, s.gather, s.gather_div, s.sources};
   if (s.gather) return RunCutlassGatedFc1Gathered(l);
-  if (activation) return s.op == GemmOp::kNN ? RunCutlassGatedFc1(l) : RunCutlassGatedDgrad(l);
+  if (activation && s.op == GemmOp::kNT) return RunCutlassGatedDgrad(l);
+  if (activation) return IsGated(activation->act.act) ? RunCutlassGatedFc1(l) : RunCutlassUngatedFc1(l);
   return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
 #endif
 }

@@ -11,8 +11,8 @@
 //   kNN: (c_g, N, K)  A = lhs rows [c_g, K] (K-major)     B = rhs[g] [K, N] (N-major)  D = out rows [c_g, N]
 //   kNT: (c_g, K, N)  A = lhs rows [c_g, N] (N-major: the reduction)  B = rhs[g] [K, N] (reduction-major)
 // A group with no rows gets the problem (0, N, K), which has no tiles: nothing is read or written for it.
-// FC1 of a gated activation can take the activation in its epilogue, and FC2's data gradient the
-// activation's backward (CutlassActivation), which no cuBLASLt grouped GEMM can.
+// FC1 can take the activation in its epilogue, and FC2's data gradient a gated activation's backward
+// (CutlassActivation), which no cuBLASLt grouped GEMM can.
 // The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
 // ptr-array kernel at every measured shape (docs/performance.md, "The CUTLASS engine").
 #pragma once
@@ -62,11 +62,11 @@ bool CutlassPathAvailable(int device, std::string* reason);
 // tile of f.
 __host__ __device__ inline int64_t ScaleGradientParts(int64_t f) { return (f + 127) / 128; }
 
-// A gated activation in a product's epilogue (cutlass_gated_epilogue.cuh), for two products of the MLP:
-//   FC1 (kNN, N = 2 f): the product writes h (with b1: h + b1[g], each rounded, as the activation pass
-//     adds it to the stored product) and, for every row in a group, a = act(gate, up) * scales[row]: the
-//     activation forward (ActivationForward).
-//   FC2's data gradient (kNT, da = dy w2^T, K = f): for every row in a group, dh = da * scales[row] *
+// The MLP's activation in a product's epilogue (cutlass_activation_epilogue.cuh), for two of its products:
+//   FC1 (kNN, N = 2 f gated, else f): the product writes h (with b1: h + b1[g], each rounded, as the
+//     activation pass adds it to the stored product) and, for every row in a group, a = act(h) *
+//     scales[row] (gated: act(gate, up)): the activation forward (ActivationForward).
+//   FC2's data gradient of a gated activation (kNT, da = dy w2^T, K = f): for every row in a group, dh = da * scales[row] *
 //     act'(h) (dh may be h), a_s = act(h) * scales[row] in the product's output instead of da, and with
 //     scales the partial sums of da * act(h) per row and 128 columns, ds_parts[row, ceil(f / 128)]: what
 //     ActivationBackward computes from da, but the scales' gradients, which it then adds from ds_parts.
@@ -74,15 +74,16 @@ struct CutlassActivation {
   ActParams act;
   const void* scales;  // [rows], or null
   void* a;             // FC1: [rows, f]
-  const void* b1;      // FC1: [E, 2 f], or null
+  const void* b1;      // FC1: [E, N], or null
   const void* h;       // FC2's data gradient: [rows, 2 f] FC1's output
   void* dh;            // FC2's data gradient: [rows, 2 f]
   float* ds_parts;     // FC2's data gradient with scales: [rows, ceil(f / 128)]; else null
 };
 
-// Whether the engine runs product s with activation `act` in its epilogue: a gated activation, beta 0 (no
-// output to add to), and either FC1 (kNN, f = N / 2 a multiple of 64: each 128-column tile holds 64 gate and 64
-// up columns) or FC2's data gradient (kNT, f = K a multiple of 64: whole 64-column pieces; d = N at least
+// Whether the engine runs product s with activation `act` in its epilogue: beta 0 (no output to add to),
+// and either FC1 (kNN; gated: f = N / 2 a multiple of 64, so that each 128-column tile holds 64 gate and 64
+// up columns; ungated: f = N a multiple of 64, whole 64-column pieces; rows gathered: gated only) or FC2's
+// data gradient of a gated activation (kNT, f = K a multiple of 64: whole 64-column pieces; d = N at least
 // 4096, where the main loop hides the epilogue: cutlass_grouped.cu).
 bool CutlassFusesActivation(const GemmSpec& s, Act act);
 
@@ -109,12 +110,13 @@ struct CutlassLaunch {
   int64_t sources;
 };
 
-// The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1.cu, cutlass_gated_dgrad.cu), built
-// with CUTLASS's headers.
+// The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1*.cu, cutlass_ungated_fc1.cu,
+// cutlass_gated_dgrad.cu), built with CUTLASS's headers.
 ffi::Error RunCutlassNN(const CutlassLaunch& l);
 ffi::Error RunCutlassNT(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedFc1(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedFc1Gathered(const CutlassLaunch& l);
+ffi::Error RunCutlassUngatedFc1(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedDgrad(const CutlassLaunch& l);
 
 // Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote

@@ -18,7 +18,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cuda/gemm/cutlass_gated_epilogue.cuh"
+#include "cuda/gemm/cutlass_activation_epilogue.cuh"
 #include "cuda/gemm/cutlass_gather_kernel.cuh"
 #include "cuda/gemm/cutlass_varlen_mainloop.cuh"
 
@@ -85,10 +85,10 @@ inline bool WithoutCluster(const CutlassLaunch& l) {
   return l.rows <= kTileRows * l.E || l.K * l.N <= kSmallExpertWeights;
 }
 
-// What a kernel computes beside its product, in its epilogue (cutlass_gated_epilogue.cuh) for a gated
-// activation: kGatedFc1 FC1's activation (kNN; B's tiles in gate and up halves), kGatedDgrad the activation's
-// backward from FC2's data gradient (kNT).
-enum class Fusion { kNone, kGatedFc1, kGatedDgrad };
+// What a kernel computes beside its product, in its epilogue (cutlass_activation_epilogue.cuh): kGatedFc1 a
+// gated activation in FC1 (kNN; B's tiles in gate and up halves), kFc1 an ungated one, kGatedDgrad a gated
+// activation's backward from FC2's data gradient (kNT).
+enum class Fusion { kNone, kGatedFc1, kFc1, kGatedDgrad };
 
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged;
 // with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherSplitN).
@@ -102,7 +102,8 @@ struct Grouped {
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
   using Epilogue = cute::conditional_t<kFusion == Fusion::kNone, TmaEpilogue,
-                                       GatedEpilogue<TmaEpilogue, kFusion == Fusion::kGatedDgrad, kGather>>;
+                                       ActivationEpilogue<TmaEpilogue, kFusion != Fusion::kFc1,
+                                                          kFusion == Fusion::kGatedDgrad, kGather>>;
   using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
       typename Config::Tile, typename Config::Cluster,
@@ -165,7 +166,7 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
   args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
   if constexpr (G::kFuses != Fusion::kNone) {
-    constexpr bool kFc1 = G::kFuses == Fusion::kGatedFc1;
+    constexpr bool kFc1 = G::kFuses != Fusion::kGatedDgrad;
     const CutlassActivation& act = *l.activation;
     args.epilogue.h = static_cast<ElementD*>(kFc1 ? l.out : const_cast<void*>(act.h));
     args.epilogue.a = static_cast<ElementD*>(kFc1 ? act.a : l.out);
@@ -174,7 +175,7 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
     args.epilogue.b1 = static_cast<const ElementD*>(act.b1);
     args.epilogue.ds = act.ds_parts;
     args.epilogue.offsets = l.offsets;
-    args.epilogue.f = kFc1 ? l.N / 2 : l.K;
+    args.epilogue.f = G::kFuses == Fusion::kGatedFc1 ? l.N / 2 : kFc1 ? l.N : l.K;
     args.epilogue.act = act.act;
   }
   // Consecutive tiles along N: the CTAs at work together share A's rows and read each group's weights

@@ -1,18 +1,19 @@
-// The epilogues of a gated activation on the engine, for two products of the MLP:
-//   FC1 (kNN, kGrad false): from one output tile of x @ w1 it stores the tile's h (the gate and up columns,
-//     rounded to the output type, as the unfused product stores them; with b1, h + b1[g] rounded again, as
-//     the unfused pass adds it to the stored product) and the activation output a = act(gate, up) *
-//     scales[row] of h as stored, which the unfused path computes in a separate pass over h
-//     (ActivationForward). The main loop (VarlenMainloop with kSplitB) loads B so that accumulator columns j
-//     and j + 64 of a 128-column tile are gate column 64 n + j and up column f + 64 n + j.
-//   FC2's data gradient (kNT, kGrad true): the tile is da = dy @ w2^T, columns 128 n + j of f. With h's gate
-//     and up columns of the same rows and columns, read here, it stores what ActivationBackward computes
-//     from da: dh = da * s * (d act / d gate, d act / d up) over h's columns (dh may be h: each element is
-//     read before the warp that read it writes it, and no other tile touches it), a_s = act(gate, up) * s
-//     in da's place (the FC2 weight gradient's input), and per row and tile the partial sum of da * act
-//     (the gradient of the row's scale), which ActivationBackward adds up in tile order (the same bits on
-//     every run). da is rounded to the output type first, as the unfused product stores it, so dh and a_s
-//     are the unfused path's bits.
+// The epilogues of the MLP's activation on the engine, for two of its products:
+//   FC1 (kNN, kGrad false): from one output tile of x @ w1 it stores the tile's h (rounded to the output
+//     type, as the unfused product stores it; with b1, h + b1[g] rounded again, as the unfused pass adds it
+//     to the stored product) and the activation output a = act(h) * scales[row] of h as stored, which the
+//     unfused path computes in a separate pass over h (ActivationForward). Gated (kGated): the main loop
+//     (VarlenMainloop with kSplitB) loads B so that accumulator columns j and j + 64 of a 128-column tile
+//     are gate column 64 n + j and up column f + 64 n + j, and a = act(gate, up). Ungated: the tile is h's
+//     columns 128 n + j, and a's.
+//   FC2's data gradient of a gated activation (kNT, kGrad true): the tile is da = dy @ w2^T, columns
+//     128 n + j of f. With h's gate and up columns of the same rows and columns, read here, it stores what
+//     ActivationBackward computes from da: dh = da * s * (d act / d gate, d act / d up) over h's columns
+//     (dh may be h: each element is read before the warp that read it writes it, and no other tile touches
+//     it), a_s = act(gate, up) * s in da's place (the FC2 weight gradient's input), and per row and tile the
+//     partial sum of da * act (the gradient of the row's scale), which ActivationBackward adds up in tile
+//     order (the same bits on every run). da is rounded to the output type first, as the unfused product
+//     stores it, so dh and a_s are the unfused path's bits.
 //
 // Stores and loads: each warp stages its 32 rows of a 64-column piece in shared memory and moves them in
 // 16-byte row segments (loads by cp.async), only the rows inside the group (a group's last tile reaches into
@@ -39,8 +40,9 @@ namespace jaxmlp::cutlass_detail {
 
 // Base: the ptr-array TMA epilogue that CUTLASS's builder makes for the kernel (its pipelines and shared
 // storage types are kept, so the kernel drives this as it would drive Base; its stores are replaced).
-template <class Base, bool kGrad, bool kTwoStagings = false>
-struct GatedEpilogue : Base {
+template <class Base, bool kGated, bool kGrad, bool kTwoStagings = false>
+struct ActivationEpilogue : Base {
+  static_assert(kGated || (!kGrad && !kTwoStagings), "ungated: FC1's epilogue on the ping-pong kernel only");
   using T = typename Base::ElementD;
   using typename Base::LoadPipeline;
   using typename Base::LoadPipelineState;
@@ -65,11 +67,11 @@ struct GatedEpilogue : Base {
   using TensorStorage = cute::conditional_t<kGrad, GradStorage, typename Base::TensorStorage>;
 
   struct Arguments : Base::Arguments {
-    T* h = nullptr;                    // [rows, 2 f] the gate columns, then the up columns (kGrad: read)
+    T* h = nullptr;                    // [rows, 2 f] gate columns, then up columns (kGrad: read); ungated [rows, f]
     T* a = nullptr;                    // [rows, f] a (FC1), a_s over da (kGrad)
     T* dh = nullptr;                   // kGrad: [rows, 2 f], may be h
     T const* scales = nullptr;         // [rows] or null (1)
-    T const* b1 = nullptr;             // FC1: [groups, 2 f] or null
+    T const* b1 = nullptr;             // FC1: [groups, 2 f] (ungated: f) or null
     float* ds = nullptr;               // kGrad with scales: [rows, ceil(f / 128)] the row sums' tile parts
     int64_t const* offsets = nullptr;  // [groups] each group's first row
     int64_t f = 0;
@@ -99,17 +101,17 @@ struct GatedEpilogue : Base {
   }
 
   // 16-byte rows and segments: h, a, dh and f (and so 2 f) multiples of 8 elements; whole 64-column pieces
-  // (FC1: a tile's two halves; kGrad: the last tile may hold one).
+  // (gated FC1: a tile's two halves; kGrad and ungated FC1: the last tile may hold one).
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
     const auto aligned = [](void const* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-    return Base::can_implement(shape, args) && IsGated(args.act.act) && args.h && args.a && args.offsets &&
+    return Base::can_implement(shape, args) && IsGated(args.act.act) == kGated && args.h && args.a && args.offsets &&
            args.f > 0 && args.f % kCols == 0 && aligned(args.h) && aligned(args.a) &&
            (!kGrad || (args.dh && aligned(args.dh)));
   }
 
   // consumer: the consumer warpgroup (kTwoStagings: the second stages its tiles in the second buffer).
-  CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& storage, int consumer = 0)
+  CUTLASS_HOST_DEVICE ActivationEpilogue(Params const& params, TensorStorage& storage, int consumer = 0)
       : Base(params, storage), p_(params), staging_(StagingOf(storage, consumer)) {
     if constexpr (kGrad) second_ = &storage.second;
   }
@@ -146,7 +148,7 @@ struct GatedEpilogue : Base {
     // value (v0, v1, v2) at MMA_M index mm holds row 64 mm + 16 (t / 32) + 8 v1 + (t % 32) / 4 and column
     // 8 v2 + 2 (t % 4) + v0 (cute's CLayout_64xN): columns j and j + 64 are values v2 and v2 + 8.
     static_assert(is_same_v<decltype(shape(AccLayout{})), Shape<Shape<_2, _2, _16>, _2, _1>>,
-                  "the gated epilogue is written for 128 x 128 tiles of one warpgroup");
+                  "the activation epilogue is written for 128 x 128 tiles of one warpgroup");
     static_assert(size<0>(TileShapeMNK{}) == 128 && size<1>(TileShapeMNK{}) == 128);
     const int lane = thread_idx % 32, warp = thread_idx / 32;
     const int64_t m0 = int64_t(get<0>(tile)) * 128;
@@ -160,39 +162,52 @@ struct GatedEpilogue : Base {
         scale[mm][v1] = p_.scales && rows.Valid(r) ? float(p_.scales[rows.first + r]) : 1.0f;
       }
     auto acc = [&](int mm, int v1, int v2, int v0) -> float { return accumulators(make_coord(v0, v1, v2), mm, 0); };
-    auto by_act = [&](auto body) {
-      switch (p_.act.act) {  // the gated activations (CutlassFusesActivation)
-        case Act::kSwiglu: body(std::integral_constant<Act, Act::kSwiglu>{}); break;
-        case Act::kGeglu: body(std::integral_constant<Act, Act::kGeglu>{}); break;
-        case Act::kReglu: body(std::integral_constant<Act, Act::kReglu>{}); break;
-        case Act::kClampedSwiglu: body(std::integral_constant<Act, Act::kClampedSwiglu>{}); break;
-        default: break;  // ungated: refused by can_implement
+    auto by_act = [&](auto body) {  // the activations CutlassFusesActivation lets through, as constants
+      if constexpr (kGated) {
+        switch (p_.act.act) {
+          case Act::kSwiglu: body(std::integral_constant<Act, Act::kSwiglu>{}); break;
+          case Act::kGeglu: body(std::integral_constant<Act, Act::kGeglu>{}); break;
+          case Act::kReglu: body(std::integral_constant<Act, Act::kReglu>{}); break;
+          case Act::kClampedSwiglu: body(std::integral_constant<Act, Act::kClampedSwiglu>{}); break;
+          default: break;  // ungated: refused by can_implement
+        }
+      } else {
+        switch (p_.act.act) {
+          case Act::kGelu: body(std::integral_constant<Act, Act::kGelu>{}); break;
+          case Act::kRelu: body(std::integral_constant<Act, Act::kRelu>{}); break;
+          case Act::kSilu: body(std::integral_constant<Act, Act::kSilu>{}); break;
+          case Act::kSquaredRelu: body(std::integral_constant<Act, Act::kSquaredRelu>{}); break;
+          default: break;  // gated: refused by can_implement
+        }
       }
     };
-    const int64_t f = p_.f, ldh = 2 * f, n = get<1>(tile);
-    if constexpr (!kGrad) {
-      if (64 * n >= f) return make_tuple(load_state, store_state);  // GatherSplitN: a last tile's second half
-      // With b1 the accumulators become h's values before their last rounding: the product rounded, plus b1's
-      // element (PlusBias), so that T(acc) below is h as the unfused pass stores it. Each pair of b1 is read
-      // once for the thread's four rows (read where h's values are formed, each was read eight times:
-      // docs/performance.md).
-      if (p_.b1) {
-        T const* b1 = p_.b1 + get<3>(tile) * ldh + 64 * n + 2 * (lane % 4);  // columns 8 v2 + 2 (lane % 4) + v0
+    // With b1 the accumulators of a 64-column piece (values v2 + 8 piece) become h's values before their last
+    // rounding: the product rounded, plus b1's element (PlusBias), so that T(acc) below is h as the unfused
+    // pass stores it. `pairs`: b1 at this thread's first column of the piece, 2 (lane % 4); each pair is read
+    // once for the thread's four rows (read where h's values are formed, each was read eight times:
+    // docs/performance.md).
+    auto add_b1 = [&](T const* pairs, int piece) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v2 = 0; v2 < 8; ++v2) {
+        const cutlass::Array<T, 2> pair = *reinterpret_cast<cutlass::Array<T, 2> const*>(pairs + 8 * v2);
         CUTLASS_PRAGMA_UNROLL
-        for (int piece = 0; piece < 2; ++piece)  // gate, up
+        for (int mm = 0; mm < 2; ++mm)
           CUTLASS_PRAGMA_UNROLL
-          for (int v2 = 0; v2 < 8; ++v2) {
-            const cutlass::Array<T, 2> pair = *reinterpret_cast<cutlass::Array<T, 2> const*>(b1 + piece * f + 8 * v2);
+          for (int v1 = 0; v1 < 2; ++v1)
             CUTLASS_PRAGMA_UNROLL
-            for (int mm = 0; mm < 2; ++mm)
-              CUTLASS_PRAGMA_UNROLL
-              for (int v1 = 0; v1 < 2; ++v1)
-                CUTLASS_PRAGMA_UNROLL
-                for (int v0 = 0; v0 < 2; ++v0) {
-                  float& value = accumulators(make_coord(v0, v1, v2 + 8 * piece), mm, 0);
-                  value = float(T(value)) + float(pair[v0]);
-                }
-          }
+            for (int v0 = 0; v0 < 2; ++v0) {
+              float& value = accumulators(make_coord(v0, v1, v2 + 8 * piece), mm, 0);
+              value = float(T(value)) + float(pair[v0]);
+            }
+      }
+    };
+    const int64_t f = p_.f, ldh = kGated ? 2 * f : f, n = get<1>(tile);
+    if constexpr (!kGrad && kGated) {
+      if (64 * n >= f) return make_tuple(load_state, store_state);  // GatherSplitN: a last tile's second half
+      if (p_.b1) {
+        T const* b1 = p_.b1 + get<3>(tile) * ldh + 64 * n + 2 * (lane % 4);
+        add_b1(b1, 0);      // gate
+        add_b1(b1 + f, 1);  // up
       }
       Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2, v0)); }, p_.h + 64 * n, ldh);
       Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8, v0)); }, p_.h + f + 64 * n, ldh);
@@ -203,6 +218,22 @@ struct GatedEpilogue : Base {
           return T(ActivationGradOf<decltype(kind)::value>(p_.act, gate, up).val * scale[mm][v1]);
         }, p_.a + 64 * n, f);
       });
+    } else if constexpr (!kGrad) {
+      // Ungated: the tile's two pieces are h's and a's columns 128 n and 128 n + 64 (the second past f where
+      // f % 128 is 64).
+      CUTLASS_PRAGMA_UNROLL
+      for (int piece = 0; piece < 2; ++piece) {
+        const int64_t col = 128 * n + 64 * piece;
+        if (col >= f) continue;
+        if (p_.b1) add_b1(p_.b1 + get<3>(tile) * f + col + 2 * (lane % 4), piece);
+        Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8 * piece, v0)); }, p_.h + col, f);
+        by_act([&](auto kind) {  // from h as stored
+          Store(rows, [&](int mm, int v1, int v2, int v0) {
+            const float h = float(T(acc(mm, v1, v2 + 8 * piece, v0)));
+            return T(ActivationGradOf<decltype(kind)::value>(p_.act, h, 0.0f).val * scale[mm][v1]);
+          }, p_.a + col, f);
+        });
+      }
     } else {
       by_act([&](auto kind) {
         float ds[2][2] = {};
