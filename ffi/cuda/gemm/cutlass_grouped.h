@@ -101,8 +101,8 @@ struct CutlassLaunch {
   void** out_ptrs;  // [E] each group's first output row
   float beta;
   void* workspace;
-  void* out;  // the output's first row (the gated epilogues' h or a_s)
-  const CutlassActivation* activation;  // null, or the gated epilogue's
+  void* out;  // the output's first row (the activation epilogues' h or a_s)
+  const CutlassActivation* activation;  // null, or the activation epilogue's
   // Gathered FC1 (GemmSpec::gather): lhs is `sources` tokens, row r of the product token gather[r] /
   // gather_div (zeros where gather[r] < 0); else gather is null.
   const int32_t* gather;

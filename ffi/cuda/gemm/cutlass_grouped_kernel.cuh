@@ -122,7 +122,7 @@ struct Grouped {
   using Kernel = cute::conditional_t<kGather, GatherSplitN<UniversalKernel>, UniversalKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr Fusion kFuses = kFusion;
-  // The gated epilogues' staging leaves the main loop the stages it has without them (6): FC1's lives in
+  // The activation epilogues' staging leaves the main loop the stages it has without them (6): FC1's lives in
   // Base's shared memory; the data gradient's second buffer (16 KB) fits in the ~17 KB the 6 stages leave.
   static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= (kGather ? 4 : 6),
                 "the epilogue's shared memory costs main-loop stages");

@@ -25,7 +25,7 @@
 //      TMA-and-cp.async pipelines signal them. Rows past the group's end are zero filled (nothing read).
 // A group change moves only the coordinates (tensors_perform_update); the kernel's tensormap hooks are empty.
 // This serves the products whose ragged dimension is M (kNN, kNT); the reduction K is the same for all groups.
-// The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored), or the gated FC1's
+// The epilogue is the kernel's own (per-group D pointers, rows past M_g not stored), or the activation's
 // (cutlass_activation_epilogue.cuh).
 //
 // This relies on how CUTLASS 4.2's ptr-array kernels drive their main loop (the build pins nvidia-cutlass

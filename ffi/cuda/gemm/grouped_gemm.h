@@ -12,7 +12,7 @@
 //             kGrouped; the products it does not serve (the weight gradients, FP8, a float32 output) run
 //             on cuBLASLt's.
 //   kFused    cuBLASLt's grouped GEMM as kGrouped, except FC1's product (kNN) where the engine computes the
-//             gated activation in its epilogue (FusesActivation), which no cuBLASLt grouped GEMM can: the
+//             activation in its epilogue (FusesActivation), which no cuBLASLt grouped GEMM can: the
 //             engine's plain products trail cuBLASLt's by 1-6%, its fused FC1 saves the activation pass.
 //   kTiled    jaxmlp's own kernel (tiled_gemm.h) for small problems, where cuBLAS's fixed cost per
 //             product dominates: no setup kernel, no sync, no zeroing kernel, independent products in
