@@ -452,7 +452,7 @@ def test_fp8_weights_quantized_before_the_call_expert_parallel(rng, recipe):
   assert all(np.abs(expert_grads[k]).max() > 0 for k in ("w1", "w2"))
 
 
-@pytest.mark.full  # the example's slowest runs; the default run trains it once (test_flax.py)
+@pytest.mark.full  # the example's slowest runs; the default run trains it once (test_train_moe.py)
 @pytest.mark.parametrize("flags", [[], ["--fp8", "tensorwise", "--micro-batches", "2"]], ids=["bf16", "fp8"])
 def test_train_example_expert_parallel_matches_one_device(flags):
   """With --fp8 and --micro-batches the experts' weights are quantized once per step, split over the axis."""
