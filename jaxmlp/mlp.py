@@ -61,8 +61,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       result is grouped_mlp of those rows, and x's gradient sums each token's rows' gradients. The rows
       are not kept for the backward, which gathers them again: one [M, d] less of activation memory for
       one more gather. With JAXMLP_GEMM_PATH=cutlass or fused on Hopper, for a gated activation (f a
-      multiple of 64, 16-bit operands), the engine's FC1 reads the rows from x in its loads, no copy of them written (today slower than the copy:
-      backend_info()["cuda"]["gather_in_fc1"]); elsewhere XLA gathers them first.
+      multiple of 64, 16-bit operands), the engine's FC1 reads the rows from x in its loads, no copy of
+      them written (today slower than the copy: backend_info()["cuda"]["gather_in_fc1"]); elsewhere XLA
+      gathers them first.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).

@@ -66,10 +66,11 @@ __host__ __device__ inline int64_t ScaleGradientParts(int64_t f) { return (f + 1
 //   FC1 (kNN, N = 2 f gated, else f): the product writes h (with b1: h + b1[g], each rounded, as the
 //     activation pass adds it to the stored product) and, for every row in a group, a = act(h) *
 //     scales[row] (gated: act(gate, up)): the activation forward (ActivationForward).
-//   FC2's data gradient of a gated activation (kNT, da = dy w2^T, K = f): for every row in a group, dh = da * scales[row] *
-//     act'(h) (dh may be h), a_s = act(h) * scales[row] in the product's output instead of da, and with
-//     scales the partial sums of da * act(h) per row and 128 columns, ds_parts[row, ceil(f / 128)]: what
-//     ActivationBackward computes from da, but the scales' gradients, which it then adds from ds_parts.
+//   FC2's data gradient of a gated activation (kNT, da = dy w2^T, K = f): for every row in a group,
+//     dh = da * scales[row] * act'(h) (dh may be h), a_s = act(h) * scales[row] in the product's output
+//     instead of da, and with scales the partial sums of da * act(h) per row and 128 columns,
+//     ds_parts[row, ceil(f / 128)]: what ActivationBackward computes from da, but the scales' gradients,
+//     which it then adds from ds_parts.
 struct CutlassActivation {
   ActParams act;
   const void* scales;  // [rows], or null
