@@ -48,23 +48,19 @@ def custom_step(shape, routing, biases, activation):
   activation."""
   import jax
   import jax.numpy as jnp
+  import jax_impls
   import jaxmlp
   s = cases.shape_named(shape)
   F1 = 2 * s.f if jaxmlp.Activation(activation).gated else s.f
-  key = jax.random.split(jax.random.key(0), 6)
-  x = jax.random.normal(key[0], (s.M, s.d), jnp.bfloat16)
-  w1 = jax.random.normal(key[1], (s.E, s.d, F1), jnp.bfloat16) * 0.02
-  w2 = jax.random.normal(key[2], (s.E, s.f, s.d), jnp.bfloat16) * 0.02
-  b = (jax.random.normal(key[3], (s.E, F1), jnp.bfloat16) * 0.1,
-       jax.random.normal(key[4], (s.E, s.d), jnp.bfloat16) * 0.1) if biases else ()
-  dy = jax.random.normal(key[5], (s.M, s.d), jnp.bfloat16)
+  x, w1, w2, dy = jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0)  # bench.py's operands
+  b = (jnp.full((s.E, F1), 0.1, jnp.bfloat16), jnp.full((s.E, s.d), 0.1, jnp.bfloat16)) if biases else ()
 
   def step(x, w1, w2, dy, gs, *b):
     def mlp(x, w1, w2, *b):
       return jaxmlp.grouped_mlp(x, w1, w2, gs, activation=activation, **dict(zip(("b1", "b2"), b)))
     y, vjp = jax.vjp(mlp, x, w1, w2, *b)
     return (y, *vjp(dy))
-  return jax.jit(step), (x, w1, w2, dy, jnp.asarray(cases.group_sizes(routing, s.E, s.M)), *b)
+  return jax.jit(step), (x, w1[:, :, :F1], w2, dy, jnp.asarray(cases.group_sizes(routing, s.E, s.M)), *b)
 
 
 def products(shape, routing, biases=False, activation="swiglu"):
