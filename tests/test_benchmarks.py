@@ -415,3 +415,33 @@ def test_ep_overlap_splits_the_nccl_time_into_overlapped_and_exposed(monkeypatch
                                    "exposed ms": 15 / 2 / 1e6, "busy ms": 30 / 2 / 1e6, "nccl kernels": 1,
                                    "streams": 3}
   assert rows["/device:GPU:1"]["exposed ms"] == 0 and rows["/device:GPU:1"]["overlapped ms"] == 4 / 2 / 1e6
+
+
+def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
+  """fp8_train_step.py's steps, one each from the same state: bf16's update writes the new master weights'
+  bfloat16 copy; every step moves every weight by adam's first step (+-lr where its gradient is not 0), in a
+  direction the variant's own gradient gives (the FP8 variants' differ from bf16's: their products ran)."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import cases
+  import fp8_train_step
+  import jax
+  import jax.numpy as jnp
+  import jax_impls
+  import numpy as np
+
+  s = cases.ALL_SHAPES["tiny"]
+  x, w1, w2, dy = jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0)
+  gs = jnp.asarray(cases.group_sizes("balanced", s.E, s.M))
+  masters, opt_state = fp8_train_step.first_state(w1, w2)
+  moved = {}
+  for variant in fp8_train_step.VARIANTS:
+    step, state = fp8_train_step.step_and_state(variant, x, masters, opt_state, dy, gs)
+    new = step(state)
+    if variant == "bf16":
+      for k in ("w1", "w2"):
+        np.testing.assert_array_equal(np.asarray(new[2][k]), np.asarray(new[0][k].astype(jnp.bfloat16)), err_msg=k)
+    moved[variant] = {k: np.asarray(new[0][k], np.float64) - np.asarray(masters[k], np.float64) for k in masters}
+    for k, delta in moved[variant].items():  # adam's first step: lr * g / (|g| + eps), |g| >> eps here
+      np.testing.assert_allclose(np.abs(delta), fp8_train_step.LEARNING_RATE, rtol=1e-2, err_msg=f"{variant} {k}")
+  for variant in fp8_train_step.RECIPES:
+    assert any(np.any(np.sign(moved[variant][k]) != np.sign(moved["bf16"][k])) for k in masters), variant
