@@ -424,7 +424,6 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   monkeypatch.syspath_prepend(str(BENCH.parent))
   import cases
   import fp8_train_step
-  import jax
   import jax.numpy as jnp
   import jax_impls
   import numpy as np
