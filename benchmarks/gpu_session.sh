@@ -74,11 +74,11 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
   raise SystemExit
 # The fourth case spans two passes of the block scans (256 groups each); the fifth and sixth take the CUTLASS
 # engine's activation epilogues (f a multiple of 64: FC1's, b1 added in `g` and `ungated`; the sixth FC2's
-# data gradient's too, d = 4096, its last tile half full); the last is the host-overhead layer, which takes
-# the tiled path by itself.
+# data gradient's too, gated and ungated, d = 7168, its last tile half full); the last is the host-overhead
+# layer, which takes the tiled path by itself.
 for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (64, 96, [50, 0, 20, 1]),
                     (64, 96, [*rng.integers(-5, 3, 300), 2**31 - 1, 7]), (64, 128, [100, -7, 2**31 - 1, 0]),
-                    (4096, 192, [3, 130, 0, 2**31 - 1]), (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
+                    (7168, 192, [3, 130, 0, 2**31 - 1]), (256, 512, [200, 0, 56, 0, 0, 0, 0, 0])):
   M, E = 256, len(sizes)
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
   w1 = jnp.asarray(rng.standard_normal((E, d, 2 * f)), jnp.bfloat16)

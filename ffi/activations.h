@@ -96,9 +96,13 @@ JAXMLP_HD ActGrad ActivationGradOf(const ActParams& p, float gate, float up) {
   }
 }
 
-// Calls fn(std::integral_constant<Act, a>{}): the activation as a compile-time constant.
+// Calls fn(std::integral_constant<Act, a>{}): the activation as a compile-time constant. On the host and in
+// kernels (the engine's epilogues).
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
 template <typename Fn>
-decltype(auto) ByAct(Act a, Fn&& fn) {
+JAXMLP_HD decltype(auto) ByAct(Act a, Fn&& fn) {
   switch (a) {
     case Act::kSwiglu: return fn(std::integral_constant<Act, Act::kSwiglu>{});
     case Act::kGeglu: return fn(std::integral_constant<Act, Act::kGeglu>{});

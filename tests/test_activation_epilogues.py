@@ -1,7 +1,7 @@
 """The activation in the CUTLASS engine's epilogues (f a multiple of 64): FC1's (b1 added to h, the
-activation, gated or not) and FC2's data gradient's (a gated activation's backward: dh, a_s and the scales'
+activation, gated or not) and FC2's data gradient's (the activation's backward: dh, a_s and the scales'
 gradient in partial sums; d at least 4096), the same values as the activation passes they replace, on every
-backend.
+backend; the engine's launch counts show that the epilogues ran.
 
 On cuda-fused FC1 takes its epilogue, and the same call on the grouped path (cuBLASLt's FC1, whose sums over
 d = 64 the engine's equal, then the separate activation pass; the other products are cuBLASLt's on both
@@ -26,6 +26,16 @@ import numpy_reference as ref
 SIZES = [0, 130, 7, 200, 0]  # 337 rows in groups, of M = 400
 GATED = ["swiglu", "geglu", "reglu", "clamped_swiglu"]
 UNGATED = ["gelu", "relu", "silu", "squared_relu"]
+
+
+def engine_launches() -> dict:
+  """The CUTLASS engine's kernels enqueued so far, by name: every call here runs its handlers' host code."""
+  from jaxmlp import _library
+  return dict(_library._cuda.cutlass_launches())
+
+
+def launched(since: dict) -> dict:
+  return {k: v - since[k] for k, v in engine_launches().items()}
 
 
 @pytest.mark.parametrize("f", [64, 192, 256])
@@ -59,7 +69,15 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, monkeypatch, 
     y, vjp = jax.vjp(f_, x, w1, w2, kw["scales"], kw["b1"], kw["b2"])
     return (y, *vjp(dy))
 
+  since = engine_launches() if backend in ("cuda-cutlass", "cuda-fused") else None
   fused = run()
+  if since is not None:  # the epilogues ran (equal values could not tell): FC1's, and FC2's data gradient's
+    ran = launched(since)
+    kind = "gated" if act in GATED else "ungated"
+    assert ran[f"{kind}_fc1"] > 0, ran
+    # d = 4096: the gated activations' data-gradient epilogue (an ungated one's from 7168, the next test)
+    want = {"gated_dgrad": backend == "cuda-cutlass" and kind == "gated", "ungated_dgrad": False}
+    assert {k: ran[k] > 0 for k in want} == want, ran
   if backend == "cuda-fused":
     monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")
     separate = run()
@@ -86,21 +104,21 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, monkeypatch, 
 
 @pytest.mark.parametrize("f", [64, 192, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("act", GATED)
+@pytest.mark.parametrize("act", GATED + UNGATED)
 def test_fused_backward_equals_the_activation_pass(backend, rng, f, dtype, act):
-  """The engine takes FC2's data-gradient epilogue from d = 4096 and the product and the separate pass below.
-  The same problem at d = 64 and zero-padded to d = 4096 (x's and dy's columns, w1's rows and w2's and b2's
-  columns past 64 zero: every product adds the same terms, then zeros) gives the same h and da, and so the
-  same dh: dx's first 64 columns, which the engine computes from dh alone, bit for bit. a_s reaches dw2 and
-  the scales' gradient, whose sums are added in another order: within the tolerance."""
+  """The engine takes FC2's data-gradient epilogue from d = 4096 (ungated: 7168) and the product and the
+  separate pass below. The same problem at d = 64 and zero-padded to D (x's and dy's columns, w1's rows and
+  w2's and b2's columns past 64 zero: every product adds the same terms, then zeros) gives the same h and
+  da, and so the same dh: dx's first 64 columns, which the engine computes from dh alone, bit for bit. a_s
+  reaches dw2 and the scales' gradient, whose sums are added in another order: within the tolerance."""
   if backend != "cuda-cutlass":
     pytest.skip("the engine's choice by d (cutlass_grouped.cu)")
-  M, d, E, D = 400, 64, len(SIZES), 4096
+  M, d, E, D = 400, 64, len(SIZES), 4096 if act in GATED else 7168
   total = sum(SIZES)
   cast = lambda a: jnp.asarray(a, dtype)
   pad = lambda a, axis: jnp.pad(a, [(0, D - d) if i == axis else (0, 0) for i in range(a.ndim)])
   x = cast(rng.standard_normal((M, d))).at[total:].set(jnp.nan)
-  w1 = cast(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
+  w1 = cast(rng.standard_normal((E, d, 2 * f if act in GATED else f)) / np.sqrt(d))
   w2 = cast(rng.standard_normal((E, f, d)) / np.sqrt(f))
   b2 = cast(rng.standard_normal((E, d)) * 0.5)
   scales = cast(rng.uniform(0.1, 1.0, M))
@@ -112,8 +130,12 @@ def test_fused_backward_equals_the_activation_pass(backend, rng, f, dtype, act):
     mlp = lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, sizes, activation=activation, scales=s, b2=b2)
     return jax.vjp(mlp, x, w1, w2, scales)[1](dy)
 
+  kernel = "gated_dgrad" if act in GATED else "ungated_dgrad"
+  since = engine_launches()
   separate = grads(x, w1, w2, b2, dy)
+  assert launched(since)[kernel] == 0
   fused = grads(pad(x, 1), pad(w1, 1), pad(w2, 2), pad(b2, 1), pad(dy, 1))
+  assert launched(since)[kernel] > 0
   np.testing.assert_array_equal(np.asarray(fused[0][:total, :d], np.float32),
                                 np.asarray(separate[0][:total], np.float32), "dx")
   tol = TOLERANCE[jnp.dtype(dtype).name]

@@ -14,7 +14,7 @@ from conftest import TOLERANCE, check_close, skip_unless_served
 
 import jaxmlp
 import numpy_reference as ref
-from jaxmlp import dispatch, reference_moe
+from jaxmlp import _library, dispatch, reference_moe
 
 T, K, E = 300, 2, 5
 
@@ -61,10 +61,13 @@ def test_gathered_mlp_equals_the_mlp_of_the_dispatched_rows(backend, rng, dtype,
     y, vjp = jax.vjp(f_, *operands)
     return (y, *vjp(dy))
 
+  engine = backend in ("cuda-cutlass", "cuda-fused")
+  since = _library._cuda.cutlass_launches()["gated_fc1_gathered"] if engine else None
   got, want = jax.jit(lambda: run(gathered))(), jax.jit(lambda: run(dispatched))()
+  if engine:  # the gathering kernel ran (a first run executes the handlers' host code, which counts it)
+    assert _library._cuda.cutlass_launches()["gated_fc1_gathered"] > since
   for name, a, b in zip(["y", "dx", "dw1", "dw2", "dscales", "db1"], got, want):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
-  engine = backend in ("cuda-cutlass", "cuda-fused")
   assert ("jaxmlp_mlp_fwd_gathered" in jax.jit(gathered).lower(*operands).as_text()) == engine
 
   # The float64 reference over the rows, its x gradient summed over each token's rows.

@@ -99,6 +99,14 @@ NB_MODULE(_cuda, m) {
   });
   m.def("handler_host_calls", []() { return jaxmlp::handler_host_calls.load(); },
         "How often the CUDA handlers' host code ran (a command-buffer replay does not run it).");
+  m.def("cutlass_launches", []() {
+          nb::dict d;
+          for (int k = 0; k < int(jaxmlp::CutlassKernel::kCount); ++k)
+            d[jaxmlp::kCutlassKernelNames[k]] = jaxmlp::cutlass_launches[k].load();
+          return d;
+        },
+        "How often the CUTLASS engine's handlers enqueued each of its kernels, by name (host code, as "
+        "handler_host_calls).");
   m.def("status", &Status, nb::arg("lib_dirs"), nb::arg("device") = 0,
         "Loads cuBLAS (a copy already in the process first, then lib_dirs) and reports versions and paths, and "
         "the facts and GEMM paths of CUDA device `device` (an ordinal; default 0).");

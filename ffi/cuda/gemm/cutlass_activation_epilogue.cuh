@@ -6,14 +6,14 @@
 //     (VarlenMainloop with kSplitB) loads B so that accumulator columns j and j + 64 of a 128-column tile
 //     are gate column 64 n + j and up column f + 64 n + j, and a = act(gate, up). Ungated: the tile is h's
 //     columns 128 n + j, and a's.
-//   FC2's data gradient of a gated activation (kNT, kGrad true): the tile is da = dy @ w2^T, columns
-//     128 n + j of f. With h's gate and up columns of the same rows and columns, read here, it stores what
-//     ActivationBackward computes from da: dh = da * s * (d act / d gate, d act / d up) over h's columns
-//     (dh may be h: each element is read before the warp that read it writes it, and no other tile touches
-//     it), a_s = act(gate, up) * s in da's place (the FC2 weight gradient's input), and per row and tile the
-//     partial sum of da * act (the gradient of the row's scale), which ActivationBackward adds up in tile
-//     order (the same bits on every run). da is rounded to the output type first, as the unfused product
-//     stores it, so dh and a_s are the unfused path's bits.
+//   FC2's data gradient (kNT, kGrad true): the tile is da = dy @ w2^T, columns 128 n + j of f. With h's
+//     columns of the same rows and columns (gated: its gate and up columns), read here, it stores what
+//     ActivationBackward computes from da: dh = da * s * act'(h) (gated: (d act / d gate, d act / d up))
+//     over h's columns (dh may be h: each element is read before the warp that read it writes it, and no
+//     other tile touches it), a_s = act(h) * s in da's place (the FC2 weight gradient's input), and per row
+//     and tile the partial sum of da * act (the gradient of the row's scale), which ActivationBackward adds
+//     up in tile order (the same bits on every run). da is rounded to the output type first, as the unfused
+//     product stores it, so dh and a_s are the unfused path's bits.
 //
 // Stores and loads: each warp stages its 32 rows of a 64-column piece in shared memory and moves them in
 // 16-byte row segments (loads by cp.async), only the rows inside the group (a group's last tile reaches into
@@ -21,7 +21,7 @@
 // tensor, not the group. Row offsets come from the setup kernel's offsets, the tile's group from the
 // scheduler, so nothing here depends on the per-group output pointers. The staging buffer is Base's shared
 // memory for C and D, which nothing else uses here, so the main loop keeps the stages it has with Base's
-// epilogue; kGrad adds a second one, which fits in what those stages leave (Grouped's static_assert).
+// epilogue; a gated kGrad adds a second one, which fits in what those stages leave (Grouped's static_assert).
 //
 // The ping-pong kernel runs the two consumer warpgroups' epilogues one after the other (its order barrier),
 // so they share the staging buffer; in GatherSplitN (kTwoStagings) both run at once, each with its own.
@@ -42,7 +42,7 @@ namespace jaxmlp::cutlass_detail {
 // storage types are kept, so the kernel drives this as it would drive Base; its stores are replaced).
 template <class Base, bool kGated, bool kGrad, bool kTwoStagings = false>
 struct ActivationEpilogue : Base {
-  static_assert(kGated || (!kGrad && !kTwoStagings), "ungated: FC1's epilogue on the ping-pong kernel only");
+  static_assert(kGated || !kTwoStagings, "ungated: the ping-pong kernel only");
   using T = typename Base::ElementD;
   using typename Base::LoadPipeline;
   using typename Base::LoadPipelineState;
@@ -52,8 +52,9 @@ struct ActivationEpilogue : Base {
 
   // A warp's rows of one 64-column piece, in rows of 8 chunks of 16 bytes, chunk c of row r stored at
   // c ^ (r % 8): conflict-free for the 4-byte accesses (8 rows, 4 columns each) and the 16-byte ones (one
-  // row a quarter warp). The first staging buffer is Base's shared memory for C and D; kGrad adds a second
-  // (the gate and the up piece side by side), which the 6 main-loop stages leave room for (Grouped checks).
+  // row a quarter warp). The first staging buffer is Base's shared memory for C and D; a gated kGrad adds a
+  // second (the gate and the up piece side by side), which the 6 main-loop stages leave room for (Grouped
+  // checks).
   // kTwoStagings: the second consumer warpgroup's is the second half of Base's shared memory.
   static constexpr int kWarps = 4, kRows = 32, kCols = 64, kChunk = 8;
   using Staging = T[kWarps][kRows][kCols];
@@ -64,12 +65,12 @@ struct ActivationEpilogue : Base {
   struct GradStorage : Base::TensorStorage {
     alignas(128) Staging second;
   };
-  using TensorStorage = cute::conditional_t<kGrad, GradStorage, typename Base::TensorStorage>;
+  using TensorStorage = cute::conditional_t<kGrad && kGated, GradStorage, typename Base::TensorStorage>;
 
   struct Arguments : Base::Arguments {
     T* h = nullptr;                    // [rows, 2 f] gate columns, then up columns (kGrad: read); ungated [rows, f]
     T* a = nullptr;                    // [rows, f] a (FC1), a_s over da (kGrad)
-    T* dh = nullptr;                   // kGrad: [rows, 2 f], may be h
+    T* dh = nullptr;                   // kGrad: [rows, 2 f] (ungated: f), may be h
     T const* scales = nullptr;         // [rows] or null (1)
     T const* b1 = nullptr;             // FC1: [groups, 2 f] (ungated: f) or null
     float* ds = nullptr;               // kGrad with scales: [rows, ceil(f / 128)] the row sums' tile parts
@@ -113,7 +114,7 @@ struct ActivationEpilogue : Base {
   // consumer: the consumer warpgroup (kTwoStagings: the second stages its tiles in the second buffer).
   CUTLASS_HOST_DEVICE ActivationEpilogue(Params const& params, TensorStorage& storage, int consumer = 0)
       : Base(params, storage), p_(params), staging_(StagingOf(storage, consumer)) {
-    if constexpr (kGrad) second_ = &storage.second;
+    if constexpr (kGrad && kGated) second_ = &storage.second;
   }
 
   // Nothing to load through the epilogue's pipeline (no C): the kernel's epilogue load warp never calls load.
@@ -162,24 +163,11 @@ struct ActivationEpilogue : Base {
         scale[mm][v1] = p_.scales && rows.Valid(r) ? float(p_.scales[rows.first + r]) : 1.0f;
       }
     auto acc = [&](int mm, int v1, int v2, int v0) -> float { return accumulators(make_coord(v0, v1, v2), mm, 0); };
-    auto by_act = [&](auto body) {  // the activations CutlassFusesActivation lets through, as constants
-      if constexpr (kGated) {
-        switch (p_.act.act) {
-          case Act::kSwiglu: body(std::integral_constant<Act, Act::kSwiglu>{}); break;
-          case Act::kGeglu: body(std::integral_constant<Act, Act::kGeglu>{}); break;
-          case Act::kReglu: body(std::integral_constant<Act, Act::kReglu>{}); break;
-          case Act::kClampedSwiglu: body(std::integral_constant<Act, Act::kClampedSwiglu>{}); break;
-          default: break;  // ungated: refused by can_implement
-        }
-      } else {
-        switch (p_.act.act) {
-          case Act::kGelu: body(std::integral_constant<Act, Act::kGelu>{}); break;
-          case Act::kRelu: body(std::integral_constant<Act, Act::kRelu>{}); break;
-          case Act::kSilu: body(std::integral_constant<Act, Act::kSilu>{}); break;
-          case Act::kSquaredRelu: body(std::integral_constant<Act, Act::kSquaredRelu>{}); break;
-          default: break;  // gated: refused by can_implement
-        }
-      }
+    auto by_act = [&](auto body) {  // the activations of this epilogue's kind, as constants (can_implement
+                                    // refuses the others)
+      ByAct(p_.act.act, [&](auto kind) {
+        if constexpr (IsGated(decltype(kind)::value) == kGated) body(kind);
+      });
     };
     // With b1 the accumulators of a 64-column piece (values v2 + 8 piece) become h's values before their last
     // rounding: the product rounded, plus b1's element (PlusBias), so that T(acc) below is h as the unfused
@@ -241,25 +229,27 @@ struct ActivationEpilogue : Base {
         for (int half = 0; half < 2; ++half) {
           const int64_t col = 128 * n + 64 * half;
           if (col >= f) continue;  // f is a multiple of 64: the last tile may hold one half
-          // The gate and up pieces staged side by side; each thread replaces its pairs of both by their
+          // h's piece (gated: the gate and up pieces side by side); each thread replaces its pairs by their
           // gradients and keeps a_s in its accumulators.
           Fetch(rows, staging_, p_.h + col, ldh);
-          Fetch(rows, *second_, p_.h + f + col, ldh);
+          if constexpr (kGated) Fetch(rows, *second_, p_.h + f + col, ldh);
           FetchWait();
           ForEachPair(rows, staging_, [&](int mm, int v1, int v2, cutlass::Array<T, 2>& gate) {
-            cutlass::Array<T, 2>& up = Pair(rows, *second_, mm, v1, v2);
+            cutlass::Array<T, 2>* up = nullptr;
+            if constexpr (kGated) up = &Pair(rows, *second_, mm, v1, v2);
             CUTLASS_PRAGMA_UNROLL
             for (int v0 = 0; v0 < 2; ++v0) {
               const float da = float(T(acc(mm, v1, v2 + 8 * half, v0))), s = scale[mm][v1];
-              const ActGrad r = ActivationGradOf<decltype(kind)::value>(p_.act, float(gate[v0]), float(up[v0]));
+              const ActGrad r = ActivationGradOf<decltype(kind)::value>(p_.act, float(gate[v0]),
+                                                                         kGated ? float((*up)[v0]) : 0.0f);
               ds[mm][v1] += da * r.val;
               gate[v0] = T(da * s * r.dgate);
-              up[v0] = T(da * s * r.dup);
+              if constexpr (kGated) (*up)[v0] = T(da * s * r.dup);
               accumulators(make_coord(v0, v1, v2 + 8 * half), mm, 0) = r.val * s;
             }
           });
           StoreStaged(rows, staging_, p_.dh + col, ldh);
-          StoreStaged(rows, *second_, p_.dh + f + col, ldh);
+          if constexpr (kGated) StoreStaged(rows, *second_, p_.dh + f + col, ldh);
           Store(rows, [&](int mm, int v1, int v2, int v0) { return T(acc(mm, v1, v2 + 8 * half, v0)); },
                 p_.a + col, f);
         }
@@ -360,7 +350,7 @@ struct ActivationEpilogue : Base {
   }
 
   Staging& staging_;
-  Staging* second_ = nullptr;  // kGrad
+  Staging* second_ = nullptr;  // a gated kGrad's
 };
 
 }  // namespace jaxmlp::cutlass_detail

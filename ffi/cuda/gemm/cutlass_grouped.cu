@@ -22,15 +22,17 @@ bool CutlassSupports(const GemmSpec& s) {
 // FC2's data gradient takes the activation's backward only where its reduction (d, the spec's N) is long:
 // the epilogue (h's loads, dh's and a_s's stores and the activation, by one warpgroup) takes longer than a
 // 128 x 128 tile's main loop over d = 2048 on an H200, so the ping-pong kernel no longer hides it, and the
-// product slows by more than the activation pass costs (d = 2048: 267 us against 165 + 72; d = 4096 and
-// 7168: 8% and 6% faster than the product and the pass; docs/performance.md).
-constexpr int32_t kGatedDgradMinReduction = 4096;
+// product slows by more than the activation pass costs (gated, d = 2048: 267 us against 165 + 72; d = 4096
+// and 7168: 8% and 6% faster than the product and the pass; docs/performance.md). An ungated activation's
+// pass is cheaper (h and dh f wide, not 2 f), and its epilogue pays later: at d = 4096 2-11% slower than the
+// product and the pass, at 7168 3% faster (gelu, H200).
+constexpr int32_t kGatedDgradMinReduction = 4096, kUngatedDgradMinReduction = 7168;
 
 bool CutlassFusesActivation(const GemmSpec& s, Act act) {
   if (!CutlassSupports(s) || s.beta != 0.0f) return false;
-  if (!IsGated(act)) return s.op == GemmOp::kNN && s.N % 64 == 0 && !s.gather;
-  return (s.op == GemmOp::kNN && s.N % 128 == 0) ||
-         (s.op == GemmOp::kNT && s.K % 64 == 0 && s.N >= kGatedDgradMinReduction);
+  if (s.op == GemmOp::kNT)
+    return s.K % 64 == 0 && s.N >= (IsGated(act) ? kGatedDgradMinReduction : kUngatedDgradMinReduction);
+  return IsGated(act) ? s.N % 128 == 0 : s.N % 64 == 0 && !s.gather;
 }
 
 bool CutlassPathAvailable(int device, std::string* reason) {
@@ -71,10 +73,22 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
     return ffi::Error::Internal("jaxmlp: the engine gathers FC1's rows with its activation only");
   const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
                         out_ptrs, s.beta, workspace, s.out, activation, s.gather, s.gather_div, s.sources};
-  if (s.gather) return RunCutlassGatedFc1Gathered(l);
-  if (activation && s.op == GemmOp::kNT) return RunCutlassGatedDgrad(l);
-  if (activation) return IsGated(activation->act.act) ? RunCutlassGatedFc1(l) : RunCutlassUngatedFc1(l);
-  return s.op == GemmOp::kNN ? RunCutlassNN(l) : RunCutlassNT(l);
+  const bool gated = activation && IsGated(activation->act.act);
+  CutlassKernel kernel = s.op == GemmOp::kNN ? CutlassKernel::kNN : CutlassKernel::kNT;
+  if (s.gather) kernel = CutlassKernel::kGatedFc1Gathered;
+  else if (activation && s.op == GemmOp::kNT)
+    kernel = gated ? CutlassKernel::kGatedDgrad : CutlassKernel::kUngatedDgrad;
+  else if (activation) kernel = gated ? CutlassKernel::kGatedFc1 : CutlassKernel::kUngatedFc1;
+  ++cutlass_launches[int(kernel)];
+  switch (kernel) {
+    case CutlassKernel::kGatedFc1Gathered: return RunCutlassGatedFc1Gathered(l);
+    case CutlassKernel::kGatedDgrad: return RunCutlassGatedDgrad(l);
+    case CutlassKernel::kUngatedDgrad: return RunCutlassUngatedDgrad(l);
+    case CutlassKernel::kGatedFc1: return RunCutlassGatedFc1(l);
+    case CutlassKernel::kUngatedFc1: return RunCutlassUngatedFc1(l);
+    case CutlassKernel::kNN: return RunCutlassNN(l);
+    default: return RunCutlassNT(l);
+  }
 #endif
 }
 

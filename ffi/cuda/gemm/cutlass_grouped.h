@@ -11,7 +11,7 @@
 //   kNN: (c_g, N, K)  A = lhs rows [c_g, K] (K-major)     B = rhs[g] [K, N] (N-major)  D = out rows [c_g, N]
 //   kNT: (c_g, K, N)  A = lhs rows [c_g, N] (N-major: the reduction)  B = rhs[g] [K, N] (reduction-major)
 // A group with no rows gets the problem (0, N, K), which has no tiles: nothing is read or written for it.
-// FC1 can take the activation in its epilogue, and FC2's data gradient a gated activation's backward
+// FC1 can take the activation in its epilogue, and FC2's data gradient the activation's backward
 // (CutlassActivation), which no cuBLASLt grouped GEMM can.
 // The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
 // ptr-array kernel at every measured shape (docs/performance.md, "The CUTLASS engine").
@@ -19,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -26,6 +27,17 @@
 #include "codes.h"
 
 namespace jaxmlp {
+
+// The engine's kernels by what they compute, and how often RunCutlass enqueued each (its host code: a
+// command-buffer replay does not count): tests read them (jaxmlp._cuda.cutlass_launches) to see that a
+// product ran the kernel its path promises, the activation in an epilogue where the results could not tell.
+enum class CutlassKernel : int {
+  kNN, kNT, kGatedFc1, kUngatedFc1, kGatedFc1Gathered, kGatedDgrad, kUngatedDgrad, kCount
+};
+inline constexpr const char* kCutlassKernelNames[] = {"nn", "nt", "gated_fc1", "ungated_fc1", "gated_fc1_gathered",
+                                                      "gated_dgrad", "ungated_dgrad"};
+static_assert(sizeof(kCutlassKernelNames) / sizeof(kCutlassKernelNames[0]) == size_t(CutlassKernel::kCount));
+inline std::atomic<int64_t> cutlass_launches[int(CutlassKernel::kCount)];
 
 struct GemmSpec;
 
@@ -66,7 +78,7 @@ __host__ __device__ inline int64_t ScaleGradientParts(int64_t f) { return (f + 1
 //   FC1 (kNN, N = 2 f gated, else f): the product writes h (with b1: h + b1[g], each rounded, as the
 //     activation pass adds it to the stored product) and, for every row in a group, a = act(h) *
 //     scales[row] (gated: act(gate, up)): the activation forward (ActivationForward).
-//   FC2's data gradient of a gated activation (kNT, da = dy w2^T, K = f): for every row in a group,
+//   FC2's data gradient (kNT, da = dy w2^T, K = f): for every row in a group,
 //     dh = da * scales[row] * act'(h) (dh may be h), a_s = act(h) * scales[row] in the product's output
 //     instead of da, and with scales the partial sums of da * act(h) per row and 128 columns,
 //     ds_parts[row, ceil(f / 128)]: what ActivationBackward computes from da, but the scales' gradients,
@@ -76,16 +88,16 @@ struct CutlassActivation {
   const void* scales;  // [rows], or null
   void* a;             // FC1: [rows, f]
   const void* b1;      // FC1: [E, N], or null
-  const void* h;       // FC2's data gradient: [rows, 2 f] FC1's output
-  void* dh;            // FC2's data gradient: [rows, 2 f]
+  const void* h;       // FC2's data gradient: [rows, 2 f] FC1's output (ungated: [rows, f])
+  void* dh;            // FC2's data gradient: h's shape
   float* ds_parts;     // FC2's data gradient with scales: [rows, ceil(f / 128)]; else null
 };
 
 // Whether the engine runs product s with activation `act` in its epilogue: beta 0 (no output to add to),
 // and either FC1 (kNN; gated: f = N / 2 a multiple of 64, so that each 128-column tile holds 64 gate and 64
 // up columns; ungated: f = N a multiple of 64, whole 64-column pieces; rows gathered: gated only) or FC2's
-// data gradient of a gated activation (kNT, f = K a multiple of 64: whole 64-column pieces; d = N at least
-// 4096, where the main loop hides the epilogue: cutlass_grouped.cu).
+// data gradient (kNT, f = K a multiple of 64: whole 64-column pieces; d = N at least 4096, ungated 7168,
+// where the main loop hides the epilogue: cutlass_grouped.cu).
 bool CutlassFusesActivation(const GemmSpec& s, Act act);
 
 // What one launch of a kernel needs, from RunCutlass.
@@ -112,13 +124,14 @@ struct CutlassLaunch {
 };
 
 // The kernels of each op (cutlass_grouped_<op>.cu, cutlass_gated_fc1*.cu, cutlass_ungated_fc1.cu,
-// cutlass_gated_dgrad.cu), built with CUTLASS's headers.
+// cutlass_gated_dgrad.cu, cutlass_ungated_dgrad.cu), built with CUTLASS's headers.
 ffi::Error RunCutlassNN(const CutlassLaunch& l);
 ffi::Error RunCutlassNT(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedFc1(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedFc1Gathered(const CutlassLaunch& l);
 ffi::Error RunCutlassUngatedFc1(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedDgrad(const CutlassLaunch& l);
+ffi::Error RunCutlassUngatedDgrad(const CutlassLaunch& l);
 
 // Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote
 // them, out_ptrs the product's [E] output pointers, workspace of CutlassWorkspaceBytes(). With `activation`

@@ -87,8 +87,10 @@ inline bool WithoutCluster(const CutlassLaunch& l) {
 
 // What a kernel computes beside its product, in its epilogue (cutlass_activation_epilogue.cuh): kGatedFc1 a
 // gated activation in FC1 (kNN; B's tiles in gate and up halves), kFc1 an ungated one, kGatedDgrad a gated
-// activation's backward from FC2's data gradient (kNT).
-enum class Fusion { kNone, kGatedFc1, kFc1, kGatedDgrad };
+// activation's backward from FC2's data gradient (kNT), kDgrad an ungated one's.
+enum class Fusion { kNone, kGatedFc1, kFc1, kGatedDgrad, kDgrad };
+constexpr bool IsGatedFusion(Fusion f) { return f == Fusion::kGatedFc1 || f == Fusion::kGatedDgrad; }
+constexpr bool IsDgradFusion(Fusion f) { return f == Fusion::kGatedDgrad || f == Fusion::kDgrad; }
 
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged;
 // with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherSplitN).
@@ -102,8 +104,8 @@ struct Grouped {
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
   using Epilogue = cute::conditional_t<kFusion == Fusion::kNone, TmaEpilogue,
-                                       ActivationEpilogue<TmaEpilogue, kFusion != Fusion::kFc1,
-                                                          kFusion == Fusion::kGatedDgrad, kGather>>;
+                                       ActivationEpilogue<TmaEpilogue, IsGatedFusion(kFusion),
+                                                          IsDgradFusion(kFusion), kGather>>;
   using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
       typename Config::Tile, typename Config::Cluster,
@@ -166,7 +168,7 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
   args.epilogue.dD = reinterpret_cast<StrideD*>(l.problems->ldd);
   if constexpr (G::kFuses != Fusion::kNone) {
-    constexpr bool kFc1 = G::kFuses != Fusion::kGatedDgrad;
+    constexpr bool kFc1 = !IsDgradFusion(G::kFuses);
     const CutlassActivation& act = *l.activation;
     args.epilogue.h = static_cast<ElementD*>(kFc1 ? l.out : const_cast<void*>(act.h));
     args.epilogue.a = static_cast<ElementD*>(kFc1 ? act.a : l.out);
