@@ -27,33 +27,46 @@ def main():
   p.add_argument("--rounds", type=int, default=10)
   p.add_argument("--out", type=Path, default=None, help="also write fp8_in_turn.json there")
   a = p.parse_args()
-  import jax
   impls = a.impls.split(",")
   for impl in impls:
     if impl not in kernel_share.IMPLS:
       sys.exit(f"--impls: {impl!r}: expected one of {', '.join(kernel_share.IMPLS)}")
-  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv),
-             "shapes": {}}
+  results = new_results()
   for shape in a.shapes.split(","):
     steps = {impl: kernel_share.step_and_args(shape, a.routing, impl) for impl in impls}
-    calls = {impl: (lambda i, s=s: s[0](*s[1])) for impl, s in steps.items()}
-    results["shapes"][shape] = measure_alternating(calls, jax.block_until_ready, rounds=a.rounds)
-    del steps, calls
-    line = ", ".join(f"{impl} {t['s'] * 1e3:.3f} ms" for impl, t in results["shapes"][shape].items())
-    print(f"{shape}: {line}", file=sys.stderr, flush=True)
+    measure_shape(results, shape, {impl: (lambda i, s=s: s[0](*s[1])) for impl, s in steps.items()}, a.rounds)
+    del steps
+  report(results, impls, a, "fwd+bwd", "fp8_in_turn.json")
+
+
+def new_results() -> dict:
+  import jax
+  return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv),
+          "shapes": {}}
+
+
+def measure_shape(results: dict, shape: str, calls: dict, rounds: int) -> None:
+  """Times `calls` ({name: call(i)}) in turn into results["shapes"][shape]; a line on stderr."""
+  import jax
+  results["shapes"][shape] = measure_alternating(calls, jax.block_until_ready, rounds=rounds)
+  line = ", ".join(f"{name} {t['s'] * 1e3:.3f} ms" for name, t in results["shapes"][shape].items())
+  print(f"{shape}: {line}", file=sys.stderr, flush=True)
+
+
+def report(results: dict, names: list, a, what: str, filename: str) -> None:
+  """The JSON (under a.out, where given) and the table of speedups over names[0]."""
   if a.out:
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "fp8_in_turn.json").write_text(json.dumps(results, indent=1))
-  base = impls[0]
-  print(f"\n{results['device']}, jax {results['jax']}, {a.routing} routing, fwd+bwd, medians of {a.rounds} rounds "
+    (a.out / filename).write_text(json.dumps(results, indent=1))
+  base = names[0]
+  print(f"\n{results['device']}, jax {results['jax']}, {a.routing} routing, {what}, medians of {a.rounds} rounds "
         f"taken in turn, shuffled; speedup over {base} (minimums' ratio in brackets)\n")
-  print("| shape | " + " | ".join(impls) + " |")
-  print("|---" * (len(impls) + 1) + "|")
+  print("| shape | " + " | ".join(names) + " |")
+  print("|---" * (len(names) + 1) + "|")
   for shape, t in results["shapes"].items():
     cells = [f"{t[base]['s'] * 1e3:.3f} ms"] + [
-        f"{t[base]['s'] / t[i]['s']:.2f}x ({t[base]['min_s'] / t[i]['min_s']:.2f}x)" for i in impls[1:]]
+        f"{t[base]['s'] / t[n]['s']:.2f}x ({t[base]['min_s'] / t[n]['min_s']:.2f}x)" for n in names[1:]]
     print(f"| {shape} | " + " | ".join(cells) + " |")
-
 
 if __name__ == "__main__":
   main()

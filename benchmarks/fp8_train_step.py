@@ -16,13 +16,12 @@ RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all 
   python benchmarks/fp8_train_step.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 5
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import cases
+import fp8_in_turn
 import jax_impls
-from timing import measure_alternating
 
 RECIPES = ("tensorwise", "blockwise", "blockwise_wgrad16")
 VARIANTS = ("bf16",) + RECIPES
@@ -88,14 +87,12 @@ def main():
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--out", type=Path, default=None, help="also write fp8_train_step.json there")
   a = p.parse_args()
-  import jax
   import jax.numpy as jnp
   variants = a.variants.split(",")
   for v in variants:
     if v not in VARIANTS:
       sys.exit(f"--variants: {v!r}: expected one of {', '.join(VARIANTS)}")
-  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(sys.argv),
-             "shapes": {}}
+  results = fp8_in_turn.new_results()
   for shape in a.shapes.split(","):
     s = cases.shape_named(shape)
     x, w1, w2, dy = jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0)
@@ -103,24 +100,10 @@ def main():
     del w1, w2
     gs = jnp.asarray(cases.group_sizes(a.routing, s.E, s.M))
     steps = {v: step_and_state(v, x, masters, opt_state, dy, gs) for v in variants}
-    calls = {v: (lambda i, st=st: st[0](st[1])) for v, st in steps.items()}
-    results["shapes"][shape] = measure_alternating(calls, jax.block_until_ready, rounds=a.rounds)
-    del steps, calls, masters, opt_state
-    line = ", ".join(f"{v} {t['s'] * 1e3:.3f} ms" for v, t in results["shapes"][shape].items())
-    print(f"{shape}: {line}", file=sys.stderr, flush=True)
-  if a.out:
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "fp8_train_step.json").write_text(json.dumps(results, indent=1))
-  base = variants[0]
-  print(f"\n{results['device']}, jax {results['jax']}, {a.routing} routing, fwd+bwd + adam, medians of {a.rounds} "
-        f"rounds taken in turn, shuffled; speedup over {base} (minimums' ratio in brackets)\n")
-  print("| shape | " + " | ".join(variants) + " |")
-  print("|---" * (len(variants) + 1) + "|")
-  for shape, t in results["shapes"].items():
-    cells = [f"{t[base]['s'] * 1e3:.3f} ms"] + [
-        f"{t[base]['s'] / t[v]['s']:.2f}x ({t[base]['min_s'] / t[v]['min_s']:.2f}x)" for v in variants[1:]]
-    print(f"| {shape} | " + " | ".join(cells) + " |")
-
+    fp8_in_turn.measure_shape(results, shape, {v: (lambda i, st=st: st[0](st[1])) for v, st in steps.items()},
+                              a.rounds)
+    del steps, masters, opt_state
+  fp8_in_turn.report(results, variants, a, "fwd+bwd + adam", "fp8_train_step.json")
 
 if __name__ == "__main__":
   main()
