@@ -88,7 +88,7 @@ for d, f, sizes in ((64, 96, [100, -7, 2**31 - 1, 0]), (64, 96, [0, 0, 0, 0]), (
   g = jax.grad(lambda x, w1, w2, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, b1=b1, b2=b2, scales=x[:, 0])
                .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
   plain = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
-  ungated = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs, activation="gelu", b1=b1[:, :f])
+  ungated = jax.grad(lambda x, w1: jaxmlp.grouped_mlp(x, w1, w2, gs, activation="gelu", b1=b1[:, :f], scales=x[:, 0])
                      .astype(jnp.float32).sum(), argnums=(0, 1))(x, w1[:, :, :f])
   r = jax.grad(lambda a, b: jaxmlp.ragged_dot(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1))(x, w1)
   # Rows gathered from 100 tokens by a plan whose slot_of_row holds anything (FC1's loads on the engine).

@@ -1,14 +1,14 @@
 """The activation in the CUTLASS engine's epilogues (f a multiple of 64): FC1's (b1 added to h, the
 activation, gated or not) and FC2's data gradient's (the activation's backward: dh, a_s and the scales'
-gradient in partial sums; d at least 4096), the same values as the activation passes they replace, on every
-backend; the engine's launch counts show that the epilogues ran.
+gradient in partial sums; d at least 4096, ungated 7168), the same values as the activation passes they
+replace, on every backend; the engine's launch counts show that the epilogues ran.
 
 On cuda-fused FC1 takes its epilogue, and the same call on the grouped path (cuBLASLt's FC1, whose sums over
 d = 64 the engine's equal, then the separate activation pass; the other products are cuBLASLt's on both
 paths) gives the same bits: h = x @ w1 rounded, then + b1 rounded again, either way. Every backend matches
-the float64 reference, the scales' and biases' gradients included. On cuda-cutlass (d = 4096) the step also
-takes FC2's data-gradient epilogue; the second test checks it against the separate backward pass bit for bit
-(the engine takes the epilogue by d). The shapes put groups across tile edges
+the float64 reference, the scales' and biases' gradients included. On cuda-cutlass (d = 4096, ungated 7168)
+the step also takes FC2's data-gradient epilogue; the second test checks it against the separate backward
+pass bit for bit (the engine takes the epilogue by d). The shapes put groups across tile edges
 (128 rows), an empty group first and last, a group of fewer rows than a tile, padding rows holding NaN, and
 f = 64 (one tile of gate and up columns in FC1; one half tile in the data gradient and an ungated FC1), 192
 (three in FC1, the up columns starting at an odd tile; the data gradient's and an ungated FC1's last tile half
@@ -46,8 +46,8 @@ def launched(since: dict) -> dict:
 def test_fused_activation_equals_the_activation_pass(backend, rng, monkeypatch, f, dtype, act, scales, b1, b2,
                                                      zero_padding):
   skip_unless_served(backend, dtype)
-  # d = 4096 where FC2's data gradient takes the epilogue; elsewhere the same semantics at a smaller d.
-  M, d, E = 400, 4096 if backend == "cuda-cutlass" else 64, len(SIZES)
+  # d where FC2's data gradient takes the epilogue; elsewhere the same semantics at a smaller d.
+  M, d, E = 400, (4096 if act in GATED else 7168) if backend == "cuda-cutlass" else 64, len(SIZES)
   total = sum(SIZES)
   cast = lambda a: jnp.asarray(a, dtype)
   F1 = 2 * f if act in GATED else f
@@ -75,8 +75,7 @@ def test_fused_activation_equals_the_activation_pass(backend, rng, monkeypatch, 
     ran = launched(since)
     kind = "gated" if act in GATED else "ungated"
     assert ran[f"{kind}_fc1"] > 0, ran
-    # d = 4096: the gated activations' data-gradient epilogue (an ungated one's from 7168, the next test)
-    want = {"gated_dgrad": backend == "cuda-cutlass" and kind == "gated", "ungated_dgrad": False}
+    want = {"gated_dgrad": False, "ungated_dgrad": False, f"{kind}_dgrad": backend == "cuda-cutlass"}
     assert {k: ran[k] > 0 for k in want} == want, ran
   if backend == "cuda-fused":
     monkeypatch.setenv("JAXMLP_GEMM_PATH", "grouped")

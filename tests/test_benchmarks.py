@@ -419,8 +419,9 @@ def test_ep_overlap_splits_the_nccl_time_into_overlapped_and_exposed(monkeypatch
 
 def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   """fp8_train_step.py's steps, one each from the same state: bf16's update writes the new master weights'
-  bfloat16 copy; every step moves every weight by adam's first step (+-lr where its gradient is not 0), in a
-  direction the variant's own gradient gives (the FP8 variants' differ from bf16's: their products ran)."""
+  bfloat16 copy; every step moves the weights by adam's first step (lr g / (|g| + eps): at most lr, and lr
+  where the gradient is not tiny), in a direction the variant's own gradient gives (the FP8 variants' differ
+  from bf16's: their products ran)."""
   monkeypatch.syspath_prepend(str(BENCH.parent))
   import cases
   import fp8_train_step
@@ -440,7 +441,8 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
       for k in ("w1", "w2"):
         np.testing.assert_array_equal(np.asarray(new[2][k]), np.asarray(new[0][k].astype(jnp.bfloat16)), err_msg=k)
     moved[variant] = {k: np.asarray(new[0][k], np.float64) - np.asarray(masters[k], np.float64) for k in masters}
-    for k, delta in moved[variant].items():  # adam's first step: lr * g / (|g| + eps), |g| >> eps here
-      np.testing.assert_allclose(np.abs(delta), fp8_train_step.LEARNING_RATE, rtol=1e-2, err_msg=f"{variant} {k}")
+    for k, delta in moved[variant].items():
+      lr = fp8_train_step.LEARNING_RATE
+      assert np.all(np.abs(delta) <= lr * 1.001) and abs(np.median(np.abs(delta)) - lr) < 1e-3 * lr, (variant, k)
   for variant in fp8_train_step.RECIPES:
     assert any(np.any(np.sign(moved[variant][k]) != np.sign(moved["bf16"][k])) for k in masters), variant

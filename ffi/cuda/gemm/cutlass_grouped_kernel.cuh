@@ -125,7 +125,7 @@ struct Grouped {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr Fusion kFuses = kFusion;
   // The activation epilogues' staging leaves the main loop the stages it has without them (6): FC1's lives in
-  // Base's shared memory; the data gradient's second buffer (16 KB) fits in the ~17 KB the 6 stages leave.
+  // Base's shared memory; a gated data gradient's second buffer (16 KB) fits in the ~17 KB the 6 stages leave.
   static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= (kGather ? 4 : 6),
                 "the epilogue's shared memory costs main-loop stages");
 };
