@@ -74,13 +74,15 @@ NUMPY_MODEL = {"tensorwise": fp8_ref.grouped_mlp, "blockwise": fp8_ref.blockwise
 # tensor's largest, its amax moves the whole tensor's e4m3 grid: on an H100, "one_group" with seed
 # 895917586 (JAXMLP_TEST_SEED) puts y 3.4e-2 off, with and without fast accumulation alike (the products'
 # K = 32 leaves their sums exact; the scales' order differs). On the CPU, where the products are float32
-# sums: 1e-2, elements 4e-2 (seed 855 of the biased tensorwise "uneven" case with clamped_swiglu puts one
-# element of dw1 0.5 off where the largest is 22.4, 2.2e-2: as one e4m3 rounding moved to its neighbour
-# moves it; about one seed in a thousand).
+# sums and the model's float64, they agree but where an element lies at an e4m3 rounding boundary: 1.5e-2,
+# elements 6e-2 (seed 855 of the biased tensorwise "uneven" case with clamped_swiglu puts one element of dw1
+# 0.5 off where the largest is 22.4, 2.2e-2; seed 2482913393 of the biased blockwise "uneven" case with gelu
+# one element of a on its other e4m3 neighbour: y 4.2e-2 off in one element, dw2 1.0e-2 in norm; each about
+# one seed in a thousand).
 CUDA_TOLERANCE = 5e-2
 
 
-def check_recipe(got, want, platform, name, cpu_tolerance=1e-2):
+def check_recipe(got, want, platform, name, cpu_tolerance=1.5e-2):
   if platform == "cuda":
     assert rel_error(got, want) < CUDA_TOLERANCE and max_error(got, want) < 4 * CUDA_TOLERANCE, name
   else:
@@ -93,7 +95,7 @@ def blockwise_primitive(name, *static):
   return lambda *a: jax.lax.platform_dependent(*a, cpu=lambda *a: cpu(*a, *static), cuda=lambda *a: cuda(*a, *static))
 
 
-def check_against_model(y, grads, want_y, want, args, platform, M, sizes, cpu_tolerance=1e-2):
+def check_against_model(y, grads, want_y, want, args, platform, M, sizes, cpu_tolerance=1.5e-2):
   """y and every gradient of `run` against the NumPy model's (check_recipe), each in its operand's dtype,
   and y's and dx's rows past the groups zeros."""
   check_recipe(y, want_y, platform, "y", cpu_tolerance)
