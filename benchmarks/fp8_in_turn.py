@@ -68,5 +68,6 @@ def report(results: dict, names: list, a, what: str, filename: str) -> None:
         f"{t[base]['s'] / t[n]['s']:.2f}x ({t[base]['min_s'] / t[n]['min_s']:.2f}x)" for n in names[1:]]
     print(f"| {shape} | " + " | ".join(cells) + " |")
 
+
 if __name__ == "__main__":
   main()

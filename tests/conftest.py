@@ -237,6 +237,17 @@ def check_close(got, want, tol, name=""):
   assert rel_error(got, want) < tol and max_error(got, want) < 2 * tol, name
 
 
+def engine_launches() -> dict:
+  """The CUTLASS engine's kernels enqueued so far, by name (jaxmlp._cuda.cutlass_launches: host code, which
+  every first run of a call executes)."""
+  return dict(_library._cuda.cutlass_launches())
+
+
+def launched(since: dict) -> dict:
+  """The engine's kernels enqueued since engine_launches() gave `since`."""
+  return {k: v - since[k] for k, v in engine_launches().items()}
+
+
 def check_padding_rows_zero(m, sizes, *row_outputs):
   """Rows past the clamped total of sizes: zero output and zero gradient."""
   total = ref.clamp_sizes(sizes, m)[-1]

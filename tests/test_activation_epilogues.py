@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, check_close, check_padding_rows_zero, skip_unless_served
+from conftest import (TOLERANCE, check_close, check_padding_rows_zero, engine_launches, launched,
+                      skip_unless_served)
 
 import jaxmlp
 import numpy_reference as ref
@@ -26,16 +27,6 @@ import numpy_reference as ref
 SIZES = [0, 130, 7, 200, 0]  # 337 rows in groups, of M = 400
 GATED = ["swiglu", "geglu", "reglu", "clamped_swiglu"]
 UNGATED = ["gelu", "relu", "silu", "squared_relu"]
-
-
-def engine_launches() -> dict:
-  """The CUTLASS engine's kernels enqueued so far, by name: every call here runs its handlers' host code."""
-  from jaxmlp import _library
-  return dict(_library._cuda.cutlass_launches())
-
-
-def launched(since: dict) -> dict:
-  return {k: v - since[k] for k, v in engine_launches().items()}
 
 
 @pytest.mark.parametrize("f", [64, 192, 256])
