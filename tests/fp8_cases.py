@@ -73,20 +73,32 @@ NUMPY_MODEL = {"tensorwise": fp8_ref.grouped_mlp, "blockwise": fp8_ref.blockwise
 # 1.2e-2 relative error; single elements up to 6e-2 of the largest). Where the moved element is the
 # tensor's largest, its amax moves the whole tensor's e4m3 grid: on an H100, "one_group" with seed
 # 895917586 (JAXMLP_TEST_SEED) puts y 3.4e-2 off, with and without fast accumulation alike (the products'
-# K = 32 leaves their sums exact; the scales' order differs). On the CPU, where the products are float32
-# sums and the model's float64, they agree but where an element lies at an e4m3 rounding boundary: 1.5e-2,
-# elements 6e-2 (seed 855 of the biased tensorwise "uneven" case with clamped_swiglu puts one element of dw1
-# 0.5 off where the largest is 22.4, 2.2e-2; seed 2482913393 of the biased blockwise "uneven" case with gelu
-# one element of a on its other e4m3 neighbour: y 4.2e-2 off in one element, dw2 1.0e-2 in norm; each about
-# one seed in a thousand).
+# K = 32 leaves their sums exact; the scales' order differs).
 CUDA_TOLERANCE = 5e-2
+# On the CPU the emulation computes h, a, da and dh in float32 and the model in float64: an element within
+# float32's error of a rounding boundary rounds to either neighbour. An e4m3 one moves a whole row of the next
+# product (seed 680181855 of the 16-bit weight gradients' "uneven" case: a[23, 25] within 1e-7 of one, y's row
+# 23 2.5e-3 off; about one seed in a thousand per test): the model at +-NUDGE (numpy_fp8_reference) rounds such
+# elements the other way, and the check takes whichever of the three models agrees. 1e-6 is ten float32
+# roundings; an element as near a boundary that the emulation rounds as the model is rare (none within 1e-5
+# in that case's a). What remains is the results' own rounding to the 16-bit dtype, the float32 sums' order
+# deciding an element's neighbour: 2^-8 = 3.9e-3 of that element at most, under CPU_TOLERANCE. Measured over
+# 150 seeds of each recipe, activation and bias setting of the "uneven" case (2,100 calls): at most 1.4e-3
+# (db1: one element on its other bfloat16 neighbour), elements 5.4e-3.
+CPU_TOLERANCE = 5e-3
+NUDGE = 1e-6
 
 
-def check_recipe(got, want, platform, name, cpu_tolerance=1.5e-2):
-  if platform == "cuda":
-    assert rel_error(got, want) < CUDA_TOLERANCE and max_error(got, want) < 4 * CUDA_TOLERANCE, name
-  else:
-    assert rel_error(got, want) < cpu_tolerance and max_error(got, want) < 4 * cpu_tolerance, name
+def check_recipe(got, want, platform, name):
+  assert recipe_error(got, want, platform) is None, name
+
+
+def recipe_error(got, want, platform):
+  """None where got lies within the platform's tolerance of want (its norm, and 4x that for the largest
+  element's), else the two errors."""
+  tolerance = CUDA_TOLERANCE if platform == "cuda" else CPU_TOLERANCE
+  errors = rel_error(got, want), max_error(got, want)
+  return None if errors[0] < tolerance and errors[1] < 4 * tolerance else errors
 
 
 def blockwise_primitive(name, *static):
@@ -95,12 +107,18 @@ def blockwise_primitive(name, *static):
   return lambda *a: jax.lax.platform_dependent(*a, cpu=lambda *a: cpu(*a, *static), cuda=lambda *a: cuda(*a, *static))
 
 
-def check_against_model(y, grads, want_y, want, args, platform, M, sizes, cpu_tolerance=1.5e-2):
-  """y and every gradient of `run` against the NumPy model's (check_recipe), each in its operand's dtype,
-  and y's and dx's rows past the groups zeros."""
-  check_recipe(y, want_y, platform, "y", cpu_tolerance)
-  assert set(grads) == set(want)
-  for k in grads:
-    assert grads[k].dtype == args[k].dtype, k
-    check_recipe(grads[k], want[k], platform, k, cpu_tolerance)
+def check_against_model(y, grads, model, args, platform, M, sizes):
+  """y and every gradient of `run` against the (y, gradients) of model(nudge=...) at nudge 0 or +-NUDGE
+  (recipe_error), each in its operand's dtype, and y's and dx's rows past the groups zeros."""
+  assert all(grads[k].dtype == args[k].dtype for k in grads)
+  failed = {}
+  for nudge in (0.0, NUDGE, -NUDGE):
+    want_y, want = model(nudge=nudge)
+    assert set(grads) == set(want)
+    failed[nudge] = {k: e for k, got, w in [("y", y, want_y)] + [(k, grads[k], want[k]) for k in grads]
+                     if (e := recipe_error(got, w, platform)) is not None}
+    if not failed[nudge]:
+      break
+  else:
+    raise AssertionError(f"(relative, largest element's) errors past the tolerance, by nudge: {failed}")
   check_padding_rows_zero(M, sizes, y, grads["x"])

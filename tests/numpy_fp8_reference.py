@@ -3,6 +3,13 @@ independent of jaxmlp's code.
 
 Quantization to e4m3 through ml_dtypes; products in float64; rounding to the 16-bit dtype where the
 recipe rounds (the FC1 output h, the FC2 input gradient da, every result).
+
+An implementation computes h, a, da and dh in float32: an element within float32's error of a rounding
+boundary (h's and da's 16-bit ones, a's and dh's e4m3 ones and their 16-bit ones for 16-bit weight gradients)
+rounds to either neighbour. `nudge` scales such elements by 1 + nudge before the rounding: the model at
++-nudge rounds them away from or toward zero. Values that are float32 numbers take no nudge (the
+implementation computes them exactly: relu's a, the blockwise products' sums of e4m3 pairs), nor do the inputs
+(the 16-bit dtype, quantized alike by both).
 """
 import ml_dtypes
 import numpy as np
@@ -10,6 +17,13 @@ import numpy as np
 import numpy_reference as ref
 
 E4M3_MAX = 448.0
+
+
+def _nudged(v, nudge, unscaled=None):
+  """v * (1 + nudge) where `unscaled` (v before a scale; by default v) is not a float32 number, v elsewhere."""
+  v = np.asarray(v, np.float64)
+  unscaled = v if unscaled is None else np.asarray(unscaled, np.float64)
+  return np.where(unscaled == unscaled.astype(np.float32), v, v * (1 + nudge))
 
 
 # The recipe scales in float32: 16-bit data puts many v * 448 / amax exactly on an e4m3 rounding tie, which
@@ -22,10 +36,10 @@ def _inverse(amax):
   return np.float32(np.finfo(np.float32).max) if np.isinf(inverse) else inverse
 
 
-def _quantize(v, amax):
+def _quantize(v, amax, nudge=0.0):
   amax = np.float32(amax)
   inverse = _inverse(amax) if amax > 0 else np.float32(1.0)
-  q = np.clip(np.asarray(v, np.float32) * inverse, -E4M3_MAX, E4M3_MAX)
+  q = np.clip(_nudged(np.asarray(v, np.float32) * inverse, nudge, v), -E4M3_MAX, E4M3_MAX)
   return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
@@ -59,7 +73,7 @@ def _rows_of(b, off, M):
   return out
 
 
-def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
+def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, nudge=0.0):
   """(y, {x, w1, w2, scales, b1, b2} gradients) of the FP8 recipe, as float64 arrays; dtype: the 16-bit
   ml_dtype."""
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
@@ -73,13 +87,13 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
   h = np.zeros((M, w1.shape[2]))
   for g in range(E):
     r = slice(off[g], off[g + 1])
-    h[r] = rnd(qx[r] @ qw1[g] * (_scale(ax) * _scale(aw1)))
+    h[r] = rnd(_nudged(qx[r] @ qw1[g] * (_scale(ax) * _scale(aw1)), nudge))
     if b1 is not None:
       h[r] = rnd(h[r] + b1[g])
   value, (dgate, dup) = ref.activation(act, h)
   a = np.where(valid[:, None], value * s, 0)
   aa = np.abs(a).max(initial=0)
-  qa = _quantize(a, aa)
+  qa = _quantize(a, aa, nudge)
   dyv = np.where(valid[:, None], dy, 0)
   ady = np.abs(dyv).max(initial=0)
   qdy = _quantize(dyv, ady)
@@ -88,11 +102,11 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None):
     r = slice(off[g], off[g + 1])
     y[r] = qa[r] @ qw2[g] * (_scale(aa) * _scale(aw2))
     y[r] = rnd(y[r] + (rnd(s[r] * b2[g]) if b2 is not None else 0))  # one rounding of the product and bias
-    da[r] = rnd(qdy[r] @ qw2[g].T * (_scale(ady) * _scale(aw2)))
+    da[r] = rnd(_nudged(qdy[r] @ qw2[g].T * (_scale(ady) * _scale(aw2)), nudge))
   dh = da * s * dgate if dup is None else np.concatenate([da * s * dgate, da * s * dup], axis=1)
   dh = np.where(valid[:, None], dh, 0)
   adh = np.abs(dh).max(initial=0)
-  qdh = _quantize(dh, adh)
+  qdh = _quantize(dh, adh, nudge)
   grads = {"x": np.zeros_like(x), "w1": np.zeros_like(w1), "w2": np.zeros_like(w2)}
   for g in range(E):
     r = slice(off[g], off[g + 1])
@@ -116,18 +130,18 @@ def _block_scale(amax):
   return 2.0 ** int(np.ceil(np.log2(ratio))) if ratio > 0 else 1.0
 
 
-def _quantize_block(v):
+def _quantize_block(v, nudge=0.0):
   """A block v quantized and dequantized with its own power-of-two scale, in float64."""
   scale = _block_scale(np.abs(v).max(initial=0))
-  q = np.clip(v / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  q = np.clip(_nudged(v / scale, nudge, v), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
   return q * scale
 
 
-def _rows_1x128(v):
+def _rows_1x128(v, nudge=0.0):
   out = np.zeros_like(v)
   for r in range(v.shape[0]):
     for c in range(0, v.shape[1], BLOCK):
-      out[r, c:c + BLOCK] = _quantize_block(v[r, c:c + BLOCK])
+      out[r, c:c + BLOCK] = _quantize_block(v[r, c:c + BLOCK], nudge)
   return out
 
 
@@ -140,17 +154,18 @@ def _weights_128x128(w):
   return out
 
 
-def _group_columns_128x1(v, start, end):
+def _group_columns_128x1(v, start, end, nudge=0.0):
   """v's rows start..end quantized in 128 x 1 blocks counted from the group's first row."""
   out = np.zeros((end - start, v.shape[1]))
   for r in range(start, end, BLOCK):
     stop = min(r + BLOCK, end)
     for c in range(v.shape[1]):
-      out[r - start:stop - start, c] = _quantize_block(v[r:stop, c])
+      out[r - start:stop - start, c] = _quantize_block(v[r:stop, c], nudge)
   return out
 
 
-def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_weight_gradients=True):
+def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_weight_gradients=True,
+                          nudge=0.0):
   """(y, {x, w1, w2, scales, b1, b2} gradients) of the blockwise FP8 recipe, as float64 arrays; without
   fp8_weight_gradients the weight gradients are products of x, a and dh rounded to dtype, and dy."""
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
@@ -165,33 +180,33 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=
   h = np.zeros((M, w1.shape[2]))
   for g in range(E):
     r = slice(off[g], off[g + 1])
-    h[r] = rnd(qx[r] @ qw1[g])
+    h[r] = rnd(_nudged(qx[r] @ qw1[g], nudge))
     if b1 is not None:
       h[r] = rnd(h[r] + b1[g])
   value, (dgate, dup) = ref.activation(act, h)
   a = np.where(valid, value * s, 0)
-  qa, qdy = _rows_1x128(a), _rows_1x128(dy)
+  qa, qdy = _rows_1x128(a, nudge), _rows_1x128(dy)
   y, da = np.zeros((M, d)), np.zeros_like(a)
   for g in range(E):
     r = slice(off[g], off[g + 1])
     y[r] = rnd(qa[r] @ qw2[g])
     if b2 is not None:  # the product rounded first, then with the bias
       y[r] = rnd(y[r] + rnd(s[r] * b2[g]))
-    da[r] = rnd(qdy[r] @ qw2[g].T)
+    da[r] = rnd(_nudged(qdy[r] @ qw2[g].T, nudge))
   dh = da * s * dgate if dup is None else np.concatenate([da * s * dgate, da * s * dup], axis=1)
   dh = np.where(valid, dh, 0)
-  qdh = _rows_1x128(dh)
+  qdh = _rows_1x128(dh, nudge)
   grads = {"x": np.zeros_like(x), "w1": np.zeros_like(w1), "w2": np.zeros_like(w2)}
   for g in range(E):
     r = slice(off[g], off[g + 1])
-    column = lambda v: _group_columns_128x1(v, off[g], off[g + 1])
+    column = lambda v, nudge=0.0: _group_columns_128x1(v, off[g], off[g + 1], nudge)
     grads["x"][r] = rnd(qdh[r] @ qw1[g].T)
     if fp8_weight_gradients:
-      grads["w2"][g] = rnd(column(a).T @ column(dy))
-      grads["w1"][g] = rnd(column(x).T @ column(dh))
+      grads["w2"][g] = rnd(column(a, nudge).T @ column(dy))
+      grads["w1"][g] = rnd(column(x).T @ column(dh, nudge))
     else:
-      grads["w2"][g] = rnd(rnd(a[r]).T @ dy[r])
-      grads["w1"][g] = rnd(x[r].T @ rnd(dh[r]))
+      grads["w2"][g] = rnd(rnd(_nudged(a[r], nudge)).T @ dy[r])
+      grads["w1"][g] = rnd(x[r].T @ rnd(_nudged(dh[r], nudge)))
   dscales = _bias_grads(grads, off, s, dh, dy, value, da, valid[:, 0], b1, b2, rnd)
   if scales is not None:
     grads["scales"] = dscales
