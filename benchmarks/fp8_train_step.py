@@ -3,7 +3,9 @@ micro-batch a step, where the weights' quantization is not spread over micro-bat
 own pass over the weights counts as well.
 
 Every variant runs grouped_mlp's fwd+bwd at a model shape (x and dy fixed, as fp8_in_turn.py's) and then
-optax.adam over float32 master weights w1, w2, in one jitted step that returns the next step's state:
+optax.adam over float32 master weights w1, w2, in one jitted step that returns the next step's state and what
+the rest of a network would take, y and dx (unused outputs would let XLA drop their products where a recipe
+runs them as calls of their own: the blockwise recipe's FC2 forward and data gradient):
 
   bf16     the update also writes the weights' bfloat16 copy, which the next step's call reads (what a
            mixed-precision optimizer does: XLA fuses the rounding into adam's pass)
@@ -49,7 +51,8 @@ def first_state(w1, w2):
 
 
 def step_and_state(variant: str, x, masters, opt_state, dy, gs):
-  """(jitted step(state) -> state, the first state) of `variant`, from make_inputs' x, dy and first_state."""
+  """(jitted step(state) -> (next state, (y, dx)), the first state) of `variant`, from make_inputs' x, dy and
+  first_state."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -60,22 +63,23 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   if variant == "bf16":
     def step(state):
       w, opt, w16 = state
-      _, vjp = jax.vjp(lambda a, b: jaxmlp.grouped_mlp(x, a, b, gs), w16["w1"], w16["w2"])
-      g = dict(zip(("w1", "w2"), (v.astype(jnp.float32) for v in vjp(dy))))
-      updates, opt = tx.update(g, opt, w)
+      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, a, b, gs), x, w16["w1"], w16["w2"])
+      dx, *g = vjp(dy)
+      updates, opt = tx.update(dict(zip(("w1", "w2"), (v.astype(jnp.float32) for v in g))), opt, w)
       w = optax.apply_updates(w, updates)
-      return w, opt, {k: v.astype(jnp.bfloat16) for k, v in w.items()}
+      return (w, opt, {k: v.astype(jnp.bfloat16) for k, v in w.items()}), (y, dx)
     return jax.jit(step), (masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()})
 
   recipe = _recipe(variant)
 
   def step(state):
     w, opt = state
-    _, vjp = jax.vjp(lambda a, b: jaxmlp.grouped_mlp(x, jaxmlp.fp8_weights(a, recipe, jnp.bfloat16),
-                                                     jaxmlp.fp8_weights(b, recipe, jnp.bfloat16), gs, fp8=recipe),
-                     w["w1"], w["w2"])
-    updates, opt = tx.update(dict(zip(("w1", "w2"), vjp(dy))), opt, w)
-    return optax.apply_updates(w, updates), opt
+    y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, jaxmlp.fp8_weights(a, recipe, jnp.bfloat16),
+                                                        jaxmlp.fp8_weights(b, recipe, jnp.bfloat16), gs, fp8=recipe),
+                     x, w["w1"], w["w2"])
+    dx, *g = vjp(dy)
+    updates, opt = tx.update(dict(zip(("w1", "w2"), g)), opt, w)
+    return (optax.apply_updates(w, updates), opt), (y, dx)
   return jax.jit(step), (masters, opt_state)
 
 

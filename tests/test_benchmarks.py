@@ -421,10 +421,12 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   """fp8_train_step.py's steps, one each from the same state: bf16's update writes the new master weights'
   bfloat16 copy; every step moves the weights by adam's first step (lr g / (|g| + eps): at most lr, and lr
   where the gradient is not tiny), in a direction the variant's own gradient gives (the FP8 variants' differ
-  from bf16's: their products ran)."""
+  from bf16's: their products ran), and return y and dx, whose products XLA would otherwise drop where a recipe
+  runs them as calls of their own."""
   monkeypatch.syspath_prepend(str(BENCH.parent))
   import cases
   import fp8_train_step
+  import jax
   import jax.numpy as jnp
   import jax_impls
   import numpy as np
@@ -436,7 +438,10 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   moved = {}
   for variant in fp8_train_step.VARIANTS:
     step, state = fp8_train_step.step_and_state(variant, x, masters, opt_state, dy, gs)
-    new = step(state)
+    new, outputs = step(state)
+    assert [o.shape for o in outputs] == [x.shape, x.shape], variant
+    if variant != "bf16" and jax.default_backend() == "cpu":  # the recipe's six products, one call each, all run
+      assert step.lower(state).compile().as_text().count('custom_call_target="jaxmlp_gemm"') == 6, variant
     if variant == "bf16":
       for k in ("w1", "w2"):
         np.testing.assert_array_equal(np.asarray(new[2][k]), np.asarray(new[0][k].astype(jnp.bfloat16)), err_msg=k)
