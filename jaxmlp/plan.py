@@ -36,7 +36,7 @@ def check_dispatch_args(x, experts, num_experts: int, capacity: int | None, pad_
   if jnp.ndim(experts) != 2 or jnp.shape(experts)[0] != jnp.shape(x)[0]:
     raise ValueError(f"experts: got shape {tuple(jnp.shape(experts))}, expected [T, k] = [{jnp.shape(x)[0]}, k]")
   if not jnp.issubdtype(jnp.result_type(experts), jnp.integer):
-    raise ValueError(f"experts: got dtype {jnp.result_type(experts)}, expected an integer dtype")
+    raise TypeError(f"experts: got dtype {jnp.result_type(experts)}, expected an integer dtype")
   if not 1 <= num_experts < 2**31:
     raise ValueError(f"num_experts: got {num_experts}, expected >= 1")
   if capacity is not None and not 0 <= capacity < 2**31:

@@ -229,7 +229,7 @@ def max_error(got, want):
   assert got.shape == want.shape, (got.shape, want.shape)
   if not got.size:
     return 0.0
-  return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+  return np.abs(got - want).max() / max(np.abs(want).max(), np.finfo(np.float64).tiny)
 
 
 def check_close(got, want, tol, name=""):
@@ -256,7 +256,8 @@ def check_padding_rows_zero(m, sizes, *row_outputs):
 
 
 def rel_error(got, want):
+  """The Frobenius norm of the error relative to the reference's (an all-zero reference asks for zeros)."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert got.shape == want.shape, (got.shape, want.shape)
   assert np.isfinite(got).all(), "non-finite values (an unwritten, poisoned element?)"
-  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), np.finfo(np.float64).tiny)

@@ -16,26 +16,47 @@ import numpy_reference as ref
 from jaxmlp import _library
 
 
-@pytest.mark.parametrize("path", ["grouped", "cutlass", "fused", "tiled"])
-def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
-  """The CUDA branch is traced on every machine. Forcing its GEMM path leaves CPU calls alone, except
-  where CUDA devices cannot run the forced path: there the setting is an error, for every call, at trace
-  time."""
-  monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
+def _forced_path_args(rng):
   x, w1, w2 = rng.standard_normal((40, 16)), rng.standard_normal((2, 16, 32)) / 4, rng.standard_normal((2, 16, 16)) / 4
   args = dict(x=x, w1=w1, w2=w2, group_sizes=np.array([15, 25], np.int32))
-  args = {k: jnp.asarray(v, jnp.int32 if k == "group_sizes" else jnp.float32) for k, v in args.items()}
+  return {k: jnp.asarray(v, jnp.int32 if k == "group_sizes" else jnp.float32) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("path", ["grouped", "cutlass", "fused", "tiled"])
+def test_cpu_calls_under_a_forced_cuda_gemm_path(rng, monkeypatch, path):
+  """The CUDA branch is traced on every machine with CUDA devices. Forcing its GEMM path leaves CPU calls
+  alone where the devices can run the path."""
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
+  engine = "cutlass" if path == "fused" else path  # the fused path runs FC1 on the CUTLASS engine
+  if _library.cuda_devices() and not _library.cuda_status().get(f"{engine}_available"):
+    pytest.skip(f"this GPU cannot run the {path} path (test_a_forced_path_the_gpu_cannot_run_fails_at_trace_time)")
+  args = _forced_path_args(rng)
   with jax.default_device(jax.devices("cpu")[0]):
-    engine = "cutlass" if path == "fused" else path  # the fused path runs FC1 on the CUTLASS engine
-    if _library.cuda_devices() and not _library.cuda_status().get(f"{engine}_available"):
-      with pytest.raises(RuntimeError, match=f"JAXMLP_GEMM_PATH={path}, but"):
-        jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
-      # The diagnostic still answers, and says why.
-      info = jaxmlp.backend_info()["cuda"]
-      assert info["gemm_path"] is None and f"JAXMLP_GEMM_PATH={path}, but" in info["why"]
-      return
     got = jax.jit(lambda a: jaxmlp.grouped_mlp(**a))(args)
-  assert rel_error(got, ref.grouped_mlp(x, w1, w2, [15, 25], "swiglu")) < 1e-5
+  n = {k: np.asarray(v, np.float64) for k, v in args.items()}
+  assert rel_error(got, ref.grouped_mlp(n["x"], n["w1"], n["w2"], [15, 25], "swiglu")) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["grouped", "cutlass", "fused", "tiled"])
+def test_a_forced_path_the_gpu_cannot_run_fails_at_trace_time(rng, monkeypatch, path):
+  """Where the CUDA devices cannot run the forced path (a GPU made up, whose status says so), every call
+  fails at trace time naming the setting, CPU calls too (the CUDA branch is traced), and backend_info says
+  why."""
+  from jaxmlp import _gemm_path
+  if _library._cuda is None:
+    pytest.skip("built without the CUDA handlers: backend_info reports the build instead")
+  status = {"grouped_available": path != "grouped", "tiled_available": path != "tiled",
+            "cutlass_available": path not in ("cutlass", "fused"), "grouped_reason": "made up",
+            "tiled_reason": "made up", "cutlass_reason": "made up"}
+  monkeypatch.setattr(_library, "cuda_devices", lambda: ("cuda:0",))
+  monkeypatch.setattr(_library, "cuda_status", lambda: status)
+  monkeypatch.setattr(_gemm_path, "cuda_status", lambda: status)
+  monkeypatch.setattr(jaxmlp.backend, "fp8_status", lambda: (False, "made up"))
+  monkeypatch.setenv("JAXMLP_GEMM_PATH", path)
+  with pytest.raises(RuntimeError, match=f"JAXMLP_GEMM_PATH={path}, but .*: made up"):
+    jax.jit(lambda a: jaxmlp.grouped_mlp(**a)).lower(_forced_path_args(rng))
+  info = jaxmlp.backend_info()["cuda"]
+  assert info["gemm_path"] is None and f"JAXMLP_GEMM_PATH={path}, but" in info["why"]
 
 
 def test_auto_takes_the_engine_where_it_measured_faster(monkeypatch):

@@ -81,17 +81,17 @@ def test_grouped_mlp_rejects_unknown_impl():
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_grouped_mlp_matches_reference_and_float64(activation):
+def test_grouped_mlp_matches_reference_and_float64(rng, activation):
   # An empty expert and 3 padding rows at the end.
   sizes = np.array([4, 0, 6, 3], np.int32)
   m = 16
-  keys = jax.random.split(jax.random.key(2), 3)
+  keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
   x = jax.random.normal(keys[0], (m, D))
   scales = jax.random.uniform(keys[1], (m,), minval=0.2, maxval=1.0)
   cotangent = jax.random.normal(keys[2], (m, D))
   mlps = {impl: jaxmlp.nnx.GroupedMLP(E, D, F, activation=activation, use_bias=True, bias_init=random_init(0.3),
-                                      impl=impl, rngs=nnx.Rngs(3))
-          for impl in ("jaxmlp", "reference")}
+                                      impl=impl, rngs=nnx.Rngs(seed))
+          for seed in [int(rng.integers(2**31))] for impl in ("jaxmlp", "reference")}
 
   results = {}
   for impl, mlp in mlps.items():
@@ -135,12 +135,14 @@ def test_grouped_mlp_matches_reference_and_float64(activation):
   assert_close(y_unscaled, unscaled, 1e-5, "unscaled y vs float64")
 
 
-def test_grouped_mlp_bfloat16_matches_reference():
+def test_grouped_mlp_bfloat16_matches_reference(rng):
   sizes = jnp.array([5, 3, 0, 7], jnp.int32)
-  x = jax.random.normal(jax.random.key(4), (16, D), jnp.bfloat16)
-  scales = jax.random.uniform(jax.random.key(5), (16,), minval=0.2, maxval=1.0)
+  keys = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+  x = jax.random.normal(keys[0], (16, D), jnp.bfloat16)
+  scales = jax.random.uniform(keys[1], (16,), minval=0.2, maxval=1.0)
+  seed = int(rng.integers(2**31))
   outputs = [jit_call(jaxmlp.nnx.GroupedMLP(E, D, F, use_bias=True, bias_init=random_init(0.3),
-                                            dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(6)), x, sizes, scales)
+                                            dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(seed)), x, sizes, scales)
              for impl in ("jaxmlp", "reference")]
   assert outputs[0].dtype == jnp.bfloat16
   assert_close(outputs[0], outputs[1], 2e-2, "bfloat16 y")
@@ -317,22 +319,23 @@ MOE_CASES = [
   pytest.param("swiglu", 2, "sigmoid", True, None, True, "jaxmlp", marks=pytest.mark.full),
   pytest.param("gelu", 2, "softmax", False, 0.5, True, "jaxmlp", marks=pytest.mark.full),
   pytest.param("swiglu", 3, "sigmoid", False, 0.75, False, "jaxmlp", marks=pytest.mark.full),
-  ("geglu", 1, "softmax", False, 1.0, True, "jaxmlp"),
+  ("geglu", 1, "softmax", False, 0.75, True, "jaxmlp"),
   ("swiglu", 2, "sigmoid", True, 0.5, True, "reference"),
 ]
 
 
 @pytest.mark.parametrize("activation,top_k,score_func,renormalize,capacity_factor,use_bias,impl", MOE_CASES)
-def test_moe_matches_dense_reference(activation, top_k, score_func, renormalize, capacity_factor, use_bias,
+def test_moe_matches_dense_reference(rng, activation, top_k, score_func, renormalize, capacity_factor, use_bias,
                                      impl):
   coefs = dict(aux_loss_coef=0.1, z_loss_coef=0.01)
   options = dict(activation=activation, top_k=top_k, score_func=score_func, renormalize=renormalize,
                  capacity_factor=capacity_factor, **coefs)
   moe = jaxmlp.nnx.MoE(E, D, F, top_k, activation=activation, use_bias=use_bias, score_func=score_func,
                        renormalize=renormalize, capacity_factor=capacity_factor, bias_init=random_init(0.3),
-                       impl=impl, rngs=nnx.Rngs(7), **coefs)
-  x = jax.random.normal(jax.random.key(8), (2, 12, D))
-  cotangent = jax.random.normal(jax.random.key(9), x.shape)
+                       impl=impl, rngs=nnx.Rngs(int(rng.integers(2**31))), **coefs)
+  keys = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+  x = jax.random.normal(keys[0], (2, 12, D))
+  cotangent = jax.random.normal(keys[1], x.shape)
   graphdef, state = nnx.split(moe)
 
   @jax.jit
@@ -343,7 +346,7 @@ def test_moe_matches_dense_reference(activation, top_k, score_func, renormalize,
   (_, (y, aux)), (dparams, dx) = jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True)(state, x)
   params = nnx.to_pure_dict(state)
 
-  if capacity_factor is not None:  # the case must drop rows to test dropping
+  if capacity_factor is not None:  # the case drops rows: its capacity holds fewer than the 24 k choices
     _, experts, _ = jaxmlp.moe.route(x.reshape(-1, D) @ params["router"]["kernel"], top_k, score_func)
     capacity = math.ceil(capacity_factor * 24 * top_k / E)
     assert np.bincount(np.asarray(experts).ravel(), minlength=E).max() > capacity
@@ -399,11 +402,11 @@ def test_moe_shapes_and_dtypes():
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_linen_moe_matches_nnx_moe_with_the_same_params(capacity_factor):
+def test_linen_moe_matches_nnx_moe_with_the_same_params(rng, capacity_factor):
   options = dict(activation="geglu", use_bias=True, score_func="sigmoid", capacity_factor=capacity_factor,
                  bias_init=random_init(0.3))
-  nnx_moe = jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(0), **options)
-  x = jax.random.normal(jax.random.key(1), (2, 6, D))
+  nnx_moe = jaxmlp.nnx.MoE(E, D, F, 2, rngs=nnx.Rngs(int(rng.integers(2**31))), **options)
+  x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (2, 6, D))
   y, aux = jit_call(nnx_moe, x)
   linen_moe = jaxmlp.linen.MoE(E, D, F, 2, **options)
   layout = jax.tree.map(jnp.shape, nn.meta.unbox(jax.eval_shape(linen_moe.init, jax.random.key(0), x))["params"])

@@ -403,39 +403,44 @@ def test_a_flag_that_is_not_a_bool_is_a_type_error():
     jaxmlp.grouped_mlp(x, w1, w2, sizes, zero_padding=0)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(x=jnp.ones((4, 8, 2))), r"x: got shape \(4, 8, 2\), expected \[M, d\]"),
-    (dict(w1=jnp.ones((2, 9, 16))), r"w1: got shape \(2, 9, 16\), expected \[E, d, 2f\] = \[2, 8, 16\]"),
-    (dict(w1=jnp.ones((2, 8, 15))), r"w1: .*even last dimension"),
-    (dict(w1=jnp.ones((0, 8, 16)), w2=jnp.ones((0, 8, 8)), group_sizes=jnp.ones((0,), jnp.int32)),
+@pytest.mark.parametrize("error, change, match", [
+    (ValueError, dict(x=jnp.ones((4, 8, 2))), r"x: got shape \(4, 8, 2\), expected \[M, d\]"),
+    (ValueError, dict(w1=jnp.ones((2, 9, 16))), r"w1: got shape \(2, 9, 16\), expected \[E, d, 2f\] = \[2, 8, 16\]"),
+    (ValueError, dict(w1=jnp.ones((2, 8, 15))), r"w1: .*even last dimension"),
+    (ValueError, dict(w1=jnp.ones((0, 8, 16)), w2=jnp.ones((0, 8, 8)), group_sizes=jnp.ones((0,), jnp.int32)),
      r"w1: got shape \(0, 8, 16\), expected \[E, 8, 2f\] with E >= 1"),
-    (dict(w2=jnp.ones((2, 8, 9))), r"w2: got shape \(2, 8, 9\), expected \[E, f, d\] = \[2, 8, 8\]"),
-    (dict(w1=jnp.ones((2, 8, 8))),  # ungated weights with the default, gated, activation: w1 is to blame
+    (ValueError, dict(w2=jnp.ones((2, 8, 9))), r"w2: got shape \(2, 8, 9\), expected \[E, f, d\] = \[2, 8, 8\]"),
+    (ValueError, dict(w1=jnp.ones((2, 8, 8))),  # ungated weights with the default, gated, activation: w1 is to blame
      r"w1: got shape \(2, 8, 8\), expected \[E, d, 2f\] = \[2, 8, 16\] \(f = 8 from w2 \(2, 8, 8\)\): the gated "
      r"'swiglu' takes the gate and the linear part in w1, 2f columns \(w1 is f wide: for an ungated MLP use one "
      r"of gelu, relu, silu, squared_relu\)"),
-    (dict(activation="relu"),  # gated weights with an ungated activation
+    (ValueError, dict(activation="relu"),  # gated weights with an ungated activation
      r"w1: got shape \(2, 8, 16\), expected \[E, d, f\] = \[2, 8, 8\] \(f = 8 from w2 \(2, 8, 8\)\): 'relu' is not "
      r"gated, so w1 has f columns \(w1 is 2f wide: for a gated MLP use one of swiglu, geglu, reglu, clamped_swiglu\)"),
-    (dict(w2=jnp.ones((2, 6, 8))), r"w1: got shape \(2, 8, 16\), expected \[E, d, 2f\] = \[2, 8, 12\] \(f = 6 from w2"),
-    (dict(w2=jnp.ones((3, 8, 8))), r"w2: got shape \(3, 8, 8\), expected \[E, f, d\] = \[2, 8, 8\] \(E and f from w1"),
-    (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes: got shape \(3,\), expected \[2\]"),
-    (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes: expected an integer dtype"),
-    (dict(group_sizes=[8, 8]), r"group_sizes: expected an integer array \(\[E\] int32, on the device\), got list"),
-    (dict(b1=jnp.ones((2, 8))), r"b1: got shape \(2, 8\), expected \[E, 2f\] = \[2, 16\]"),
-    (dict(b2=jnp.ones((8,))), r"b2: got shape \(8,\), expected \[E, d\] = \[2, 8\]"),
-    (dict(scales=jnp.ones((3,))), r"scales: got shape \(3,\), expected \[M\] = \[16\]"),
-    (dict(w2=jnp.ones((2, 8, 8), jnp.bfloat16)), r"w2: dtype bfloat16 differs from x.dtype float32"),
-    (dict(x=jnp.ones((16, 8), jnp.int32), w1=jnp.ones((2, 8, 16), jnp.int32), w2=jnp.ones((2, 8, 8), jnp.int32)),
+    (ValueError, dict(w2=jnp.ones((2, 6, 8))),
+     r"w1: got shape \(2, 8, 16\), expected \[E, d, 2f\] = \[2, 8, 12\] \(f = 6 from w2"),
+    (ValueError, dict(w2=jnp.ones((3, 8, 8))),
+     r"w2: got shape \(3, 8, 8\), expected \[E, f, d\] = \[2, 8, 8\] \(E and f from w1"),
+    (ValueError, dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes: got shape \(3,\), expected \[2\]"),
+    (TypeError, dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes: expected an integer dtype"),
+    (TypeError, dict(group_sizes=[8, 8]),
+     r"group_sizes: expected an integer array \(\[E\] int32, on the device\), got list"),
+    (ValueError, dict(b1=jnp.ones((2, 8))), r"b1: got shape \(2, 8\), expected \[E, 2f\] = \[2, 16\]"),
+    (ValueError, dict(b2=jnp.ones((8,))), r"b2: got shape \(8,\), expected \[E, d\] = \[2, 8\]"),
+    (ValueError, dict(scales=jnp.ones((3,))), r"scales: got shape \(3,\), expected \[M\] = \[16\]"),
+    (TypeError, dict(w2=jnp.ones((2, 8, 8), jnp.bfloat16)), r"w2: dtype bfloat16 differs from x.dtype float32"),
+    (TypeError, dict(x=jnp.ones((16, 8), jnp.int32), w1=jnp.ones((2, 8, 16), jnp.int32),
+                     w2=jnp.ones((2, 8, 8), jnp.int32)),
      r"x: dtype int32 is not supported"),
-    (dict(activation="swish"), r"activation: unknown name 'swish'"),
+    (ValueError, dict(activation="swish"), r"activation: unknown name 'swish'"),
 ])
-def test_bad_input_names_the_argument(change, match):
+def test_bad_input_names_the_argument(error, change, match):
+  """ValueError for a shape or a name, TypeError for a dtype or a type, as jax.lax.dot and jax.numpy raise."""
   args = dict(x=jnp.ones((16, 8)), w1=jnp.ones((2, 8, 16)), w2=jnp.ones((2, 8, 8)),
               group_sizes=jnp.asarray([8, 8], jnp.int32))
   args.update(change)
   act = args.pop("activation", "swiglu")
-  with pytest.raises((ValueError, TypeError), match=match):
+  with pytest.raises(error, match=match):
     jax.eval_shape(lambda a: jaxmlp.grouped_mlp(**a, activation=act), args)
 
 

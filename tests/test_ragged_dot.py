@@ -132,8 +132,7 @@ def test_jax_ragged_dot_cases_in_every_floating_dtype(rng, m, k, n, num_groups, 
 # (qwix) operands and its own GroupSizes type are tokamax's, not jax.lax's.
 @pytest.mark.parametrize("case", ["simple-bfloat16", "simple-float32", "padded", "zero-groups", "preferred-none",
                                   "preferred-bfloat16", "preferred-float32", "vjp"])
-def test_tokamax_ragged_dot_cases(case):
-  rng = np.random.default_rng(7)
+def test_tokamax_ragged_dot_cases(rng, case):
   dtype = jnp.float32 if case == "simple-float32" else jnp.bfloat16
   a = jnp.asarray(rng.standard_normal((1024, 128)), dtype)
   b = jnp.asarray(rng.standard_normal((8, 128, 256)), dtype)
@@ -165,9 +164,8 @@ def test_tokamax_ragged_dot_cases(case):
     assert not np.asarray(got[count:], np.float32).any()
 
 
-def test_integer_product_as_jax_lax():
+def test_integer_product_as_jax_lax(rng):
   """int8 x int8 -> int32, exactly jax.lax.ragged_dot's."""
-  rng = np.random.default_rng(0)
   lhs = jnp.asarray(rng.integers(-128, 128, (40, 16)), jnp.int8)
   rhs = jnp.asarray(rng.integers(-128, 128, (3, 16, 8)), jnp.int8)
   gs = jnp.asarray([10, 0, 25], jnp.int32)
