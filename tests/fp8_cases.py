@@ -79,8 +79,8 @@ CUDA_TOLERANCE = 5e-2
 # float32's error of a rounding boundary rounds to either neighbour. An e4m3 one moves a whole row of the next
 # product (seed 680181855 of the 16-bit weight gradients' "uneven" case: a[23, 25] within 1e-7 of one, y's row
 # 23 2.5e-3 off; about one seed in a thousand per test): the model at +-NUDGE (numpy_fp8_reference) rounds such
-# elements the other way, and the check takes whichever of the three models agrees. 1e-6 is ten float32
-# roundings; an element as near a boundary that the emulation rounds as the model is rare (none within 1e-5
+# elements the other way, and the check takes whichever of the three models agrees. 1e-6 is 17 float32
+# ulps; an element as near a boundary that the emulation rounds as the model is rare (none within 1e-5
 # in that case's a). What remains is the results' own rounding to the 16-bit dtype, the float32 sums' order
 # deciding an element's neighbour: 2^-8 = 3.9e-3 of that element at most, under CPU_TOLERANCE. Measured over
 # 150 seeds of each recipe, activation and bias setting of the "uneven" case (2,100 calls): at most 1.4e-3
