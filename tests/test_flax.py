@@ -89,9 +89,10 @@ def test_grouped_mlp_matches_reference_and_float64(rng, activation):
   x = jax.random.normal(keys[0], (m, D))
   scales = jax.random.uniform(keys[1], (m,), minval=0.2, maxval=1.0)
   cotangent = jax.random.normal(keys[2], (m, D))
+  seed = int(rng.integers(2**31))  # the same parameters for both
   mlps = {impl: jaxmlp.nnx.GroupedMLP(E, D, F, activation=activation, use_bias=True, bias_init=random_init(0.3),
                                       impl=impl, rngs=nnx.Rngs(seed))
-          for seed in [int(rng.integers(2**31))] for impl in ("jaxmlp", "reference")}
+          for impl in ("jaxmlp", "reference")}
 
   results = {}
   for impl, mlp in mlps.items():
