@@ -2,7 +2,8 @@
 shape: their JAX code (what XLA makes of jaxmlp/fp8/blockwise.py and jaxmlp/fp8/tensorwise.py) and, on a GPU,
 jaxmlp's CUDA kernels (jaxmlp/fp8/cuda.py's custom calls), with the
 bandwidth each reaches (bytes read and written over the time); the CUDA results are checked bit for bit
-against the JAX ones first (the activations' up to act's last bit: the share of equal bits).
+against the JAX ones first (the activations' up to act's last bit, adam's up to XLA's fused multiply-adds:
+the share of equal bits). Also adam's step of the master weights with their quantization (fp8_adam_step).
 
   python benchmarks/fp8_quantizers.py                 # dsv3 (E=32, d=7168, f=2048, M=32768), balanced
   python benchmarks/fp8_quantizers.py --shape 8x512x256x2048
@@ -19,7 +20,7 @@ import numpy as np
 import cases
 import jaxmlp
 from jaxmlp._groups import Groups
-from jaxmlp.fp8 import blockwise, cuda as fp8_cuda, tensorwise
+from jaxmlp.fp8 import adam as fp8_adam, blockwise, cuda as fp8_cuda, tensorwise
 from jaxmlp.fp8.quantize import rounded_first
 
 
@@ -32,6 +33,21 @@ def median_ms(fn, *args, repeats: int = 7) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return 1e3 * sorted(times)[repeats // 2]
+
+
+def donated_ms(fn, *args, repeats: int = 7) -> float:
+  """median_ms of an adam step fn(w, g, mu, nu, scalars) -> (w, mu, nu, ...) that donates w, mu and nu and
+  runs on the last call's (in place, as a training loop's update)."""
+  fn = jax.jit(fn, donate_argnums=(0, 2, 3))
+  w, g, mu, nu, scalars = args
+  state = tuple(jnp.copy(v) for v in (w, mu, nu))
+  times = []
+  for _ in range(repeats + 1):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(state[0], g, state[1], state[2], scalars))
+    times.append(time.perf_counter() - start)
+    state = out[:3]
+  return 1e3 * sorted(times[1:])[repeats // 2]
 
 
 def to_bf16(quantize_weights):
@@ -83,17 +99,27 @@ def main() -> None:
           # one scale for the tensor: a pass for its amax, then one for both e4m3 layouts
           ("tensorwise w1 (bf16)", tensorwise.quantize_weights, to_bf16(fp8_cuda.tensor_weights), (w1,),
            2 * w1.nbytes + 2 * w1.size)]
+  # adam's step of the float32 master weights, then their quantization: optax's operations (fp8_adam_step's
+  # CPU code: XLA's fused update, then the quantizer), or the one CUDA kernel. Read w, g, mu, nu, write w, mu,
+  # nu and both e4m3 layouts.
+  adam_args = (w1_master, w1_master * 1e-3, w1_master * 1e-2, jnp.abs(w1_master) * 1e-4,
+               jnp.array([-1e-4, 0.1, 1e-3], jnp.float32))
+  hyper = fp8_adam.Hyperparameters(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0)
+  adam = (lambda *a: fp8_adam._step(*a, hyper=hyper, dtype=jnp.bfloat16),
+          lambda *a: fp8_cuda.block_adam(*a, hyper=hyper, dtype=jnp.bfloat16))
+  runs.append(("adam + weights w1", *adam, adam_args, 30 * w1.size))
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:
-    line = f"{name:<22}{(t := median_ms(jax_fn, *operands)):>9.3f}{nbytes / t / 1e6:>8.0f}"
+    timed = donated_ms if jax_fn is adam[0] else median_ms
+    line = f"{name:<22}{(t := timed(jax_fn, *operands)):>9.3f}{nbytes / t / 1e6:>8.0f}"
     if gpu:
       # Of the rows-and-columns quantizers, what the products read (the kernels leave the rest unwritten).
       read = (lambda out: blockwise.read_by_products(out, groups)) if len(operands[0].shape) == 2 else (lambda out: out)
       pairs = list(zip(jax.tree.leaves(read(jax.jit(cuda_fn)(*operands))),
                        jax.tree.leaves(read(jax.jit(jax_fn)(*operands)))))
       same = sum(np.sum(bits(g) == bits(w)) for g, w in pairs) / sum(g.size for g, _ in pairs)
-      line += f"{(t := median_ms(cuda_fn, *operands)):>10.3f}{nbytes / t / 1e6:>8.0f}  {same:.4%}"
+      line += f"{(t := timed(cuda_fn, *operands)):>10.3f}{nbytes / t / 1e6:>8.0f}  {same:.4%}"
     print(line, flush=True)
 
 

@@ -11,13 +11,19 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
            mixed-precision optimizer does: XLA fuses the rounding into adam's pass)
   RECIPE   the loss quantizes the master weights (jaxmlp.fp8_weights(w, recipe, bf16), inside the
            differentiated function): the quantizer's pass over the weights in every step
+  blockwise_adam  the blockwise recipe with the weights' FP8 copy written by the last step's update
+           (jaxmlp.fp8_adam_step, in adam's pass: no quantizer's pass in the step); its state is donated, so
+           the update writes in place, as a training loop's would
 
 RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all six products in FP8
-(when="always"). Speedups over bf16; medians of --rounds rounds in a shuffled order (timing.measure_alternating).
+(when="always"). blockwise_adam's calls carry the state its last step returned; the others run from the first
+state each time (one copy of the weights and moments for all of them: dsv3's fit). Speedups over bf16;
+medians of --rounds rounds in a shuffled order (timing.measure_alternating).
 
   python benchmarks/fp8_train_step.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 5
 """
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,12 +32,14 @@ import fp8_in_turn
 import jax_impls
 
 RECIPES = ("tensorwise", "blockwise", "blockwise_wgrad16")
-VARIANTS = ("bf16",) + RECIPES
+VARIANTS = ("bf16",) + RECIPES + ("blockwise_adam",)
 LEARNING_RATE = 1e-4
 
 
 def _recipe(name: str):
   import jaxmlp
+  if name == "blockwise_adam":
+    name = "blockwise"
   if name == "blockwise_wgrad16":
     return jaxmlp.Fp8Recipe("blockwise", when="always", fp8_weight_gradients=False)
   return jaxmlp.Fp8Recipe(name, when="always")
@@ -44,7 +52,7 @@ def optimizer():
 
 def first_state(w1, w2):
   """The float32 master weights {"w1", "w2"} of make_inputs' weights, and their adam state: shared by every
-  variant (no step writes into its inputs), so that dsv3's fit beside each other."""
+  variant but blockwise_adam (no other step writes into its inputs), so that dsv3's fit beside each other."""
   import jax.numpy as jnp
   masters = {"w1": w1.astype(jnp.float32), "w2": w2.astype(jnp.float32)}
   return masters, optimizer().init(masters)
@@ -52,7 +60,7 @@ def first_state(w1, w2):
 
 def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   """(jitted step(state) -> (next state, (y, dx)), the first state) of `variant`, from make_inputs' x, dy and
-  first_state."""
+  first_state (blockwise_adam: a copy of it, which its step donates)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -71,6 +79,20 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
     return jax.jit(step), (masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()})
 
   recipe = _recipe(variant)
+  if variant == "blockwise_adam":
+    def step(state):
+      w, opt, fp8 = state
+      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, dataclasses.replace(fp8["w1"], weights=a),
+                                                          dataclasses.replace(fp8["w2"], weights=b), gs, fp8=recipe),
+                       x, w["w1"], w["w2"])
+      dx, *g = vjp(dy)
+      new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16)
+             for k, gk in zip(("w1", "w2"), g)}
+      return tuple({k: v[i] for k, v in new.items()} for i in range(3)), (y, dx)
+    adam = opt_state[0]  # optax.adam's state: (ScaleByAdamState over the dict, EmptyState)
+    per_weight = {k: adam._replace(mu=adam.mu[k], nu=adam.nu[k]) for k in masters}
+    fp8 = {k: jaxmlp.fp8_weights(v, recipe, jnp.bfloat16) for k, v in masters.items()}
+    return jax.jit(step, donate_argnums=0), jax.tree.map(jnp.copy, (masters, per_weight, fp8))
 
   def step(state):
     w, opt = state
@@ -81,6 +103,17 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
     updates, opt = tx.update(dict(zip(("w1", "w2"), g)), opt, w)
     return (optax.apply_updates(w, updates), opt), (y, dx)
   return jax.jit(step), (masters, opt_state)
+
+
+def carried(step, state):
+  """measure_alternating's call(i) of a step that donates its state: each call runs on the state the last one
+  returned, and returns (y, dx), which are ready when the step's whole program has run."""
+  box = [state]
+
+  def call(i):
+    box[0], outputs = step(box[0])
+    return outputs
+  return call
 
 
 def main():
@@ -104,8 +137,8 @@ def main():
     del w1, w2
     gs = jnp.asarray(cases.group_sizes(a.routing, s.E, s.M))
     steps = {v: step_and_state(v, x, masters, opt_state, dy, gs) for v in variants}
-    fp8_in_turn.measure_shape(results, shape, {v: (lambda i, st=st: st[0](st[1])) for v, st in steps.items()},
-                              a.rounds)
+    calls = {v: carried(*st) if v == "blockwise_adam" else (lambda i, st=st: st[0](st[1])) for v, st in steps.items()}
+    fp8_in_turn.measure_shape(results, shape, calls, a.rounds)
     del steps, masters, opt_state
   fp8_in_turn.report(results, variants, a, "fwd+bwd + adam", "fp8_train_step.json")
 

@@ -116,6 +116,22 @@ def block_weights(w, dtype):
   return q, e, qt
 
 
+def block_adam(w, g, mu, nu, scalars, hyper, dtype):
+  """jaxmlp.fp8.adam's step on the GPU, one kernel: (new w, mu, nu, and the new weights' q, exponents, qt
+  as block_weights). The new w, mu and nu take the input's buffers (aliases: in place where the caller
+  donates them, else XLA copies the inputs first)."""
+  _module_or_raise()
+  E, K, N = w.shape
+  outs = [((E, K, N), jnp.float32)] * 3 + [((E, K, N), E4M3), ((E, N, K), E4M3),
+                                          ((E, -(-K // 128), -(-N // 128)), jnp.int32)]
+  w, mu, nu, q, qt, e = _library.call(
+      "jaxmlp_fp8_block_adam", outs, w, g, mu, nu, scalars, input_output_aliases={0: 0, 2: 1, 3: 2},
+      b1=np.float32(hyper.b1), b2=np.float32(hyper.b2), one_minus_b1=np.float32(1 - hyper.b1),
+      one_minus_b2=np.float32(1 - hyper.b2), eps=np.float32(hyper.eps), eps_root=np.float32(hyper.eps_root),
+      weight_decay=np.float32(hyper.weight_decay), dtype=np.int32(_library.dtype_code(dtype)))
+  return w, mu, nu, q, e, qt
+
+
 def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtype, zero_padding: bool = True):
   """A product on FP8 tensor cores with cuBLASLt's block scaling (the operands' layouts: ffi/cuda/fp8/):
   "nt" out [M, K] = lhs @ rhs[g].T per group of rows (the rows past the groups zeros with zero_padding,

@@ -7,6 +7,8 @@
 //            and values (optional): a or dh in h's dtype
 //   weights  w [E, K, N] (float32 master weights too), rounded to the attribute dtype -> q [E, K, N],
 //            qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
+//   adam     w, g, mu, nu [E, K, N] float32, hyper [3] float32 -> w, mu, nu (the new ones, in place where XLA
+//            aliases them to the inputs), and the weights' q, qt, e as above (jaxmlp/fp8/adam.py)
 #include <cuda_runtime.h>
 
 #include "codes.h"
@@ -115,24 +117,64 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
                                           DataIfPresent(scales), f, Pointers(o));
 }
 
-// dtype: the computation dtype (ffi/codes.h DType: bfloat16 or float16) that w is rounded to first.
+// The computation dtype (ffi/codes.h DType: bfloat16 or float16) that the weights are rounded to first.
+Error RoundedType(int32_t dtype, DataType* rounded) {
+  if (dtype != int32_t(DType::kBfloat16) && dtype != int32_t(DType::kFloat16))
+    return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16 (dtype)");
+  *rounded = dtype == int32_t(DType::kBfloat16) ? DataType::BF16 : DataType::F16;
+  return Error::Success();
+}
+
+// The 128 x 128 quantization of weights [E, K, N]: q [E, K, N], qt [E, N, K] e4m3, e int32, and a grid of
+// their tiles that fits.
+Error CheckWeightOutputs(int64_t E, int64_t K, int64_t N, const AnyBuffer& q, const AnyBuffer& qt, const AnyBuffer& e) {
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", q, {E, K, N}));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", qt, {E, N, K}));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
+  if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
+  return Error::Success();
+}
+
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
                       Result<AnyBuffer> e, int32_t dtype) {
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
-  if (dtype != int32_t(DType::kBfloat16) && dtype != int32_t(DType::kFloat16))
-    return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16 (dtype)");
-  const DataType rounded = dtype == int32_t(DType::kBfloat16) ? DataType::BF16 : DataType::F16;
+  DataType rounded;
+  JAXMLP_RETURN_IF_ERROR(RoundedType(dtype, &rounded));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", *q, {E, K, N}));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", *qt, {E, N, K}));
-  JAXMLP_RETURN_IF_ERROR(
-      CheckShapeAndType("e", *e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
-  if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
+  JAXMLP_RETURN_IF_ERROR(CheckWeightOutputs(E, K, N, *q, *qt, *e));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
   return QuantizeWeightBlocks(stream, w.element_type(), rounded, w.untyped_data(), E, K, N,
                               static_cast<uint8_t*>(q->untyped_data()), static_cast<uint8_t*>(qt->untyped_data()),
                               static_cast<int32_t*>(e->untyped_data()));
+}
+
+// The adam step's float32 operands and results w, g, mu, nu [E, K, N] (results: new w, mu, nu), hyper [3],
+// and the quantization of the new weights. w, mu and nu's results are not poisoned: XLA aliases them to the
+// inputs (jaxmlp/fp8/cuda.py), and every element is written.
+Error Fp8BlockAdam(cudaStream_t stream, AnyBuffer w, AnyBuffer g, AnyBuffer mu, AnyBuffer nu, AnyBuffer hyper,
+                   Result<AnyBuffer> w_out, Result<AnyBuffer> mu_out, Result<AnyBuffer> nu_out, Result<AnyBuffer> q,
+                   Result<AnyBuffer> qt, Result<AnyBuffer> e, float b1, float b2, float one_minus_b1,
+                   float one_minus_b2, float eps, float eps_root, float weight_decay, int32_t dtype) {
+  ++handler_host_calls;
+  JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
+  const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
+  const char* names[] = {"w", "g", "mu", "nu", "new w", "new mu", "new nu"};
+  const AnyBuffer* buffers[] = {&w, &g, &mu, &nu, &*w_out, &*mu_out, &*nu_out};
+  for (int i = 0; i < 7; ++i)
+    JAXMLP_RETURN_IF_ERROR(CheckShapeAndType(names[i], *buffers[i], {E, K, N}, DataType::F32, "float32 [E, K, N]"));
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("hyper", hyper, {3}, DataType::F32, "float32 [3]"));
+  DataType rounded;
+  JAXMLP_RETURN_IF_ERROR(RoundedType(dtype, &rounded));
+  JAXMLP_RETURN_IF_ERROR(CheckWeightOutputs(E, K, N, *q, *qt, *e));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
+  const auto in = [](const AnyBuffer& b) { return static_cast<const float*>(b.untyped_data()); };
+  const auto out = [](AnyBuffer& b) { return static_cast<float*>(b.untyped_data()); };
+  const AdamStep s{in(w),       in(g),        in(mu),       in(nu),       out(*w_out), out(*mu_out), out(*nu_out),
+                   in(hyper),   b1,           b2,           one_minus_b1, one_minus_b2, eps, eps_root,
+                   weight_decay};
+  return AdamWeightBlocks(stream, rounded, s, E, K, N, static_cast<uint8_t*>(q->untyped_data()),
+                          static_cast<uint8_t*>(qt->untyped_data()), static_cast<int32_t*>(e->untyped_data()));
 }
 
 }  // namespace
@@ -170,5 +212,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
                                   .Ret<xla::ffi::AnyBuffer>()   // q
                                   .Ret<xla::ffi::AnyBuffer>()   // qt
                                   .Ret<xla::ffi::AnyBuffer>()   // e
+                                  .Attr<int32_t>("dtype"),
+                              jaxmlp::kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockAdam, jaxmlp::Fp8BlockAdam,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // w
+                                  .Arg<xla::ffi::AnyBuffer>()  // g
+                                  .Arg<xla::ffi::AnyBuffer>()  // mu
+                                  .Arg<xla::ffi::AnyBuffer>()  // nu
+                                  .Arg<xla::ffi::AnyBuffer>()  // hyper
+                                  .Ret<xla::ffi::AnyBuffer>()  // new w
+                                  .Ret<xla::ffi::AnyBuffer>()  // new mu
+                                  .Ret<xla::ffi::AnyBuffer>()  // new nu
+                                  .Ret<xla::ffi::AnyBuffer>()  // q
+                                  .Ret<xla::ffi::AnyBuffer>()  // qt
+                                  .Ret<xla::ffi::AnyBuffer>()  // e
+                                  .Attr<float>("b1")
+                                  .Attr<float>("b2")
+                                  .Attr<float>("one_minus_b1")
+                                  .Attr<float>("one_minus_b2")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("eps_root")
+                                  .Attr<float>("weight_decay")
                                   .Attr<int32_t>("dtype"),
                               jaxmlp::kGraphSafe);

@@ -51,9 +51,7 @@ __device__ __forceinline__ float RoundedTo(T v) {
   else return Conv<R>::To(Conv<R>::From(Conv<T>::To(v)));
 }
 
-// Two floats rounded to R (to nearest even) by one packed conversion into one register, and back: how
-// WeightBlocksKernel holds a wider tile, in fewer registers than as 16-bit vectors (a block more an SM:
-// docs/performance.md, "Kernel measurements").
+// Two floats rounded to R (to nearest even) by one packed conversion into one register, and back.
 template <typename R>
 struct RoundedPair;
 template <>
@@ -69,77 +67,154 @@ struct RoundedPair<__half> {
   static __device__ __forceinline__ float2 To(Type p) { return __half22float2(p); }
 };
 
-// A block per 128 x 128 tile of one expert: its maximum, then its quantized values as they lie (q) and,
-// through shared memory, transposed (qt). Eight elements a thread and access (K and N are multiples of 16).
-// w of type T (float32 master weights too) is rounded to the computation dtype R on the way in: the
-// quantization of w.astype(R), with no copy of it. A 16-bit w is read twice (the second time from L2):
-// that keeps a thread's registers few (8 blocks an SM), and holding it in registers instead, as floats or
-// as 16-bit vectors, cost occupancy and was slower. A wider w is held in registers, rounded to R in pairs
-// (kHold): its second read missed L2 (docs/performance.md, "Kernel measurements").
-template <typename T, typename R>
-__global__ void __launch_bounds__(256) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
-                                                          int32_t* e) {
-  constexpr int kRowsPerPass = 16, kPasses = kScaleBlock / kRowsPerPass;
-  constexpr bool kHold = sizeof(T) > sizeof(R);
-  __shared__ uint8_t tile[kScaleBlock][kScaleBlock + 4];
-  __shared__ float warp_max[8];
-  const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
-  const int64_t k0 = kb * kScaleBlock, n0 = nb * kScaleBlock;
-  const T* src = w + g * K * N;
-  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;  // 16 threads a row, 16 rows a pass
-  const bool in_columns = n0 + j < N;
-  typename RoundedPair<R>::Type held[kHold ? kPasses : 1][4];
-  float amax = 0.0f;
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int i = first_row + p * kRowsPerPass;
-    if (k0 + i >= K || !in_columns) continue;
-    const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
+// A thread's part of a 128 x 128 tile of one expert's weights [K, N] (the grid: 128-column blocks, 128-row
+// blocks, experts): eight consecutive columns j .. j + 7 of the rows first_row + 16 p, p < kPasses. K and N
+// are multiples of 16: a thread's eight columns all lie in the tensor or all past it.
+struct WeightTile {
+  static constexpr int kRowsPerPass = 16, kPasses = kScaleBlock / kRowsPerPass;
+  int64_t K, N, first;  // first: the index of the thread's first element in [E, K, N]
+  int j, first_row;
+  __device__ WeightTile(int64_t K, int64_t N)
+      : K(K), N(N), j(threadIdx.x % 16 * 8), first_row(threadIdx.x / 16) {
+    first = ((blockIdx.z * K + k0() + first_row) * N + n0() + j);
+  }
+  __device__ int64_t k0() const { return int64_t(blockIdx.y) * kScaleBlock; }
+  __device__ int64_t n0() const { return int64_t(blockIdx.x) * kScaleBlock; }
+  __device__ int Row(int p) const { return first_row + p * kRowsPerPass; }
+  __device__ bool Holds(int p) const { return k0() + Row(p) < K && n0() + j < N; }
+  // The index of pass p's first element.
+  __device__ int64_t Offset(int p) const { return first + int64_t(p) * kRowsPerPass * N; }
+};
+
+// A thread's tile values rounded to R, held in registers as pairs of one packed rounding each: fewer
+// registers than as 16-bit vectors or floats (a block more an SM: docs/performance.md, "Kernel
+// measurements"). Hold returns the largest magnitude of the rounded values.
+template <typename R>
+struct HeldTile {
+  typename RoundedPair<R>::Type pairs[WeightTile::kPasses][4];
+  __device__ float Hold(int p, const float (&v)[8]) {
+    float amax = 0.0f;
 #pragma unroll
     for (int u = 0; u < 8; u += 2) {
-      if constexpr (kHold) {  // held as R, rounded once
-        held[p][u / 2] = RoundedPair<R>::From(Conv<T>::To(x.v[u]), Conv<T>::To(x.v[u + 1]));
-        const float2 v = RoundedPair<R>::To(held[p][u / 2]);
-        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
-      } else {
-        amax = fmaxf(amax, fmaxf(fabsf(RoundedTo<R>(x.v[u])), fabsf(RoundedTo<R>(x.v[u + 1]))));
-      }
+      pairs[p][u / 2] = RoundedPair<R>::From(v[u], v[u + 1]);
+      const float2 r = RoundedPair<R>::To(pairs[p][u / 2]);
+      amax = fmaxf(amax, fmaxf(fabsf(r.x), fabsf(r.y)));
+    }
+    return amax;
+  }
+  __device__ void operator()(int p, float (&v)[8]) const {
+#pragma unroll
+    for (int u = 0; u < 8; u += 2) {
+      const float2 r = RoundedPair<R>::To(pairs[p][u / 2]);
+      v[u] = r.x, v[u + 1] = r.y;
     }
   }
+};
+
+// The tile's quantization, once each thread has the largest magnitude of its values (amax) and
+// values(p, v) gives pass p's eight values (rounded to the computation dtype): the block's maximum, its
+// exponent (e), its quantized values as they lie (q) and, through shared memory, transposed (qt).
+template <typename Values>
+__device__ __forceinline__ void QuantizeWeightTile(const WeightTile& t, float amax, const Values& values, uint8_t* q,
+                                                   uint8_t* qt, int32_t* e) {
+  __shared__ uint8_t tile[kScaleBlock][kScaleBlock + 4];
+  __shared__ float warp_max[8];
   amax = WarpMax(amax);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
   __syncthreads();
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
   const int exp = Exponent(amax);
   const Unscale unscale(exp);
-  if (threadIdx.x == 0) e[(g * gridDim.y + kb) * gridDim.x + nb] = exp;
+  if (threadIdx.x == 0) e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = exp;
 #pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int i = first_row + p * kRowsPerPass;
-    if (k0 + i >= K || !in_columns) continue;
+  for (int p = 0; p < WeightTile::kPasses; ++p) {
+    if (!t.Holds(p)) continue;
     float v[8];
-    if constexpr (kHold) {
-      for (int u = 0; u < 8; u += 2) {
-        const float2 pair = RoundedPair<R>::To(held[p][u / 2]);
-        v[u] = pair.x, v[u + 1] = pair.y;
-      }
-    } else {
-      const Vec<T, 8> x = Load<T, 8>(src + (k0 + i) * N + n0 + j);
-      for (int u = 0; u < 8; ++u) v[u] = RoundedTo<R>(x.v[u]);
-    }
+    values(p, v);
     uint64_t packed = 0;
     for (int u = 0; u < 8; u += 2) packed |= uint64_t(Quantize2(v[u], v[u + 1], unscale)) << (8 * u);
-    for (int u = 0; u < 8; ++u) tile[i][j + u] = uint8_t(packed >> (8 * u));
-    *reinterpret_cast<uint64_t*>(q + g * K * N + (k0 + i) * N + n0 + j) = packed;
+    for (int u = 0; u < 8; ++u) tile[t.Row(p)][t.j + u] = uint8_t(packed >> (8 * u));
+    *reinterpret_cast<uint64_t*>(q + t.Offset(p)) = packed;
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < kScaleBlock * 16; idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
     const int n = idx / 16, i = idx % 16 * 8;
-    if (n0 + n >= N || k0 + i >= K) continue;
+    if (t.n0() + n >= t.N || t.k0() + i >= t.K) continue;
     uint64_t packed = 0;
     for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
-    *reinterpret_cast<uint64_t*>(qt + g * K * N + (n0 + n) * K + k0 + i) = packed;
+    *reinterpret_cast<uint64_t*>(qt + (blockIdx.z * t.N + t.n0() + n) * t.K + t.k0() + i) = packed;
   }
+}
+
+// A block per 128 x 128 tile of one expert: QuantizeWeightTile of w of type T (float32 master weights too)
+// rounded to the computation dtype R on the way in: the quantization of w.astype(R), with no copy of it.
+// A 16-bit w is read twice (the second time from L2): that keeps a thread's registers few (42: six blocks
+// an SM), and holding it in registers instead, as floats or as 16-bit vectors, cost occupancy and was
+// slower. A wider w is held in registers (HeldTile): its second read missed L2 (docs/performance.md,
+// "Kernel measurements"). Three blocks an SM at least: ptxas fits the held tile in 80 registers (84, two
+// blocks, unbounded), as it does AdamWeightBlocksKernel's.
+template <typename T, typename R>
+__global__ void __launch_bounds__(256, 3) WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt,
+                                                          int32_t* e) {
+  constexpr bool kHold = sizeof(T) > sizeof(R);
+  const WeightTile t(K, N);
+  HeldTile<R> held;
+  float amax = 0.0f;
+#pragma unroll
+  for (int p = 0; p < WeightTile::kPasses; ++p) {
+    if (!t.Holds(p)) continue;
+    const Vec<T, 8> x = Load<T, 8>(w + t.Offset(p));
+    if constexpr (kHold) {  // held as R, rounded once
+      float v[8];
+      for (int u = 0; u < 8; ++u) v[u] = Conv<T>::To(x.v[u]);
+      amax = fmaxf(amax, held.Hold(p, v));
+    } else {
+      for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(RoundedTo<R>(x.v[u])));
+    }
+  }
+  if constexpr (kHold) {
+    QuantizeWeightTile(t, amax, held, q, qt, e);
+  } else {
+    QuantizeWeightTile(t, amax, [&](int p, float (&v)[8]) {
+      const Vec<T, 8> x = Load<T, 8>(w + t.Offset(p));
+      for (int u = 0; u < 8; ++u) v[u] = RoundedTo<R>(x.v[u]);
+    }, q, qt, e);
+  }
+}
+
+// optax.adam's (adamw's with a weight decay) update of one float32 weight, in its operations' order, each
+// rounded once: no fused multiply-adds, so that the result is that of the operations and not of which of
+// them a compiler fuses (XLA's CPU and GPU code fuses some: a difference in the last bit). The moments,
+// their bias corrections, the step, the weight.
+__device__ __forceinline__ void AdamUpdate(const AdamStep& s, float neg_lr, float c1, float c2, float g, float& w,
+                                           float& mu, float& nu) {
+  mu = __fadd_rn(__fmul_rn(s.one_minus_b1, g), __fmul_rn(s.b1, mu));
+  nu = __fadd_rn(__fmul_rn(s.one_minus_b2, __fmul_rn(g, g)), __fmul_rn(s.b2, nu));
+  float u = __fdiv_rn(__fdiv_rn(mu, c1), __fadd_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(nu, c2), s.eps_root)), s.eps));
+  if (s.weight_decay != 0.0f) u = __fadd_rn(u, __fmul_rn(s.weight_decay, w));  // optax skips a zero decay
+  w = __fadd_rn(w, __fmul_rn(u, neg_lr));
+}
+
+// A block per 128 x 128 tile of one expert: the adam step of its weights (w, mu and nu written back, read
+// once), then QuantizeWeightTile of the new weights rounded to R, held in registers.
+template <typename R>
+__global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, int64_t K, int64_t N, uint8_t* q,
+                                                              uint8_t* qt, int32_t* e) {
+  const WeightTile t(K, N);
+  const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
+  HeldTile<R> held;
+  float amax = 0.0f;
+#pragma unroll
+  for (int p = 0; p < WeightTile::kPasses; ++p) {
+    if (!t.Holds(p)) continue;
+    const int64_t o = t.Offset(p);
+    Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
+    const Vec<float, 8> g = Load<float, 8>(s.g + o);
+    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, g.v[u], w.v[u], mu.v[u], nu.v[u]);
+    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+    amax = fmaxf(amax, held.Hold(p, w.v));
+  }
+  QuantizeWeightTile(t, amax, held, q, qt, e);
 }
 
 // What RowsAndColumnsKernel quantizes, read eight consecutive elements of a row at a time into its tile of
@@ -329,6 +404,11 @@ ffi::Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Sourc
   return CheckCuda(cudaGetLastError(), "launching the rows-and-columns quantizer");
 }
 
+// The grid of a kernel over the 128 x 128 tiles of [E, K, N] (the handlers check that it fits).
+dim3 WeightTiles(int64_t E, int64_t K, int64_t N) {
+  return dim3(unsigned(ScaleBlocks(N)), unsigned(ScaleBlocks(K)), unsigned(E));
+}
+
 }  // namespace
 
 ffi::Error QuantizeRowsAndColumns(cudaStream_t stream, int device, ffi::DataType t, const void* v,
@@ -359,15 +439,23 @@ ffi::Error QuantizeActivationRowsAndColumns(cudaStream_t stream, int device, ffi
 ffi::Error QuantizeWeightBlocks(cudaStream_t stream, ffi::DataType t, ffi::DataType r, const void* w, int64_t E,
                                 int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
   if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
-  const dim3 grid(unsigned(ScaleBlocks(N)), unsigned(ScaleBlocks(K)), unsigned(E));
   ByType(t, [&](auto tag) {
     using T = decltype(tag);
     By16BitType(r, [&](auto rounded) {
       using R = decltype(rounded);
-      WeightBlocksKernel<T, R><<<grid, 256, 0, stream>>>(static_cast<const T*>(w), K, N, q, qt, e);
+      WeightBlocksKernel<T, R><<<WeightTiles(E, K, N), 256, 0, stream>>>(static_cast<const T*>(w), K, N, q, qt, e);
     });
   });
   return CheckCuda(cudaGetLastError(), "launching the 128x128 quantizer");
+}
+
+ffi::Error AdamWeightBlocks(cudaStream_t stream, ffi::DataType r, const AdamStep& s, int64_t E, int64_t K, int64_t N,
+                            uint8_t* q, uint8_t* qt, int32_t* e) {
+  if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
+  By16BitType(r, [&](auto rounded) {
+    AdamWeightBlocksKernel<decltype(rounded)><<<WeightTiles(E, K, N), 256, 0, stream>>>(s, K, N, q, qt, e);
+  });
+  return CheckCuda(cudaGetLastError(), "launching the adam step's 128x128 quantizer");
 }
 
 }  // namespace jaxmlp

@@ -1,0 +1,133 @@
+"""jaxmlp.fp8_adam_step: optax's adam (or adamw) step of float32 master expert weights that also quantizes the
+new weights for the blockwise recipe, for the next step's calls, in the same pass over the weights.
+
+An FP8 call needs its weights in e4m3 (jaxmlp.fp8_weights): a pass that reads the float32 master weights and
+writes two e4m3 layouts, once per step even with the weights quantized once for all micro-batches. The
+optimizer's update already reads and writes every weight; on a GPU this step writes the e4m3 layouts of the
+new weights in that pass (one CUDA kernel: a 128 x 128 tile is updated, held in registers, and quantized with
+its own scale), so the quantizer's read of the weights is gone. Only the blockwise recipe can: tensorwise's
+one scale per tensor needs the whole tensor's maximum before the first value is quantized.
+
+Semantics, per element, in float32 with each operation rounded once as optax computes it (t = count + 1,
+saturating at the count's maximum as optax.safe_increment):
+
+    mu' = (1 - b1) g + b1 mu            nu' = (1 - b2) g^2 + b2 nu
+    u   = (mu' / (1 - b1^t)) / (sqrt(nu' / (1 - b2^t) + eps_root) + eps)  [+ weight_decay w]
+    w'  = w + u (-learning_rate)
+    quantized: jaxmlp.fp8_weights(w', "blockwise", dtype)
+
+which is optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root) (with weight_decay, optax.adamw without a
+mask) applied to w. On the CPU this module's JAX code computes it, as optax does; on a GPU the kernel
+(ffi/cuda/fp8/fp8_block_quantize_kernels.cu, AdamWeightBlocksKernel) rounds the same operations in the same
+order (no fused multiply-adds).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._library import on_platforms
+from . import blockwise, cuda
+from .recipe import Fp8Weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+  """adam's constants (the learning rate and the step count travel as arrays: schedules trace them)."""
+  b1: float
+  b2: float
+  eps: float
+  eps_root: float
+  weight_decay: float
+
+
+def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  eps_root: float = 0.0, weight_decay: float = 0.0, dtype=jnp.bfloat16):
+  """One adam step of float32 master expert weights, and the new weights quantized for the blockwise FP8
+  recipe: (new w, new state, jaxmlp.Fp8Weights of the new w).
+
+  The step of optax.adam (with weight_decay > 0, of optax.adamw) on w; the Fp8Weights equal
+  jaxmlp.fp8_weights(new w, "blockwise", dtype), written on a GPU in the same pass over the weights as the
+  update (module docstring). Pass them to the next step's grouped_mlp calls in place of w, with their
+  `weights` field the master weights being differentiated (dataclasses.replace(w_fp8, weights=w)), so
+  that the step quantizes nothing: see docs/fp8.md, "Weights written by the optimizer".
+
+  Args:
+    w: [E, K, N] float32 master weights (w1 [E, d, F1] or w2 [E, f, d]); K and N multiples of 16.
+    g: w's gradient, float32 [E, K, N].
+    state: adam's state of w, a NamedTuple with `count` (int32 scalar), `mu` and `nu` (float32 like w):
+      optax.ScaleByAdamState (optax.scale_by_adam().init(w)) or any with those fields; returned with them
+      replaced (`_replace`).
+    learning_rate: a scalar (a traced one too: a schedule's value at this step).
+    b1, b2, eps, eps_root, weight_decay: adam's constants, as optax.adam / optax.adamw take them.
+    dtype: the computation dtype of the calls (x's: bfloat16 or float16) that the new weights are rounded to
+      before they are quantized, as fp8_weights' dtype.
+  """
+  hyper = _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtype)
+  mu, nu, count = state.mu, state.nu, state.count
+  # optax.safe_increment, then optax's bias corrections and its scaling by the negative learning rate,
+  # computed as optax computes them: the same values on the CPU and for the GPU's kernel.
+  count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
+  scalars = jnp.stack([-1 * jnp.asarray(learning_rate, jnp.float32), 1 - b1 ** count, 1 - b2 ** count])
+  step = functools.partial(_step_on_platforms, hyper=hyper, dtype=jnp.dtype(dtype))
+  w, mu, nu, q, e, qt = step(w, g, mu, nu, scalars.astype(jnp.float32))
+  return w, state._replace(count=count, mu=mu, nu=nu), Fp8Weights(w, q, e, qt, recipe="blockwise")
+
+
+def _step_on_platforms(w, g, mu, nu, scalars, hyper: Hyperparameters, dtype):
+  return on_platforms(w, g, mu, nu, scalars, cpu=functools.partial(_step, hyper=hyper, dtype=dtype),
+                      cuda=functools.partial(cuda.block_adam, hyper=hyper, dtype=dtype))
+
+
+def _step(w, g, mu, nu, scalars, hyper: Hyperparameters, dtype):
+  """The step in JAX operations, in optax's order (scale_by_adam, add_decayed_weights, scale_by_learning_rate,
+  apply_updates); scalars: [-learning rate, 1 - b1^t, 1 - b2^t]."""
+  neg_lr, c1, c2 = scalars[0], scalars[1], scalars[2]
+  mu = (1 - hyper.b1) * g + hyper.b1 * mu
+  nu = (1 - hyper.b2) * (g * g) + hyper.b2 * nu
+  u = (mu / c1) / (jnp.sqrt(nu / c2 + hyper.eps_root) + hyper.eps)
+  if hyper.weight_decay != 0.0:  # optax adds nothing for a zero decay
+    u = u + hyper.weight_decay * w
+  w = w + u * neg_lr
+  q, e, qt = blockwise.quantize_weights(w.astype(dtype))
+  return w, mu, nu, q, e, qt
+
+
+def _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtype) -> Hyperparameters:
+  """Trace-time checks, with the argument's name in the error: ValueError for shapes and values, TypeError
+  for dtypes and types (as grouped_mlp)."""
+  shape = np.shape(w)
+  if len(shape) != 3 or shape[1] % 16 or shape[2] % 16:
+    raise ValueError(f"fp8_adam_step: w has shape {list(shape)}, expected [E, K, N] with K and N multiples of 16")
+  for field in ("count", "mu", "nu"):
+    if not hasattr(state, field):
+      raise TypeError(f"fp8_adam_step: state has no field {field!r}; expected adam's state (count, mu, nu), "
+                      "e.g. optax.scale_by_adam().init(w)")
+  if not hasattr(state, "_replace"):
+    raise TypeError("fp8_adam_step: state must be a NamedTuple (count, mu, nu), e.g. optax.ScaleByAdamState")
+  for name, v in (("w", w), ("g", g), ("state.mu", state.mu), ("state.nu", state.nu)):
+    if np.shape(v) != shape:
+      raise ValueError(f"fp8_adam_step: {name} has shape {list(np.shape(v))}, expected w's {list(shape)}")
+    if jnp.result_type(v) != jnp.float32:
+      raise TypeError(f"fp8_adam_step: {name}.dtype is {jnp.result_type(v)}, expected float32 (master weights and "
+                      "their gradient and moments)")
+  if np.shape(state.count) != () or not jnp.issubdtype(jnp.result_type(state.count), jnp.integer):
+    raise TypeError(f"fp8_adam_step: state.count must be an integer scalar, got {jnp.result_type(state.count)} "
+                    f"{list(np.shape(state.count))}")
+  if np.shape(learning_rate) != ():
+    raise ValueError(f"fp8_adam_step: learning_rate must be a scalar, got shape {list(np.shape(learning_rate))}")
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"fp8_adam_step: dtype {jnp.dtype(dtype)} is not supported; FP8 weights are quantized from "
+                    "bfloat16 or float16")
+  constants = dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+  for name, value in constants.items():
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+      raise TypeError(f"fp8_adam_step: {name} must be a Python float (a constant of the step), got "
+                      f"{type(value).__name__}")
+  for name in ("b1", "b2"):
+    if not 0.0 <= constants[name] < 1.0:
+      raise ValueError(f"fp8_adam_step: {name} = {constants[name]} must lie in [0, 1)")
+  return Hyperparameters(**{name: float(value) for name, value in constants.items()})

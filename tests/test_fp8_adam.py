@@ -1,0 +1,195 @@
+"""jaxmlp.fp8_adam_step: optax's adam (adamw) step of float32 master weights, and the new weights quantized for
+the blockwise recipe: against adam in float32 NumPy (each operation rounded once), optax itself, and the
+recipe's 128 x 128 quantization in NumPy."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmlp
+import numpy_fp8_reference as fp8_ref
+from fp8_cases import DTYPES, platform  # noqa: F401  (the fixture)
+
+# (E, K, N): whole tiles, and tiles cut short by K and N (multiples of 16, not of 128).
+SHAPES = {"whole": (2, 256, 128), "cut": (3, 144, 272)}
+HYPER = {"adam": dict(learning_rate=1e-3),
+         "adamw": dict(learning_rate=3e-4, b1=0.8, b2=0.95, eps=1e-6, eps_root=1e-12, weight_decay=0.1)}
+
+
+def numpy_adam(w, g, mu, nu, t, learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0):
+  """optax.adam's (adamw's) step in float32 NumPy, each operation rounded once, the bias corrections as optax
+  computes them, 1 - b^t of b^t in float32 (here its correct rounding): (w, mu, nu), and for each the
+  magnitude of the terms it sums, to which an implementation's roundings are relative. An implementation
+  may fuse a multiply and an add (XLA's CPU and GPU code do) and round b^t otherwise (XLA's power), which
+  1 - b^t magnifies b^t / (1 - b^t) times (the square root halves b2's): the step's magnitude counts that."""
+  f = np.float32
+  terms_mu, terms_nu = np.abs(f(1 - b1) * g) + np.abs(f(b1) * mu), np.abs(f(1 - b2) * (g * g)) + np.abs(f(b2) * nu)
+  powers = [f(np.float64(f(b)) ** t) for b in (b1, b2)]
+  c1, c2 = (f(1) - p for p in powers)
+  mu = f(1 - b1) * g + f(b1) * mu
+  nu = f(1 - b2) * (g * g) + f(b2) * nu
+  denominator = np.sqrt(nu / c2 + f(eps_root)) + f(eps)
+  u, terms_u = (mu / c1) / denominator, (terms_mu / c1) / denominator  # u's error: relative to mu's terms
+  if weight_decay:
+    u, terms_u = u + f(weight_decay) * w, terms_u + np.abs(f(weight_decay) * w)
+  step = u * f(-learning_rate)
+  conditioning = 1 + powers[0] / c1 + powers[1] / c2 / 2
+  terms_w = np.abs(w) + np.abs(step) + terms_u * f(learning_rate) * conditioning
+  return (w + step, mu, nu), (terms_w, terms_mu, terms_nu)
+
+
+def assert_rounded_alike(got, want, terms, roundings):
+  """got equals want up to `roundings` float32 roundings (half an ulp each) of the magnitude `terms`."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  excess = np.abs(got - want) - roundings * 2.0**-24 * np.asarray(terms, np.float64)
+  assert excess.max() <= 0, f"{np.sum(excess > 0)} elements past {roundings} roundings, worst at {np.argmax(excess)}"
+
+
+# The roundings an implementation may differ from numpy_adam by, relative to the terms of w, mu and nu: a
+# fused multiply-add skips one of the moments' three roundings; the step (against |w| + |step|) carries the
+# moments' and its own seven (two divisions, a square root, two additions, a product, the bias corrections).
+ROUNDINGS = (16, 4, 4)
+
+
+def numpy_weight_blocks(w):
+  """The blockwise recipe's 128 x 128 quantization of w (in the computation dtype) in NumPy: (dequantized
+  values, exponents [E, K / 128, N / 128])."""
+  E, K, N = w.shape
+  B = fp8_ref.BLOCK
+  exponents = np.zeros((E, -(-K // B), -(-N // B)), np.int32)
+  for g in range(E):
+    for i in range(0, K, B):
+      for j in range(0, N, B):
+        exponents[g, i // B, j // B] = np.log2(fp8_ref._block_scale(np.abs(w[g, i:i + B, j:j + B]).max()))
+  return fp8_ref._weights_128x128(w), exponents
+
+
+def adam_inputs(rng, shape, count):
+  """Weights of magnitudes 2^-8 to 2^4 by block row (each tile its own scale), a nonzero gradient everywhere,
+  moments as after some steps (nu >= 0), and a zero tile of weights, whose update is not zero."""
+  E, K, N = shape
+  w = rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 5, (E, K, 1))
+  w[0, :128, :128] = 0
+  g = rng.standard_normal(shape) * 1e-2 + 1e-3
+  mu = rng.standard_normal(shape) * 1e-2
+  nu = rng.uniform(0, 1e-4, shape)
+  state = optax.ScaleByAdamState(count=jnp.int32(count), mu=jnp.float32(mu), nu=jnp.float32(nu))
+  return jnp.float32(w), jnp.float32(g), state
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("hyper", HYPER)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_adam_step_is_adam_then_the_blockwise_weights(platform, rng, shape, hyper, dtype):  # noqa: F811
+  """The new weights and moments equal NumPy's float32 adam up to a few roundings (fused multiply-adds, XLA's
+  power against NumPy's); the FP8 weights are the NumPy quantization of the new weights as returned, in the
+  computation dtype, bit for bit: values, exponents, and the transposed copy. Outputs poisoned."""
+  count = int(rng.integers(0, 50))
+  w, g, state = adam_inputs(rng, SHAPES[shape], count)
+  kw = dict(HYPER[hyper], dtype=jnp.dtype(dtype))
+  new_w, new_state, fp8 = jax.jit(lambda w, g, s: jaxmlp.fp8_adam_step(w, g, s, **kw))(w, g, state)
+  want, terms = numpy_adam(*map(np.asarray, (w, g, state.mu, state.nu)), count + 1, **HYPER[hyper])
+  for got, expected, magnitude, roundings in zip((new_w, new_state.mu, new_state.nu), want, terms, ROUNDINGS):
+    assert_rounded_alike(got, expected, magnitude, roundings)
+  assert int(new_state.count) == count + 1 and isinstance(new_state, optax.ScaleByAdamState)
+  assert fp8.recipe == "blockwise"
+  np.testing.assert_array_equal(np.asarray(fp8.weights), np.asarray(new_w))
+  values, exponents = numpy_weight_blocks(np.asarray(new_w).astype(DTYPES[dtype]).astype(np.float64))
+  np.testing.assert_array_equal(np.asarray(fp8.scales), exponents)
+  scale = np.repeat(np.repeat(2.0 ** exponents, 128, axis=1), 128, axis=2)[:, :w.shape[1], :w.shape[2]]
+  np.testing.assert_array_equal(np.asarray(fp8.q).astype(np.float64) * scale, values)
+  np.testing.assert_array_equal(np.asarray(fp8.qt).view(np.uint8), np.swapaxes(np.asarray(fp8.q).view(np.uint8), 1, 2))
+
+
+@pytest.mark.parametrize("hyper", HYPER)
+def test_fp8_adam_step_equals_optax_over_steps(platform, rng, hyper):  # noqa: F811
+  """Three steps, each fed the last one's state (and donated: on a GPU the kernel writes in place), against
+  optax.adam's (optax.adamw's): the same weights, moments and counts up to a few roundings (module
+  ROUNDINGS), and FP8 weights that equal jaxmlp.fp8_weights of the new weights."""
+  w, g, _ = adam_inputs(rng, SHAPES["cut"], 0)
+  kw = HYPER[hyper]
+  tx = optax.adamw(**kw) if "weight_decay" in kw else optax.adam(**kw)
+  opt_state = tx.init(w)
+  state = opt_state[0]
+  step = jax.jit(lambda w, g, s: jaxmlp.fp8_adam_step(w, g, s, **kw), donate_argnums=(0, 2))
+  want = w
+  for i in range(3):
+    g_i = g * (i + 1)
+    _, terms = numpy_adam(*map(np.asarray, (want, g_i, opt_state[0].mu, opt_state[0].nu)), i + 1, **kw)
+    updates, opt_state = tx.update(g_i, opt_state, want)
+    want = optax.apply_updates(want, updates)
+    w, state, fp8 = step(w, g_i, state)
+    for got, expected, magnitude, roundings in zip((w, state.mu, state.nu), (want, *opt_state[0][1:]), terms,
+                                                   ROUNDINGS):
+      assert_rounded_alike(got, expected, magnitude, 2 * roundings)  # both sides' roundings
+    assert int(state.count) == int(opt_state[0].count) == i + 1
+    quantized = jaxmlp.fp8_weights(w, "blockwise", jnp.bfloat16)
+    for field in ("q", "scales", "qt"):
+      got, expected = np.asarray(getattr(fp8, field)), np.asarray(getattr(quantized, field))
+      np.testing.assert_array_equal(got.view(np.uint8) if got.dtype.itemsize == 1 else got,
+                                    expected.view(np.uint8) if expected.dtype.itemsize == 1 else expected)
+
+
+def test_fp8_adam_step_feeds_grouped_mlp(rng):
+  """A training step as docs/fp8.md gives it: the loss reads the last step's FP8 weights with the master
+  weights differentiated in their `weights` field; its gradient reaches the master weights, and the results
+  equal those of quantizing the master weights in the call."""
+  E, d, f, M = 2, 128, 128, 256
+  x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
+  w1 = jnp.float32(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
+  w2 = jnp.float32(rng.standard_normal((E, f, d)) / np.sqrt(f))
+  sizes = jnp.array([100, 156], jnp.int32)
+  recipe = jaxmlp.Fp8Recipe("blockwise", when="always")
+
+  def loss(w1, w2, q1, q2):
+    w1, w2 = dataclasses.replace(q1, weights=w1), dataclasses.replace(q2, weights=w2)
+    return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=recipe).astype(jnp.float32) ** 2)
+
+  states = [optax.scale_by_adam().init(w) for w in (w1, w2)]
+  q1, q2 = (jaxmlp.fp8_weights(w, "blockwise", jnp.bfloat16) for w in (w1, w2))
+  for _ in range(2):
+    grads = jax.grad(loss, argnums=(0, 1))(w1, w2, q1, q2)
+    want = jax.grad(lambda a, b: loss(a, b, *(jaxmlp.fp8_weights(w, "blockwise", jnp.bfloat16) for w in (a, b))),
+                    argnums=(0, 1))(w1, w2)
+    for got, expected in zip(grads, want):
+      assert got.dtype == jnp.float32 and np.any(np.asarray(got) != 0)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    (w1, states[0], q1), (w2, states[1], q2) = (
+        jaxmlp.fp8_adam_step(w, gw, s, learning_rate=1e-2) for w, gw, s in zip((w1, w2), grads, states))
+
+
+W = jnp.zeros((2, 16, 32), jnp.float32)
+STATE = optax.ScaleByAdamState(count=jnp.int32(0), mu=W, nu=W)
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    ((W.astype(jnp.bfloat16), W, STATE), {}, TypeError, r"w.dtype is bfloat16, expected float32"),
+    ((W, W[:, :, :16], STATE), {}, ValueError, r"g has shape \[2, 16, 16\], expected w's \[2, 16, 32\]"),
+    ((W, W, STATE._replace(nu=W.astype(jnp.float16))), {}, TypeError, r"state.nu.dtype is float16"),
+    ((W, W, dict(count=0, mu=W, nu=W)), {}, TypeError, "state has no field 'count'"),
+    ((W, W, STATE._replace(count=jnp.float32(0))), {}, TypeError, "state.count must be an integer scalar"),
+    ((W[:, :8], W[:, :8], STATE), {}, ValueError, r"w has shape \[2, 8, 32\], expected \[E, K, N\]"),
+    ((W, W, STATE), dict(dtype=jnp.float32), TypeError, "dtype float32 is not supported"),
+    ((W, W, STATE), dict(b1=1.0), ValueError, r"b1 = 1.0 must lie in \[0, 1\)"),
+    ((W, W, STATE), dict(eps=jnp.float32(1e-8)), TypeError, "eps must be a Python float"),
+    ((W, W, STATE), dict(learning_rate=jnp.ones(2)), ValueError, "learning_rate must be a scalar"),
+])
+def test_fp8_adam_step_bad_arguments(args, kwargs, error, match):
+  kwargs = dict(dict(learning_rate=1e-3), **kwargs)
+  with pytest.raises(error, match=match):
+    jax.eval_shape(lambda: jaxmlp.fp8_adam_step(*args, **kwargs))
+
+
+def test_numpy_adam_is_adam():
+  """The model itself: float32 NumPy adam against float64 adam (textbook form) within float32's error."""
+  rng = np.random.default_rng(0)
+  w, g, mu = (rng.standard_normal(1000) for _ in range(3))
+  nu = rng.uniform(0, 1, 1000)
+  got, _ = numpy_adam(*(np.float32(v) for v in (w, g, mu, nu)), 7, 1e-3, weight_decay=0.1)
+  mu64, nu64 = 0.1 * g + 0.9 * mu, 0.001 * g * g + 0.999 * nu
+  u = (mu64 / (1 - 0.9**7)) / (np.sqrt(nu64 / (1 - 0.999**7)) + 1e-8) + 0.1 * w
+  for a, b in zip(got, (w - 1e-3 * u, mu64, nu64)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
