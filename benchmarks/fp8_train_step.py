@@ -59,8 +59,10 @@ def first_state(w1, w2):
 
 
 def step_and_state(variant: str, x, masters, opt_state, dy, gs):
-  """(jitted step(state) -> (next state, (y, dx)), the first state) of `variant`, from make_inputs' x, dy and
-  first_state (blockwise_adam: a copy of it, which its step donates)."""
+  """(jitted step(*state) -> (next state, (y, dx)), the first state, a tuple) of `variant`, from make_inputs'
+  x, dy and first_state (blockwise_adam: (weights, adam's state, quantized weights), the first two a copy of
+  first_state's, which its step donates; the quantized weights it does not donate: XLA would copy them where
+  the products still read the old ones)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -76,23 +78,24 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
       updates, opt = tx.update(dict(zip(("w1", "w2"), (v.astype(jnp.float32) for v in g))), opt, w)
       w = optax.apply_updates(w, updates)
       return (w, opt, {k: v.astype(jnp.bfloat16) for k, v in w.items()}), (y, dx)
-    return jax.jit(step), (masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()})
+    return jax.jit(step), ((masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()}),)
 
   recipe = _recipe(variant)
-  if variant == "blockwise_adam":
-    def step(state):
-      w, opt, fp8 = state
+  if variant == "blockwise_adam":  # the state as three arguments: the quantized weights are not donated
+    def step(w, opt, quantized):
+      fp8 = {k: jaxmlp.Fp8Weights(w[k], *quantized[k], recipe="blockwise") for k in w}
       y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, dataclasses.replace(fp8["w1"], weights=a),
                                                           dataclasses.replace(fp8["w2"], weights=b), gs, fp8=recipe),
                        x, w["w1"], w["w2"])
       dx, *g = vjp(dy)
       new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16)
              for k, gk in zip(("w1", "w2"), g)}
-      return tuple({k: v[i] for k, v in new.items()} for i in range(3)), (y, dx)
+      w, opt = ({k: v[i] for k, v in new.items()} for i in range(2))
+      return (w, opt, {k: v[2].quantized for k, v in new.items()}), (y, dx)
     adam = opt_state[0]  # optax.adam's state: (ScaleByAdamState over the dict, EmptyState)
     per_weight = {k: adam._replace(mu=adam.mu[k], nu=adam.nu[k]) for k in masters}
-    fp8 = {k: jaxmlp.fp8_weights(v, recipe, jnp.bfloat16) for k, v in masters.items()}
-    return jax.jit(step, donate_argnums=0), jax.tree.map(jnp.copy, (masters, per_weight, fp8))
+    quantized = {k: jaxmlp.fp8_weights(v, recipe, jnp.bfloat16).quantized for k, v in masters.items()}
+    return jax.jit(step, donate_argnums=(0, 1)), (*jax.tree.map(jnp.copy, (masters, per_weight)), quantized)
 
   def step(state):
     w, opt = state
@@ -102,7 +105,7 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
     dx, *g = vjp(dy)
     updates, opt = tx.update(dict(zip(("w1", "w2"), g)), opt, w)
     return (optax.apply_updates(w, updates), opt), (y, dx)
-  return jax.jit(step), (masters, opt_state)
+  return jax.jit(step), ((masters, opt_state),)
 
 
 def carried(step, state):
@@ -111,7 +114,7 @@ def carried(step, state):
   box = [state]
 
   def call(i):
-    box[0], outputs = step(box[0])
+    box[0], outputs = step(*box[0])
     return outputs
   return call
 
@@ -137,7 +140,7 @@ def main():
     del w1, w2
     gs = jnp.asarray(cases.group_sizes(a.routing, s.E, s.M))
     steps = {v: step_and_state(v, x, masters, opt_state, dy, gs) for v in variants}
-    calls = {v: carried(*st) if v == "blockwise_adam" else (lambda i, st=st: st[0](st[1])) for v, st in steps.items()}
+    calls = {v: carried(*st) if v == "blockwise_adam" else (lambda i, st=st: st[0](*st[1])) for v, st in steps.items()}
     fp8_in_turn.measure_shape(results, shape, calls, a.rounds)
     del steps, masters, opt_state
   fp8_in_turn.report(results, variants, a, "fwd+bwd + adam", "fp8_train_step.json")

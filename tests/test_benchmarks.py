@@ -438,8 +438,8 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   moved = {}
   for variant in fp8_train_step.VARIANTS:
     step, state = fp8_train_step.step_and_state(variant, x, masters, opt_state, dy, gs)
-    compiled = step.lower(state).compile()
-    new, outputs = compiled(state)
+    compiled = step.lower(*state).compile()
+    new, outputs = compiled(*state)
     assert [o.shape for o in outputs] == [x.shape, x.shape], variant
     if variant != "bf16" and jax.default_backend() == "cpu":  # the recipe's six products, one call each, all run
       assert compiled.as_text().count('custom_call_target="jaxmlp_gemm"') == 6, variant
