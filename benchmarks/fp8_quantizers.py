@@ -100,14 +100,14 @@ def main() -> None:
           ("tensorwise w1 (bf16)", tensorwise.quantize_weights, to_bf16(fp8_cuda.tensor_weights), (w1,),
            2 * w1.nbytes + 2 * w1.size)]
   # adam's step of the float32 master weights, then their quantization: optax's operations (fp8_adam_step's
-  # CPU code: XLA's fused update, then the quantizer), or the one CUDA kernel. Read w, g, mu, nu, write w, mu,
-  # nu and both e4m3 layouts.
-  adam_args = (w1_master, w1_master * 1e-3, w1_master * 1e-2, jnp.abs(w1_master) * 1e-4,
+  # CPU code: XLA's fused update, then the quantizer), or the one CUDA kernel. Read w, the bfloat16 gradient
+  # g, mu, nu, write w, mu, nu and both e4m3 layouts.
+  adam_args = (w1_master, w1 * 1e-3, w1_master * 1e-2, jnp.abs(w1_master) * 1e-4,
                jnp.array([-1e-4, 0.1, 1e-3], jnp.float32))
   hyper = fp8_adam.Hyperparameters(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0)
   adam = (lambda *a: fp8_adam._step(*a, hyper=hyper, dtype=jnp.bfloat16),
           lambda *a: fp8_cuda.block_adam(*a, hyper=hyper, dtype=jnp.bfloat16))
-  runs.append(("adam + weights w1", *adam, adam_args, 30 * w1.size))
+  runs.append(("adam + weights w1", *adam, adam_args, 28 * w1.size))
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:

@@ -12,8 +12,9 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
   RECIPE   the loss quantizes the master weights (jaxmlp.fp8_weights(w, recipe, bf16), inside the
            differentiated function): the quantizer's pass over the weights in every step
   blockwise_adam  the blockwise recipe with the weights' FP8 copy written by the last step's update
-           (jaxmlp.fp8_adam_step, in adam's pass: no quantizer's pass in the step); its state is donated, so
-           the update writes in place, as a training loop's would
+           (jaxmlp.fp8_adam_step, in adam's pass: no quantizer's pass in the step), which takes the weights'
+           16-bit gradients as the call gives them; its state is donated, so the update writes in place, as a
+           training loop's would
 
 RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all six products in FP8
 (when="always"). blockwise_adam's calls carry the state its last step returned; the others run from the first
@@ -86,7 +87,7 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
       fp8 = {k: jaxmlp.Fp8Weights(w[k], *quantized[k], recipe="blockwise") for k in w}
       y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, dataclasses.replace(fp8["w1"], weights=a),
                                                           dataclasses.replace(fp8["w2"], weights=b), gs, fp8=recipe),
-                       x, w["w1"], w["w2"])
+                       x, *(w[k].astype(jnp.bfloat16) for k in ("w1", "w2")))  # 16-bit gradients: no conversion
       dx, *g = vjp(dy)
       new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16)
              for k, gk in zip(("w1", "w2"), g)}

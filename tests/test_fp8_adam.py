@@ -83,15 +83,20 @@ def adam_inputs(rng, shape, count):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("hyper", HYPER)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_adam_step_is_adam_then_the_blockwise_weights(platform, rng, shape, hyper, dtype):  # noqa: F811
+@pytest.mark.parametrize("grad", ["float32", "16-bit"])
+def test_fp8_adam_step_is_adam_then_the_blockwise_weights(platform, rng, shape, hyper, dtype, grad):  # noqa: F811
   """The new weights and moments equal NumPy's float32 adam up to a few roundings (fused multiply-adds, XLA's
   power against NumPy's); the FP8 weights are the NumPy quantization of the new weights as returned, in the
-  computation dtype, bit for bit: values, exponents, and the transposed copy. Outputs poisoned."""
+  computation dtype, bit for bit: values, exponents, and the transposed copy. The gradient float32 or in the
+  computation dtype (taken as its float32 value). Outputs poisoned."""
   count = int(rng.integers(0, 50))
   w, g, state = adam_inputs(rng, SHAPES[shape], count)
+  if grad == "16-bit":
+    g = g.astype(dtype)
   kw = dict(HYPER[hyper], dtype=jnp.dtype(dtype))
   new_w, new_state, fp8 = jax.jit(lambda w, g, s: jaxmlp.fp8_adam_step(w, g, s, **kw))(w, g, state)
-  want, terms = numpy_adam(*map(np.asarray, (w, g, state.mu, state.nu)), count + 1, **HYPER[hyper])
+  want, terms = numpy_adam(*(np.asarray(v, np.float32) for v in (w, g, state.mu, state.nu)), count + 1,
+                           **HYPER[hyper])
   for got, expected, magnitude, roundings in zip((new_w, new_state.mu, new_state.nu), want, terms, ROUNDINGS):
     assert_rounded_alike(got, expected, magnitude, roundings)
   assert int(new_state.count) == count + 1 and isinstance(new_state, optax.ScaleByAdamState)
@@ -168,6 +173,7 @@ STATE = optax.ScaleByAdamState(count=jnp.int32(0), mu=W, nu=W)
 @pytest.mark.parametrize("args, kwargs, error, match", [
     ((W.astype(jnp.bfloat16), W, STATE), {}, TypeError, r"w.dtype is bfloat16, expected float32"),
     ((W, W[:, :, :16], STATE), {}, ValueError, r"g has shape \[2, 16, 16\], expected w's \[2, 16, 32\]"),
+    ((W, W.astype(jnp.float16), STATE), {}, TypeError, r"g.dtype is float16, expected float32 .* or dtype bfloat16"),
     ((W, W, STATE._replace(nu=W.astype(jnp.float16))), {}, TypeError, r"state.nu.dtype is float16"),
     ((W, W, dict(count=0, mu=W, nu=W)), {}, TypeError, "state has no field 'count'"),
     ((W, W, STATE._replace(count=jnp.float32(0))), {}, TypeError, "state.count must be an integer scalar"),

@@ -57,7 +57,9 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
 
   Args:
     w: [E, K, N] float32 master weights (w1 [E, d, F1] or w2 [E, f, d]); K and N multiples of 16.
-    g: w's gradient, float32 [E, K, N].
+    g: w's gradient [E, K, N], float32 or in `dtype`: the 16-bit gradient an FP8 call gives, taken as it is
+      (exact in float32) without the conversion pass XLA would run for a float32 one: differentiate the
+      call with respect to the weights cast to dtype (see docs/fp8.md).
     state: adam's state of w, a NamedTuple with `count` (int32 scalar), `mu` and `nu` (float32 like w):
       optax.ScaleByAdamState (optax.scale_by_adam().init(w)) or any with those fields; returned with them
       replaced (`_replace`).
@@ -86,6 +88,7 @@ def _step(w, g, mu, nu, scalars, hyper: Hyperparameters, dtype):
   """The step in JAX operations, in optax's order (scale_by_adam, add_decayed_weights, scale_by_learning_rate,
   apply_updates); scalars: [-learning rate, 1 - b1^t, 1 - b2^t]."""
   neg_lr, c1, c2 = scalars[0], scalars[1], scalars[2]
+  g = g.astype(jnp.float32)
   mu = (1 - hyper.b1) * g + hyper.b1 * mu
   nu = (1 - hyper.b2) * (g * g) + hyper.b2 * nu
   u = (mu / c1) / (jnp.sqrt(nu / c2 + hyper.eps_root) + hyper.eps)
@@ -99,6 +102,9 @@ def _step(w, g, mu, nu, scalars, hyper: Hyperparameters, dtype):
 def _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtype) -> Hyperparameters:
   """Trace-time checks, with the argument's name in the error: ValueError for shapes and values, TypeError
   for dtypes and types (as grouped_mlp)."""
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    raise TypeError(f"fp8_adam_step: dtype {jnp.dtype(dtype)} is not supported; FP8 weights are quantized from "
+                    "bfloat16 or float16")
   shape = np.shape(w)
   if len(shape) != 3 or shape[1] % 16 or shape[2] % 16:
     raise ValueError(f"fp8_adam_step: w has shape {list(shape)}, expected [E, K, N] with K and N multiples of 16")
@@ -111,17 +117,14 @@ def _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtyp
   for name, v in (("w", w), ("g", g), ("state.mu", state.mu), ("state.nu", state.nu)):
     if np.shape(v) != shape:
       raise ValueError(f"fp8_adam_step: {name} has shape {list(np.shape(v))}, expected w's {list(shape)}")
-    if jnp.result_type(v) != jnp.float32:
+    if jnp.result_type(v) != jnp.float32 and not (name == "g" and jnp.result_type(v) == jnp.dtype(dtype)):
       raise TypeError(f"fp8_adam_step: {name}.dtype is {jnp.result_type(v)}, expected float32 (master weights and "
-                      "their gradient and moments)")
+                      f"their moments; the gradient float32 or dtype {jnp.dtype(dtype)})")
   if np.shape(state.count) != () or not jnp.issubdtype(jnp.result_type(state.count), jnp.integer):
     raise TypeError(f"fp8_adam_step: state.count must be an integer scalar, got {jnp.result_type(state.count)} "
                     f"{list(np.shape(state.count))}")
   if np.shape(learning_rate) != ():
     raise ValueError(f"fp8_adam_step: learning_rate must be a scalar, got shape {list(np.shape(learning_rate))}")
-  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-    raise TypeError(f"fp8_adam_step: dtype {jnp.dtype(dtype)} is not supported; FP8 weights are quantized from "
-                    "bfloat16 or float16")
   constants = dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
   for name, value in constants.items():
     if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):

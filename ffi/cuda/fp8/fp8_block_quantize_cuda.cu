@@ -7,8 +7,9 @@
 //            and values (optional): a or dh in h's dtype
 //   weights  w [E, K, N] (float32 master weights too), rounded to the attribute dtype -> q [E, K, N],
 //            qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
-//   adam     w, g, mu, nu [E, K, N] float32, hyper [3] float32 -> w, mu, nu (the new ones, in place where XLA
-//            aliases them to the inputs), and the weights' q, qt, e as above (jaxmlp/fp8/adam.py)
+//   adam     w, g, mu, nu [E, K, N] float32 (g: or in the attribute dtype), hyper [3] float32 -> w, mu, nu (the
+//            new ones, in place where XLA aliases them to the inputs), and the weights' q, qt, e as above
+//            (jaxmlp/fp8/adam.py)
 #include <cuda_runtime.h>
 
 #include "codes.h"
@@ -159,21 +160,23 @@ Error Fp8BlockAdam(cudaStream_t stream, AnyBuffer w, AnyBuffer g, AnyBuffer mu, 
   ++handler_host_calls;
   JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
-  const char* names[] = {"w", "g", "mu", "nu", "new w", "new mu", "new nu"};
-  const AnyBuffer* buffers[] = {&w, &g, &mu, &nu, &*w_out, &*mu_out, &*nu_out};
-  for (int i = 0; i < 7; ++i)
+  const char* names[] = {"w", "mu", "nu", "new w", "new mu", "new nu"};
+  const AnyBuffer* buffers[] = {&w, &mu, &nu, &*w_out, &*mu_out, &*nu_out};
+  for (int i = 0; i < 6; ++i)
     JAXMLP_RETURN_IF_ERROR(CheckShapeAndType(names[i], *buffers[i], {E, K, N}, DataType::F32, "float32 [E, K, N]"));
   JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("hyper", hyper, {3}, DataType::F32, "float32 [3]"));
   DataType rounded;
   JAXMLP_RETURN_IF_ERROR(RoundedType(dtype, &rounded));
+  const DataType gt = g.element_type() == DataType::F32 ? DataType::F32 : rounded;
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("g", g, {E, K, N}, gt, "float32 or the dtype, [E, K, N]"));
   JAXMLP_RETURN_IF_ERROR(CheckWeightOutputs(E, K, N, *q, *qt, *e));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
   const auto in = [](const AnyBuffer& b) { return static_cast<const float*>(b.untyped_data()); };
   const auto out = [](AnyBuffer& b) { return static_cast<float*>(b.untyped_data()); };
-  const AdamStep s{in(w),       in(g),        in(mu),       in(nu),       out(*w_out), out(*mu_out), out(*nu_out),
-                   in(hyper),   b1,           b2,           one_minus_b1, one_minus_b2, eps, eps_root,
+  const AdamStep s{in(w),     in(mu),       in(nu),       g.untyped_data(), out(*w_out), out(*mu_out), out(*nu_out),
+                   in(hyper), b1,           b2,           one_minus_b1,     one_minus_b2, eps,          eps_root,
                    weight_decay};
-  return AdamWeightBlocks(stream, rounded, s, E, K, N, static_cast<uint8_t*>(q->untyped_data()),
+  return AdamWeightBlocks(stream, rounded, gt, s, E, K, N, static_cast<uint8_t*>(q->untyped_data()),
                           static_cast<uint8_t*>(qt->untyped_data()), static_cast<int32_t*>(e->untyped_data()));
 }
 

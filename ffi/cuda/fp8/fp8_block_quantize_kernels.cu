@@ -196,10 +196,11 @@ __device__ __forceinline__ void AdamUpdate(const AdamStep& s, float neg_lr, floa
 }
 
 // A block per 128 x 128 tile of one expert: the adam step of its weights (w, mu and nu written back, read
-// once), then QuantizeWeightTile of the new weights rounded to R, held in registers.
-template <typename R>
-__global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, int64_t K, int64_t N, uint8_t* q,
-                                                              uint8_t* qt, int32_t* e) {
+// once; the gradient of type G, float32 or R), then QuantizeWeightTile of the new weights rounded to R, held
+// in registers.
+template <typename R, typename G>
+__global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
+                                                              uint8_t* q, uint8_t* qt, int32_t* e) {
   const WeightTile t(K, N);
   const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
   HeldTile<R> held;
@@ -209,8 +210,8 @@ __global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, int
     if (!t.Holds(p)) continue;
     const int64_t o = t.Offset(p);
     Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
-    const Vec<float, 8> g = Load<float, 8>(s.g + o);
-    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, g.v[u], w.v[u], mu.v[u], nu.v[u]);
+    const Vec<G, 8> g = Load<G, 8>(grad + o);
+    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
     Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
     amax = fmaxf(amax, held.Hold(p, w.v));
   }
@@ -449,11 +450,17 @@ ffi::Error QuantizeWeightBlocks(cudaStream_t stream, ffi::DataType t, ffi::DataT
   return CheckCuda(cudaGetLastError(), "launching the 128x128 quantizer");
 }
 
-ffi::Error AdamWeightBlocks(cudaStream_t stream, ffi::DataType r, const AdamStep& s, int64_t E, int64_t K, int64_t N,
-                            uint8_t* q, uint8_t* qt, int32_t* e) {
+ffi::Error AdamWeightBlocks(cudaStream_t stream, ffi::DataType r, ffi::DataType g, const AdamStep& s, int64_t E,
+                            int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
   if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
   By16BitType(r, [&](auto rounded) {
-    AdamWeightBlocksKernel<decltype(rounded)><<<WeightTiles(E, K, N), 256, 0, stream>>>(s, K, N, q, qt, e);
+    using R = decltype(rounded);
+    if (g == ffi::DataType::F32)
+      AdamWeightBlocksKernel<R, float><<<WeightTiles(E, K, N), 256, 0, stream>>>(
+          s, static_cast<const float*>(s.g), K, N, q, qt, e);
+    else
+      AdamWeightBlocksKernel<R, R><<<WeightTiles(E, K, N), 256, 0, stream>>>(s, static_cast<const R*>(s.g), K, N, q,
+                                                                           qt, e);
   });
   return CheckCuda(cudaGetLastError(), "launching the adam step's 128x128 quantizer");
 }
