@@ -35,8 +35,9 @@ except ModuleNotFoundError as e:  # the flax extra brings all three
   raise ModuleNotFoundError("jaxmlp-train-moe needs the flax extra: pip install 'jaxmlp[flax]' "
                             f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 
+from jaxmlp import fp8_adam_step, fp8_weights as quantize_weights
 from jaxmlp.fp8 import RECIPES as FP8_RECIPES
-from jaxmlp.fp8 import Fp8Recipe
+from jaxmlp.fp8 import Fp8Recipe, Fp8Weights
 from jaxmlp.nnx import MoE
 
 
@@ -76,6 +77,8 @@ GRADIENT_TOLERANCE = 1e-4
 FINAL_LOSS_TOLERANCE = {"float32": 0.02, "bfloat16": 0.05}
 # Successors of each token in the Markov chain: the lower this is, the lower the loss can go.
 BRANCHING = 4
+# AdamW's weight decay, for every parameter.
+WEIGHT_DECAY = 0.01
 
 
 class MarkovChain:
@@ -143,19 +146,25 @@ class MoETransformer(nnx.Module):
       aux_loss += block_aux
     return self.lm_head(self.final_norm(x)).astype(jnp.float32), aux_loss
 
-  def fp8_weights(self):
-    """With FP8 experts, each block's expert weights quantized (for all micro-batches of a step); else
-    None."""
-    return [block.moe.fp8_weights() for block in self.blocks] if self.fp8 is not None else None
+  def fp8_weights(self, quantized=None):
+    """With FP8 experts, each block's expert weights quantized (for all micro-batches of a step): here, or
+    given as `quantized` ([(w1's, w2's) (q, scales, qt)] a block, as the last step's fp8_adam_step wrote
+    them) around the parameters, which the gradient reaches; else None."""
+    if self.fp8 is None:
+      return None
+    if quantized is None:
+      return [block.moe.fp8_weights() for block in self.blocks]
+    return [tuple(Fp8Weights(w[...], *q, recipe=self.fp8.name) for w, q in
+                  zip((block.moe.experts.w1, block.moe.experts.w2), pair)) for block, pair in zip(self.blocks, quantized)]
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
-            micro_batches: int = 1) -> tuple[jax.Array, jax.Array]:
+            micro_batches: int = 1, quantized=None) -> tuple[jax.Array, jax.Array]:
   """(cross-entropy + router losses, cross-entropy) of next-token prediction on batch [B, S + 1]: the mean
   over `micro_batches` equal parts of it, run one after the other (gradient accumulation), with FP8 expert
-  weights quantized once for all of them."""
+  weights quantized once for all of them (or given: MoETransformer.fp8_weights' `quantized`)."""
   model = nnx.merge(graphdef, params)
-  fp8_weights = model.fp8_weights()
+  fp8_weights = model.fp8_weights(quantized)
 
   def micro_batch(batch):
     logits, aux_loss = model(batch[:, :-1], fp8_weights)
@@ -166,6 +175,17 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     return micro_batch(batch)
   losses, cross_entropies = jax.lax.map(micro_batch, batch.reshape(micro_batches, -1, batch.shape[-1]))
   return losses.mean(), cross_entropies.mean()
+
+
+def expert_weights(params: nnx.State) -> list[int]:
+  """The positions among params' leaves of the MoE layers' expert weights w1 and w2, block by block (w1 before
+  w2, as MoETransformer.fp8_weights pairs them)."""
+  names = [[getattr(k, "key", getattr(k, "name", None)) for k in path]
+           for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  found = [(i, keys[keys.index("experts") + 1]) for i, keys in enumerate(names) if "experts" in keys[:-1]]
+  found = [(i, name) for i, name in found if name in ("w1", "w2")]
+  assert [name for _, name in found] == ["w1", "w2"] * (len(found) // 2), found
+  return [i for i, _ in found]
 
 
 def initial_gradients(cfg: Config, batch: np.ndarray, *, impl: str, dtype, seed: int) -> nnx.State:
@@ -197,19 +217,38 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
           expert_axis: str | None = None, fp8: str | None = None, micro_batches: int = 1) -> Run:
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW, each step's
   gradient accumulated over `micro_batches` parts of its batch. fp8: a recipe name, run in FP8 at every
-  shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster)."""
+  shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster);
+  blockwise without an expert axis has the experts' FP8 weights written by their update (fp8_adam_step)."""
   recipe = Fp8Recipe(fp8, when="always") if fp8 else None
   model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=recipe)
   graphdef, params = nnx.split(model)
-  optimizer = optax.adamw(cfg.learning_rate, weight_decay=0.01)
+  leaves, treedef = jax.tree.flatten(params)
+  # The blockwise recipe on one device: the experts' FP8 weights are written by their optimizer's update
+  # (jaxmlp.fp8_adam_step: adamw's step, as optax's for the rest), not quantized in the loss.
+  experts = expert_weights(params) if recipe is not None and recipe.name == "blockwise" and not expert_axis else []
+  labels = jax.tree.unflatten(treedef, ["experts" if i in experts else "rest" for i in range(len(leaves))])
+  optimizer = optax.multi_transform({"rest": optax.adamw(cfg.learning_rate, weight_decay=WEIGHT_DECAY),
+                                     "experts": optax.set_to_zero()}, labels)
   opt_state = optimizer.init(params)
+  # Per expert weight: its adam state, and its quantized weights (q, scales, qt) for the next step.
+  expert_state = ([optax.scale_by_adam().init(leaves[i]) for i in experts],
+                  [quantize_weights(leaves[i], recipe, dtype).quantized for i in experts])
 
   @jax.jit
-  def train_step(params, opt_state, batch):
+  def train_step(params, opt_state, expert_state, batch):
+    adam, quantized = expert_state
+    blocks = list(zip(quantized[0::2], quantized[1::2])) if experts else None  # (w1's, w2's) a block
     (_, cross_entropy), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, batch,
-                                                                                     micro_batches)
+                                                                                     micro_batches, blocks)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, cross_entropy
+    new = [w if i in experts else optax.apply_updates(w, u)
+           for i, (w, u) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(updates)))]
+    g = jax.tree.leaves(grads)
+    for k, i in enumerate(experts):
+      new[i], adam[k], fp8 = fp8_adam_step(new[i], g[i], adam[k], learning_rate=cfg.learning_rate,
+                                           weight_decay=WEIGHT_DECAY, dtype=dtype)
+      quantized[k] = fp8.quantized
+    return jax.tree.unflatten(treedef, new), opt_state, (adam, quantized), cross_entropy
 
   log_every = max(1, len(batches) // 10)
   losses = []
@@ -217,7 +256,7 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
   label = impl + (" fp8" if fp8 else "")
   with tqdm(total=len(batches), desc=f"{label:>9}", unit="step", leave=True) as progress:
     for step, batch in enumerate(batches):
-      params, opt_state, loss = train_step(params, opt_state, batch)
+      params, opt_state, expert_state, loss = train_step(params, opt_state, expert_state, batch)
       losses.append(loss)
       if step == 0:
         # The first step compiles: time from its end.
@@ -252,7 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
                            "the other; with --fp8 the experts' weights are quantized once per step "
-                           "(jaxmlp.fp8_weights)")
+                           "(jaxmlp.fp8_weights; blockwise on one device: by the last step's optimizer update, "
+                           "jaxmlp.fp8_adam_step)")
   parser.add_argument("--expert-parallel", action="store_true",
                       help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
                            "on a CPU), and check the first batch's loss and gradients against one device")
