@@ -154,8 +154,9 @@ class MoETransformer(nnx.Module):
       return None
     if quantized is None:
       return [block.moe.fp8_weights() for block in self.blocks]
-    return [tuple(Fp8Weights(w[...], *q, recipe=self.fp8.name) for w, q in
-                  zip((block.moe.experts.w1, block.moe.experts.w2), pair)) for block, pair in zip(self.blocks, quantized)]
+    return [tuple(Fp8Weights(w[...], *q, recipe=self.fp8.name)
+                  for w, q in zip((block.moe.experts.w1, block.moe.experts.w2), pair))
+            for block, pair in zip(self.blocks, quantized)]
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,

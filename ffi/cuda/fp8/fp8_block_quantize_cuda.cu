@@ -131,7 +131,8 @@ Error RoundedType(int32_t dtype, DataType* rounded) {
 Error CheckWeightOutputs(int64_t E, int64_t K, int64_t N, const AnyBuffer& q, const AnyBuffer& qt, const AnyBuffer& e) {
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", q, {E, K, N}));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", qt, {E, N, K}));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("e", e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
+  JAXMLP_RETURN_IF_ERROR(
+      CheckShapeAndType("e", e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
   if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
   return Error::Success();
 }
@@ -150,9 +151,9 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
                               static_cast<int32_t*>(e->untyped_data()));
 }
 
-// The adam step's float32 operands and results w, g, mu, nu [E, K, N] (results: new w, mu, nu), hyper [3],
-// and the quantization of the new weights. w, mu and nu's results are not poisoned: XLA aliases them to the
-// inputs (jaxmlp/fp8/cuda.py), and every element is written.
+// The adam step's operands and results w, g, mu, nu [E, K, N] float32 (g: or in dtype; results: new w, mu,
+// nu), hyper [3], and the quantization of the new weights. w, mu and nu's results are not poisoned: XLA
+// aliases them to the inputs (jaxmlp/fp8/cuda.py), and every element is written.
 Error Fp8BlockAdam(cudaStream_t stream, AnyBuffer w, AnyBuffer g, AnyBuffer mu, AnyBuffer nu, AnyBuffer hyper,
                    Result<AnyBuffer> w_out, Result<AnyBuffer> mu_out, Result<AnyBuffer> nu_out, Result<AnyBuffer> q,
                    Result<AnyBuffer> qt, Result<AnyBuffer> e, float b1, float b2, float one_minus_b1,
