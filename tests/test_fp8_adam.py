@@ -68,14 +68,17 @@ def numpy_weight_blocks(w):
 
 
 def adam_inputs(rng, shape, count):
-  """Weights of magnitudes 2^-8 to 2^4 by block row (each tile its own scale), a nonzero gradient everywhere,
-  moments as after some steps (nu >= 0), and a zero tile of weights, whose update is not zero."""
+  """Weights of magnitudes 2^-8 to 2^4 by 128 x 128 tile (each tile its own scale), a nonzero gradient, and
+  moments as after some steps (nu >= 0); but the first tile all zeros, weights, gradient and first moment
+  (its update is zero: a tile of amax 0)."""
   E, K, N = shape
-  w = rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 5, (E, K, 1))
-  w[0, :128, :128] = 0
+  tiles = 2.0 ** rng.integers(-8, 5, (E, -(-K // 128), -(-N // 128)))
+  w = rng.standard_normal(shape) * np.repeat(np.repeat(tiles, 128, axis=1), 128, axis=2)[:, :K, :N]
   g = rng.standard_normal(shape) * 1e-2 + 1e-3
   mu = rng.standard_normal(shape) * 1e-2
   nu = rng.uniform(0, 1e-4, shape)
+  for v in (w, g, mu):
+    v[0, :128, :128] = 0
   state = optax.ScaleByAdamState(count=jnp.int32(count), mu=jnp.float32(mu), nu=jnp.float32(nu))
   return jnp.float32(w), jnp.float32(g), state
 
@@ -88,7 +91,9 @@ def test_fp8_adam_step_is_adam_then_the_blockwise_weights(platform, rng, shape, 
   """The new weights and moments equal NumPy's float32 adam up to a few roundings (fused multiply-adds, XLA's
   power against NumPy's); the FP8 weights are the NumPy quantization of the new weights as returned, in the
   computation dtype, bit for bit: values, exponents, and the transposed copy. The gradient float32 or in the
-  computation dtype (taken as its float32 value). Outputs poisoned."""
+  computation dtype (taken as its float32 value). The quantized outputs are poisoned; w, mu and nu are
+  updated in place, where an element left unwritten keeps its old value, which the update moves (but in the
+  zero tile)."""
   count = int(rng.integers(0, 50))
   w, g, state = adam_inputs(rng, SHAPES[shape], count)
   if grad == "16-bit":

@@ -57,19 +57,21 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
 
   Args:
     w: [E, K, N] float32 master weights (w1 [E, d, F1] or w2 [E, f, d]); K and N multiples of 16.
-    g: w's gradient [E, K, N], float32 or in `dtype`: the 16-bit gradient an FP8 call gives, taken as it is
-      (exact in float32) without the conversion pass XLA would run for a float32 one: differentiate the
+    g: w's gradient [E, K, N], float32 or in `dtype`: the 16-bit gradient an FP8 call gives, taken as its
+      float32 value (the step of optax on g.astype(float32), not on g: optax would compute the moments'
+      terms in g's dtype) without the conversion pass XLA would run for a float32 one: differentiate the
       call with respect to the weights cast to dtype (see docs/fp8.md).
     state: adam's state of w, a NamedTuple with `count` (int32 scalar), `mu` and `nu` (float32 like w):
       optax.ScaleByAdamState (optax.scale_by_adam().init(w)) or any with those fields; returned with them
       replaced (`_replace`).
-    learning_rate: a scalar (a traced one too: a schedule's value at this step).
+    learning_rate: a scalar (a traced one too: a schedule's value at state.count, where optax evaluates
+      its schedules, before the step's increment).
     b1, b2, eps, eps_root, weight_decay: adam's constants, as optax.adam / optax.adamw take them.
     dtype: the computation dtype of the calls (x's: bfloat16 or float16) that the new weights are rounded to
       before they are quantized, as fp8_weights' dtype.
   """
   hyper = _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtype)
-  mu, nu, count = state.mu, state.nu, state.count
+  mu, nu, count = state.mu, state.nu, jnp.asarray(state.count)
   # optax.safe_increment, then optax's bias corrections and its scaling by the negative learning rate,
   # computed as optax computes them: the same values on the CPU and for the GPU's kernel.
   count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)

@@ -126,9 +126,11 @@ Error RoundedType(int32_t dtype, DataType* rounded) {
   return Error::Success();
 }
 
-// The 128 x 128 quantization of weights [E, K, N]: q [E, K, N], qt [E, N, K] e4m3, e int32, and a grid of
-// their tiles that fits.
+// The 128 x 128 quantization of weights [E, K, N]: q [E, K, N], qt [E, N, K] e4m3, e int32, K a multiple of
+// 16 (qt's rows are written 8 bytes at a time; N's is checked with the input), and a grid of their tiles that
+// fits.
 Error CheckWeightOutputs(int64_t E, int64_t K, int64_t N, const AnyBuffer& q, const AnyBuffer& qt, const AnyBuffer& e) {
+  if (K % 16) return Error::InvalidArgument("jaxmlp: the weights' second dimension must be a multiple of 16");
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", q, {E, K, N}));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", qt, {E, N, K}));
   JAXMLP_RETURN_IF_ERROR(

@@ -148,7 +148,7 @@ __device__ __forceinline__ void QuantizeWeightTile(const WeightTile& t, float am
 
 // A block per 128 x 128 tile of one expert: QuantizeWeightTile of w of type T (float32 master weights too)
 // rounded to the computation dtype R on the way in: the quantization of w.astype(R), with no copy of it.
-// A 16-bit w is read twice (the second time from L2): that keeps a thread's registers few (42: six blocks
+// A 16-bit w is read twice (the second time from L2): that keeps a thread's registers few (42: five blocks
 // an SM), and holding it in registers instead, as floats or as 16-bit vectors, cost occupancy and was
 // slower. A wider w is held in registers (HeldTile): its second read missed L2 (docs/performance.md,
 // "Kernel measurements"). Three blocks an SM at least: ptxas fits the held tile in 80 registers (84, two
