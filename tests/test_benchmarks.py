@@ -336,8 +336,9 @@ def test_kernel_share_reports_the_idle_time_of_a_traced_step(capsys, monkeypatch
 
 @pytest.mark.full
 def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
-  """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, and the
-  tensorwise weights' at a shape of the user's own (the JAX quantizers alone without a GPU)."""
+  """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, the tensorwise
+  weights' and adam's step with the weights' quantization at a shape of the user's own (the JAX code alone
+  without a GPU)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, str(BENCH.parent / "fp8_quantizers.py"), "--shape", "2x128x128x256"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -345,7 +346,7 @@ def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   rows = [line.split() for line in proc.stdout.splitlines()[2:]]
   assert [" ".join(r[:-2]) for r in rows] == ["rows + columns of x", "rows + columns of dh", "a = swiglu(h)",
                                               "dh of swiglu(h), da", "weights w1 (bf16)", "weights w1 (f32)",
-                                              "tensorwise w1 (bf16)"]
+                                              "tensorwise w1 (bf16)", "adam + weights w1"]
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
 
 
