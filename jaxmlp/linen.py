@@ -86,10 +86,11 @@ class GroupedMLP(nn.Module):
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales,
                             fp8=self.fp8, zero_padding=zero_padding)
 
-  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
-    """(w1, w2) quantized for the fp8 recipe from the computation dtype: `apply(params, method="fp8_weights")`."""
+  def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
+    """(w1, w2) quantized for the fp8 recipe from the computation dtype: `apply(params, method="fp8_weights")`;
+    or those of `quantized` around the parameters (see jaxmlp.nnx.GroupedMLP.fp8_weights)."""
     params = nn.meta.unbox(self.variables["params"])
-    return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype)
+    return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype, quantized)
 
 
 class _Router(nn.Module):
@@ -180,7 +181,7 @@ class MoE(nn.Module):
                    impl=self.impl)
     return y.reshape(x.shape), aux
 
-  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
+  def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
     """The experts' weights quantized for the fp8 recipe (see GroupedMLP): `apply(params, method="fp8_weights")`."""
     params = nn.meta.unbox(self.variables["params"]["experts"])
-    return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype)
+    return quantized_experts(params["w1"], params["w2"], resolve_fp8(self.fp8), self.dtype, quantized)

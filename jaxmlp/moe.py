@@ -48,11 +48,16 @@ def check_moe_args(num_experts: int, top_k: int, score_func: str, capacity_facto
     raise ValueError(f"capacity_factor: got {capacity_factor}, expected None or > 0")
 
 
-def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype) -> tuple[Fp8Weights, Fp8Weights]:
+def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype,
+                      quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
   """The modules' fp8_weights(): the experts' w1 and w2 quantized for the layer's recipe from their
-  rounding to the computation dtype (jaxmlp.fp8_weights)."""
+  rounding to the computation dtype (jaxmlp.fp8_weights), or, given `quantized` (w1's and w2's (q, scales,
+  qt), as the last optimizer step's jaxmlp.fp8_adam_step wrote them: Fp8Weights.quantized), those around
+  the parameters (grouped_mlp checks their shapes)."""
   check_layer_weights(fp8, w1, dtype)
   # The parameters themselves, not their 16-bit copies: their gradients then add up in their dtype.
+  if quantized is not None:
+    return tuple(Fp8Weights(w, *q, recipe=fp8.name) for w, q in zip((w1, w2), quantized))
   return fp8_weights(w1, fp8, dtype), fp8_weights(w2, fp8, dtype)
 
 

@@ -154,10 +154,12 @@ class GroupedMLP(nnx.Module):
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2, scales=scales,
                             fp8=self.fp8, zero_padding=zero_padding)
 
-  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
+  def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
     """(w1, w2) quantized for the fp8 recipe from the computation dtype (jaxmlp.fp8_weights): quantize once
-    per optimizer step, inside the differentiated function, and pass them to every micro-batch's call."""
-    return quantized_experts(self.w1[...], self.w2[...], self.fp8, self.dtype)
+    per optimizer step, inside the differentiated function, and pass them to every micro-batch's call. Or,
+    given `quantized` (w1's and w2's Fp8Weights.quantized, as the last step's jaxmlp.fp8_adam_step wrote
+    them), those around the parameters: the step quantizes nothing (docs/fp8.md)."""
+    return quantized_experts(self.w1[...], self.w2[...], self.fp8, self.dtype, quantized)
 
 
 class MoE(nnx.Module):
@@ -298,6 +300,6 @@ class MoE(nnx.Module):
       y, aux = moe(tokens, logits, experts, **options, impl=self.impl)
     return y.reshape(x.shape), aux
 
-  def fp8_weights(self) -> tuple[Fp8Weights, Fp8Weights]:
-    """The experts' fp8_weights() (see GroupedMLP)."""
-    return self.experts.fp8_weights()
+  def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
+    """The experts' fp8_weights(quantized) (see GroupedMLP)."""
+    return self.experts.fp8_weights(quantized)

@@ -10,6 +10,8 @@ import optax
 import pytest
 
 import jaxmlp
+import jaxmlp.linen
+import jaxmlp.nnx
 import numpy_fp8_reference as fp8_ref
 from fp8_cases import DTYPES, platform  # noqa: F401  (the fixture)
 
@@ -169,6 +171,36 @@ def test_fp8_adam_step_feeds_grouped_mlp(rng):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     (w1, states[0], q1), (w2, states[1], q2) = (
         jaxmlp.fp8_adam_step(w, gw, s, learning_rate=1e-2) for w, gw, s in zip((w1, w2), grads, states))
+
+
+def test_flax_modules_take_the_optimizers_fp8_weights(rng):
+  """The Flax MoE layers' fp8_weights(quantized) (nnx, and linen's apply(method="fp8_weights")): the given
+  quantized weights around the parameters, which the gradient reaches; given those fp8_weights() would
+  quantize, the layer's output and gradients are those of fp8_weights(), bit for bit; given others (one
+  fp8_adam_step further), the output moves with them."""
+  from flax import nnx
+  E, d, f = 4, 32, 32
+  x = jnp.asarray(rng.standard_normal((2, 8, d)), jnp.bfloat16)
+  graphdef, params = nnx.split(jaxmlp.nnx.MoE(E, d, f, 2, dtype=jnp.bfloat16, fp8="blockwise", rngs=nnx.Rngs(1)))
+  linen_moe = jaxmlp.linen.MoE(E, d, f, 2, dtype=jnp.bfloat16, fp8="blockwise")
+  linen_params = {"params": nnx.to_pure_dict(params)}
+  quantized = [w.quantized for w in nnx.merge(graphdef, params).fp8_weights()]
+
+  def nnx_loss(params, quantized):
+    moe = nnx.merge(graphdef, params)
+    return jnp.sum(moe(x, fp8_weights=moe.fp8_weights(quantized))[0].astype(jnp.float32) ** 2)
+
+  def linen_loss(params, quantized):
+    weights = linen_moe.apply(params, quantized, method="fp8_weights")
+    return jnp.sum(linen_moe.apply(params, x, fp8_weights=weights)[0].astype(jnp.float32) ** 2)
+
+  for loss, p in ((nnx_loss, params), (linen_loss, linen_params)):
+    got, want = (jax.value_and_grad(loss)(p, q) for q in (quantized, None))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    w1 = nnx.merge(graphdef, params).experts.w1[...]
+    moved = jaxmlp.fp8_adam_step(w1, jnp.ones_like(w1), optax.scale_by_adam().init(w1), learning_rate=0.1)[2]
+    assert loss(p, [moved.quantized, quantized[1]]) != got[0]
 
 
 W = jnp.zeros((2, 16, 32), jnp.float32)

@@ -37,7 +37,7 @@ except ModuleNotFoundError as e:  # the flax extra brings all three
 
 from jaxmlp import fp8_adam_step, fp8_weights as quantize_weights
 from jaxmlp.fp8 import RECIPES as FP8_RECIPES
-from jaxmlp.fp8 import Fp8Recipe, Fp8Weights
+from jaxmlp.fp8 import Fp8Recipe
 from jaxmlp.nnx import MoE
 
 
@@ -152,11 +152,7 @@ class MoETransformer(nnx.Module):
     them) around the parameters, which the gradient reaches; else None."""
     if self.fp8 is None:
       return None
-    if quantized is None:
-      return [block.moe.fp8_weights() for block in self.blocks]
-    return [tuple(Fp8Weights(w[...], *q, recipe=self.fp8.name)
-                  for w, q in zip((block.moe.experts.w1, block.moe.experts.w2), pair))
-            for block, pair in zip(self.blocks, quantized)]
+    return [block.moe.fp8_weights(None if quantized is None else quantized[i]) for i, block in enumerate(self.blocks)]
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
