@@ -52,8 +52,9 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
   The step of optax.adam (with weight_decay > 0, of optax.adamw) on w; the Fp8Weights equal
   jaxmlp.fp8_weights(new w, "blockwise", dtype), written on a GPU in the same pass over the weights as the
   update (module docstring). Pass them to the next step's grouped_mlp calls in place of w, with their
-  `weights` field the master weights being differentiated (dataclasses.replace(w_fp8, weights=w)), so
-  that the step quantizes nothing: see docs/fp8.md, "Weights written by the optimizer".
+  `weights` field the master weights being differentiated (dataclasses.replace(w_fp8, weights=w); the
+  Flax modules: fp8_weights(quantized)), so that the step quantizes nothing: see docs/fp8.md, "Weights
+  written by the optimizer".
 
   Args:
     w: [E, K, N] float32 master weights (w1 [E, d, F1] or w2 [E, f, d]); K and N multiples of 16.
