@@ -24,7 +24,6 @@ medians of --rounds rounds in a shuffled order (timing.measure_alternating).
   python benchmarks/fp8_train_step.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 5
 """
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -84,9 +83,8 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   recipe = _recipe(variant)
   if variant == "blockwise_adam":  # the state as three arguments: the quantized weights are not donated
     def step(w, opt, quantized):
-      fp8 = {k: jaxmlp.Fp8Weights(w[k], *quantized[k], recipe="blockwise") for k in w}
-      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, dataclasses.replace(fp8["w1"], weights=a),
-                                                          dataclasses.replace(fp8["w2"], weights=b), gs, fp8=recipe),
+      fp8 = lambda a, k: jaxmlp.Fp8Weights(a, *quantized[k], recipe="blockwise")
+      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, fp8(a, "w1"), fp8(b, "w2"), gs, fp8=recipe),
                        x, *(w[k].astype(jnp.bfloat16) for k in ("w1", "w2")))  # 16-bit gradients: no conversion
       dx, *g = vjp(dy)
       new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16)

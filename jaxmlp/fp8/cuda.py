@@ -109,11 +109,14 @@ def block_weights(w, dtype):
   _module_or_raise()
   if w.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):  # the kernel's types: float64 rounded by XLA
     w = w.astype(dtype)
-  E, K, N = w.shape
-  q, qt, e = _library.call("jaxmlp_fp8_block_weights", [((E, K, N), E4M3), ((E, N, K), E4M3),
-                                                        ((E, -(-K // 128), -(-N // 128)), jnp.int32)], w,
+  q, qt, e = _library.call("jaxmlp_fp8_block_weights", _weight_block_outputs(*w.shape), w,
                            dtype=np.int32(_library.dtype_code(dtype)))
   return q, e, qt
+
+
+def _weight_block_outputs(E: int, K: int, N: int) -> list:
+  """The results of a 128 x 128 quantization of weights [E, K, N]: q, qt and the exponents."""
+  return [((E, K, N), E4M3), ((E, N, K), E4M3), ((E, -(-K // 128), -(-N // 128)), jnp.int32)]
 
 
 def block_adam(w, g, mu, nu, scalars, hyper, dtype):
@@ -121,9 +124,7 @@ def block_adam(w, g, mu, nu, scalars, hyper, dtype):
   as block_weights). The new w, mu and nu take the input's buffers (aliases: in place where the caller
   donates them, else XLA copies the inputs first)."""
   _module_or_raise()
-  E, K, N = w.shape
-  outs = [((E, K, N), jnp.float32)] * 3 + [((E, K, N), E4M3), ((E, N, K), E4M3),
-                                          ((E, -(-K // 128), -(-N // 128)), jnp.int32)]
+  outs = [(w.shape, jnp.float32)] * 3 + _weight_block_outputs(*w.shape)
   w, mu, nu, q, qt, e = _library.call(
       "jaxmlp_fp8_block_adam", outs, w, g, mu, nu, scalars, input_output_aliases={0: 0, 2: 1, 3: 2},
       b1=np.float32(hyper.b1), b2=np.float32(hyper.b2), one_minus_b1=np.float32(1 - hyper.b1),
