@@ -3,7 +3,8 @@ shape: their JAX code (what XLA makes of jaxmlp/fp8/blockwise.py and jaxmlp/fp8/
 jaxmlp's CUDA kernels (jaxmlp/fp8/cuda.py's custom calls), with the
 bandwidth each reaches (bytes read and written over the time); the CUDA results are checked bit for bit
 against the JAX ones first (the activations' up to act's last bit, adam's up to XLA's fused multiply-adds:
-the share of equal bits). Also adam's step of the master weights with their quantization (fp8_adam_step).
+the share of equal bits). Also adam's step of the master weights with their quantization (fp8_adam_step),
+and XLA's adam alone.
 
   python benchmarks/fp8_quantizers.py                 # dsv3 (E=32, d=7168, f=2048, M=32768), balanced
   python benchmarks/fp8_quantizers.py --shape 8x512x256x2048
@@ -108,12 +109,16 @@ def main() -> None:
   adam = (lambda *a: fp8_adam._step(*a, hyper=hyper, dtype=jnp.bfloat16),
           lambda *a: fp8_cuda.block_adam(*a, hyper=hyper, dtype=jnp.bfloat16))
   runs.append(("adam + weights w1", *adam, adam_args, 28 * w1.size))
+  # adam's pass alone (its quantization's outputs unused: XLA drops it), what any optimizer step pays: the
+  # kernel's time over this one is what its quantization costs. JAX only.
+  adam_alone = lambda *a: adam[0](*a)[:3]
+  runs.append(("adam alone (XLA)", adam_alone, None, adam_args, 26 * w1.size))
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:
-    timed = donated_ms if jax_fn is adam[0] else median_ms
+    timed = donated_ms if jax_fn in (adam[0], adam_alone) else median_ms
     line = f"{name:<22}{(t := timed(jax_fn, *operands)):>9.3f}{nbytes / t / 1e6:>8.0f}"
-    if gpu:
+    if gpu and cuda_fn is not None:
       # Of the rows-and-columns quantizers, what the products read (the kernels leave the rest unwritten).
       read = (lambda out: blockwise.read_by_products(out, groups)) if len(operands[0].shape) == 2 else (lambda out: out)
       pairs = list(zip(jax.tree.leaves(read(jax.jit(cuda_fn)(*operands))),

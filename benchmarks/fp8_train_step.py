@@ -9,16 +9,22 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
 
   bf16     the update also writes the weights' bfloat16 copy, which the next step's call reads (what a
            mixed-precision optimizer does: XLA fuses the rounding into adam's pass)
+  bf16_donated  the same with its state donated (the update in place, as blockwise_adam's; the baseline
+           does not depend on it: 1.00x at dsv3 and gptoss on an H200)
   RECIPE   the loss quantizes the master weights (jaxmlp.fp8_weights(w, recipe, bf16), inside the
            differentiated function): the quantizer's pass over the weights in every step
   blockwise_adam  the blockwise recipe with the weights' FP8 copy written by the last step's update
            (jaxmlp.fp8_adam_step, in adam's pass: no quantizer's pass in the step), which takes the weights'
            16-bit gradients as the call gives them; its state is donated, so the update writes in place, as a
            training loop's would
+  blockwise_adam_default  what a user who turns FP8 on gets (docs/fp8.md, "Weights written by the
+           optimizer"): the recipe's default rule (when="faster", products in FP8 only at the rows per expert
+           where they measured faster), and blockwise_adam's step where the rule runs the calls in FP8
+           (Fp8Recipe.runs_fp8 with the weights given), else bf16's (the call, fp8= the recipe, runs in bf16)
 
 RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all six products in FP8
-(when="always"). blockwise_adam's calls carry the state its last step returned; the others run from the first
-state each time (one copy of the weights and moments for all of them: dsv3's fit). Speedups over bf16;
+(when="always"). The calls of the steps that donate their state (adam_flow) carry the state their last step
+returned; the others run from the first state each time (one copy of the weights and moments for all of them: dsv3's fit). Speedups over bf16;
 medians of --rounds rounds in a shuffled order (timing.measure_alternating).
 
   python benchmarks/fp8_train_step.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 5
@@ -32,17 +38,27 @@ import fp8_in_turn
 import jax_impls
 
 RECIPES = ("tensorwise", "blockwise", "blockwise_wgrad16")
-VARIANTS = ("bf16",) + RECIPES + ("blockwise_adam",)
+ADAM = ("blockwise_adam", "blockwise_adam_default")
+VARIANTS = ("bf16", "bf16_donated") + RECIPES + ADAM
 LEARNING_RATE = 1e-4
 
 
 def _recipe(name: str):
   import jaxmlp
+  if name == "blockwise_adam_default":
+    return jaxmlp.Fp8Recipe("blockwise")
   if name == "blockwise_adam":
     name = "blockwise"
   if name == "blockwise_wgrad16":
     return jaxmlp.Fp8Recipe("blockwise", when="always", fp8_weight_gradients=False)
   return jaxmlp.Fp8Recipe(name, when="always")
+
+
+def adam_flow(variant: str, M: int, E: int) -> bool:
+  """Whether the variant's step carries its state from call to call, donated (bf16_donated, and those whose FP8
+  weights fp8_adam_step writes)."""
+  return variant in ("blockwise_adam", "bf16_donated") or (variant == "blockwise_adam_default"
+                                         and _recipe(variant).runs_fp8(M, E, cached=True))
 
 
 def optimizer():
@@ -52,7 +68,7 @@ def optimizer():
 
 def first_state(w1, w2):
   """The float32 master weights {"w1", "w2"} of make_inputs' weights, and their adam state: shared by every
-  variant but blockwise_adam (no other step writes into its inputs), so that dsv3's fit beside each other."""
+  variant but those of adam_flow (no other step writes into its inputs), so that dsv3's fit beside each other."""
   import jax.numpy as jnp
   masters = {"w1": w1.astype(jnp.float32), "w2": w2.astype(jnp.float32)}
   return masters, optimizer().init(masters)
@@ -60,7 +76,7 @@ def first_state(w1, w2):
 
 def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   """(jitted step(*state) -> (next state, (y, dx)), the first state, a tuple) of `variant`, from make_inputs'
-  x, dy and first_state (blockwise_adam: (weights, adam's state, quantized weights), the first two a copy of
+  x, dy and first_state (adam_flow's: (weights, adam's state, quantized weights), the first two a copy of
   first_state's, which its step donates; the quantized weights it does not donate: XLA would copy them where
   the products still read the old ones)."""
   import jax
@@ -70,18 +86,21 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   import jaxmlp
   tx = optimizer()
 
-  if variant == "bf16":
+  recipe = None if variant.startswith("bf16") else _recipe(variant)
+  if variant.startswith("bf16") or (variant in ADAM and not adam_flow(variant, x.shape[0], gs.shape[0])):
     def step(state):
       w, opt, w16 = state
-      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, a, b, gs), x, w16["w1"], w16["w2"])
+      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, a, b, gs, fp8=recipe), x, w16["w1"], w16["w2"])
       dx, *g = vjp(dy)
       updates, opt = tx.update(dict(zip(("w1", "w2"), (v.astype(jnp.float32) for v in g))), opt, w)
       w = optax.apply_updates(w, updates)
       return (w, opt, {k: v.astype(jnp.bfloat16) for k, v in w.items()}), (y, dx)
-    return jax.jit(step), ((masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()}),)
+    first = (masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()})
+    if variant == "bf16_donated":  # the state as three arguments, donated and carried as adam_flow's
+      return jax.jit(lambda *state: step(state), donate_argnums=(0, 1, 2)), jax.tree.map(jnp.copy, first)
+    return jax.jit(step), (first,)
 
-  recipe = _recipe(variant)
-  if variant == "blockwise_adam":  # the state as three arguments: the quantized weights are not donated
+  if variant in ADAM:  # the state as three arguments: the quantized weights are not donated
     def step(w, opt, quantized):
       fp8 = lambda a, k: jaxmlp.Fp8Weights(a, *quantized[k], recipe="blockwise")
       y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, fp8(a, "w1"), fp8(b, "w2"), gs, fp8=recipe),
@@ -139,7 +158,8 @@ def main():
     del w1, w2
     gs = jnp.asarray(cases.group_sizes(a.routing, s.E, s.M))
     steps = {v: step_and_state(v, x, masters, opt_state, dy, gs) for v in variants}
-    calls = {v: carried(*st) if v == "blockwise_adam" else (lambda i, st=st: st[0](*st[1])) for v, st in steps.items()}
+    calls = {v: carried(*st) if adam_flow(v, s.M, s.E) else (lambda i, st=st: st[0](*st[1]))
+             for v, st in steps.items()}
     fp8_in_turn.measure_shape(results, shape, calls, a.rounds)
     del steps, masters, opt_state
   fp8_in_turn.report(results, variants, a, "fwd+bwd + adam", "fp8_train_step.json")

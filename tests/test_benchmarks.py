@@ -337,8 +337,8 @@ def test_kernel_share_reports_the_idle_time_of_a_traced_step(capsys, monkeypatch
 @pytest.mark.full
 def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, the tensorwise
-  weights' and adam's step with the weights' quantization at a shape of the user's own (the JAX code alone
-  without a GPU)."""
+  weights' and adam's step with the weights' quantization and without it at a shape of the user's own (the JAX
+  code alone without a GPU)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, str(BENCH.parent / "fp8_quantizers.py"), "--shape", "2x128x128x256"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -346,7 +346,7 @@ def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   rows = [line.split() for line in proc.stdout.splitlines()[2:]]
   assert [" ".join(r[:-2]) for r in rows] == ["rows + columns of x", "rows + columns of dh", "a = swiglu(h)",
                                               "dh of swiglu(h), da", "weights w1 (bf16)", "weights w1 (f32)",
-                                              "tensorwise w1 (bf16)", "adam + weights w1"]
+                                              "tensorwise w1 (bf16)", "adam + weights w1", "adam alone (XLA)"]
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
 
 
@@ -422,9 +422,10 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   """fp8_train_step.py's steps, one each from the same state: bf16's update writes the new master weights'
   bfloat16 copy; every step moves the weights by adam's first step (lr g / (|g| + eps): at most lr, and lr
   where the gradient is not tiny), in a direction the variant's own gradient gives (the FP8 variants' differ
-  from bf16's: their products ran), and return y and dx, whose products XLA would otherwise drop where a recipe
-  runs them as calls of their own."""
+  from bf16's: their products ran; the default rule's equals bf16's at this shape), and return y and dx, whose
+  products XLA would otherwise drop where a recipe runs them as calls of their own."""
   monkeypatch.syspath_prepend(str(BENCH.parent))
+  monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)  # the default rule, as the benchmark runs it
   import cases
   import fp8_train_step
   import jax
@@ -442,7 +443,8 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
     compiled = step.lower(*state).compile()
     new, outputs = compiled(*state)
     assert [o.shape for o in outputs] == [x.shape, x.shape], variant
-    if variant != "bf16" and jax.default_backend() == "cpu":  # the recipe's six products, one call each, all run
+    if variant in fp8_train_step.RECIPES + ("blockwise_adam",) and jax.default_backend() == "cpu":
+      # the recipe's six products, one call each, all run
       assert compiled.as_text().count('custom_call_target="jaxmlp_gemm"') == 6, variant
     if variant == "bf16":
       for k in ("w1", "w2"):
@@ -453,3 +455,7 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
       assert np.all(np.abs(delta) <= lr * 1.001) and abs(np.median(np.abs(delta)) - lr) < 1e-3 * lr, (variant, k)
   for variant in fp8_train_step.RECIPES:
     assert any(np.any(np.sign(moved[variant][k]) != np.sign(moved["bf16"][k])) for k in masters), variant
+  # By the default rule 64 rows per expert run in bf16, and the step is bf16's (adam_flow): the same update.
+  assert not fp8_train_step.adam_flow("blockwise_adam_default", s.M, s.E)
+  for k in masters:
+    np.testing.assert_array_equal(moved["blockwise_adam_default"][k], moved["bf16"][k], err_msg=k)
