@@ -53,11 +53,11 @@ from .reference_moe import sort_by_expert
 EXCHANGES = ("all_gather", "ragged_all_to_all")
 
 
-def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int:
+def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int, experts_name: str = "num_experts") -> int:
   """P, the size of `expert_axis` in the current mesh (jax.set_mesh); 1 without an axis or a mesh.
 
   Raises a ValueError naming the argument when the mesh lacks the axis or E or the tokens do not split
-  evenly over it."""
+  evenly over it (experts_name: the argument that holds the experts, in that error)."""
   mesh = jax.sharding.get_abstract_mesh()
   if expert_axis is None or mesh.empty:
     return 1
@@ -69,7 +69,7 @@ def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int) -> int
     raise ValueError(f"expert_axis: {expert_axis!r} is already manual here (inside a shard_map over it); "
                      "call the layer outside, on the tokens of all devices")
   if size > 1 and num_experts % size:
-    raise ValueError(f"num_experts: {num_experts} experts do not split over the {size} devices of "
+    raise ValueError(f"{experts_name}: {num_experts} experts do not split over the {size} devices of "
                      f"expert_axis {expert_axis!r}; expected a multiple of {size}")
   if size > 1 and num_tokens % size:
     raise ValueError(f"x: {num_tokens} tokens do not split over the {size} devices of expert_axis "

@@ -9,11 +9,15 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import gpus
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
 import jaxmlp
 import jaxmlp.linen
 import jaxmlp.nnx
 import numpy_fp8_reference as fp8_ref
-from fp8_cases import DTYPES, platform  # noqa: F401  (the fixture)
+from fp8_cases import DTYPES, fp8_reason, platform  # noqa: F401  (the fixture)
 
 # (E, K, N): whole tiles, and tiles cut short by K and N (multiples of 16, not of 128).
 SHAPES = {"whole": (2, 256, 128), "cut": (3, 144, 272)}
@@ -201,6 +205,51 @@ def test_flax_modules_take_the_optimizers_fp8_weights(rng):
     w1 = nnx.merge(graphdef, params).experts.w1[...]
     moved = jaxmlp.fp8_adam_step(w1, jnp.ones_like(w1), optax.scale_by_adam().init(w1), learning_rate=0.1)[2]
     assert loss(p, [moved.quantized, quantized[1]]) != got[0]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices):
+  """With expert_axis (the experts split over 4 devices of the mesh, as the expert-parallel layer holds them)
+  each device steps and quantizes its own experts: NumPy's adam of the whole tensor up to a few roundings (on
+  the CPU XLA fuses the split program's multiply-adds otherwise than the whole one's: last bits), and the
+  quantization of the new weights bit for bit (cut tiles); the results stay split by expert."""
+  if devices == "gpu" and (len(gpus()) < 4 or fp8_reason()):
+    pytest.skip(f"needs 4 GPUs that run FP8 ({len(gpus())} here)")
+  count = 5
+  w, g, state = adam_inputs(rng, (8, 144, 272), count)
+  kw = HYPER["adamw"]
+  mesh = jax.make_mesh((4,), ("expert",), axis_types=(axis_type,), devices=jax.devices(devices)[:4])
+  split = jax.sharding.NamedSharding(mesh, P("expert"))
+  args = [jax.device_put(v, split) for v in (w, g, state.mu, state.nu)]
+  step = jax.jit(lambda w, g, mu, nu: jaxmlp.fp8_adam_step(w, g, state._replace(mu=mu, nu=nu),
+                                                           expert_axis="expert", **kw))
+  with jax.set_mesh(mesh):
+    new_w, new_state, fp8 = step(*args)
+    # Each device runs the step on its own experts (on a GPU the kernel's custom call, which XLA would
+    # otherwise run on gathered operands), not XLA's partitioning of the whole step.
+    assert "shard_map" in str(jax.make_jaxpr(step)(*args))
+  want, terms = numpy_adam(*(np.asarray(v, np.float32) for v in (w, g, state.mu, state.nu)), count + 1, **kw)
+  for got, expected, magnitude, roundings in zip((new_w, new_state.mu, new_state.nu), want, terms, ROUNDINGS):
+    assert_rounded_alike(got, expected, magnitude, roundings)
+  values, exponents = numpy_weight_blocks(np.asarray(new_w).astype(DTYPES["bfloat16"]).astype(np.float64))
+  np.testing.assert_array_equal(np.asarray(fp8.scales), exponents)
+  scale = np.repeat(np.repeat(2.0 ** exponents, 128, axis=1), 128, axis=2)[:, :w.shape[1], :w.shape[2]]
+  np.testing.assert_array_equal(np.asarray(fp8.q).astype(np.float64) * scale, values)
+  np.testing.assert_array_equal(np.asarray(fp8.qt).view(np.uint8), np.swapaxes(np.asarray(fp8.q).view(np.uint8), 1, 2))
+  for v in (new_w, new_state.mu, new_state.nu, fp8.q, fp8.qt, fp8.scales):
+    assert v.sharding.spec[0] == "expert", v.sharding
+
+
+def test_fp8_adam_step_expert_axis_errors():
+  mesh = jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Explicit,), devices=jax.devices("cpu")[:4])
+  w = jnp.zeros((6, 16, 32), jnp.float32)
+  state = optax.scale_by_adam().init(w)
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"fp8_adam_step: w: 6 experts do not split over the 4 devices"):
+      jax.eval_shape(lambda: jaxmlp.fp8_adam_step(w, w, state, learning_rate=1e-3, expert_axis="expert"))
+    with pytest.raises(ValueError, match=r"fp8_adam_step: expert_axis: 'model' is not an axis of the current mesh"):
+      jax.eval_shape(lambda: jaxmlp.fp8_adam_step(w, w, state, learning_rate=1e-3, expert_axis="model"))
 
 
 W = jnp.zeros((2, 16, 32), jnp.float32)

@@ -84,11 +84,12 @@ def test_train_example_fp8_over_micro_batches(capsys):
     train_moe.main(["--steps", "2", "--config", "tiny", "--micro-batches", "3"])
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, micro_batches):
-  """--fp8 blockwise on one device: the experts' FP8 weights come from the last step's update
-  (jaxmlp.fp8_adam_step, which also updates them: adamw's step, as optax's for the rest). The run's losses
-  equal those of the same run with the weights quantized in the loss and every parameter on optax.adamw."""
+@pytest.mark.parametrize("micro_batches, expert_parallel", [(1, False), (2, False), (1, True)])
+def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, micro_batches, expert_parallel):
+  """--fp8 blockwise: the experts' FP8 weights come from the last step's update (jaxmlp.fp8_adam_step, which
+  also updates them: adamw's step, as optax's for the rest; expert-parallel, each device its own experts).
+  The run's losses equal those of the same run with the weights quantized in the loss and every parameter on
+  optax.adamw."""
   cfg = train_moe.CONFIGS["tiny"]
   batches = np.stack([train_moe.MarkovChain(cfg.vocab_size, 4).sample(cfg.batch_size, cfg.seq_len + 1)
                       for _ in range(5)])
@@ -96,8 +97,12 @@ def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, m
   experts = train_moe.expert_weights(params)
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   assert len(experts) == 2 * cfg.num_layers and all("experts" in str(leaves[i][0]) for i in experts)
-  run = lambda: train_moe.train(cfg, batches, impl="jaxmlp", dtype=jnp.bfloat16, seed=4, fp8="blockwise",
-                                micro_batches=micro_batches).losses
+  mesh = train_moe.expert_mesh() if expert_parallel else None
+
+  def run():
+    with train_moe.on(mesh):
+      return train_moe.train(cfg, batches, impl="jaxmlp", dtype=jnp.bfloat16, seed=4, fp8="blockwise",
+                             micro_batches=micro_batches, expert_axis=train_moe.EXPERT_AXIS if mesh else None).losses
   by_optimizer = run()
   monkeypatch.setattr(train_moe, "expert_weights", lambda params: [])
   in_the_loss = run()

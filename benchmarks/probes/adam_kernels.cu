@@ -151,32 +151,37 @@ __global__ void __launch_bounds__(256) AdamStripStreamKernel(AdamStep s, const G
 }
 
 // ---- the fused kernel over a cluster of kC blocks per 128 x 128 tile: each block 128 / kC rows (8 / kC
-// passes), the tile's maximum met through distributed shared memory ----
+// passes), the tile's maximum met through distributed shared memory. cluster.sync() waits for the block's
+// global stores (a membar): with one pass a block (kC 8) the new w, mu and nu are held until after it;
+// the second barrier (no block leaves while a peer may read its maximum) arrives once the maxima are read
+// and used, relaxed, and waits at the end. ----
 template <typename R, typename G, int kC>
 __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
     AdamClusterKernel(AdamStep s, const G* grad, int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
   namespace cg = cooperative_groups;
   constexpr int kRows = 128 / kC, kPasses = kRows / 16;
+  constexpr bool kHoldUpdate = kPasses == 1;
   __shared__ uint8_t tile[kRows][kScaleBlock + 4];
   __shared__ float warp_max[8];
   __shared__ float block_max;
   cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(blockIdx.x % kC);
+  const int rank = int(cluster.block_rank());
   const int64_t n0 = int64_t(blockIdx.x / kC) * kScaleBlock, k0 = int64_t(blockIdx.y) * kScaleBlock + rank * kRows;
   const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;
   const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
   auto holds = [&](int p) { return k0 + first_row + 16 * p < K && n0 + j < N; };
   auto offset = [&](int p) { return (int64_t(blockIdx.z) * K + k0 + first_row + 16 * p) * N + n0 + j; };
   typename RoundedPair<R>::Type held[kPasses][4];
+  Vec<float, 8> w, mu, nu;
   float amax = 0.0f;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     if (!holds(p)) continue;
     const int64_t o = offset(p);
-    Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
+    w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
     const Vec<G, 8> g = Load<G, 8>(grad + o);
     for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
-    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+    if (!kHoldUpdate) Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
 #pragma unroll
     for (int u = 0; u < 8; u += 2) {
       held[p][u / 2] = RoundedPair<R>::From(w.v[u], w.v[u + 1]);
@@ -195,9 +200,15 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
   cluster.sync();  // every block's maximum written
   amax = 0.0f;
   for (int c = 0; c < kC; ++c) amax = fmaxf(amax, *cluster.map_shared_rank(&block_max, c));
-  const int exp = Exponent(amax);
+  const int exp = Exponent(amax);  // uses the peers' maxima: their reads are done
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  if (kHoldUpdate && holds(0)) {
+    const int64_t o = offset(0);
+    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+  }
   const Unscale unscale(exp);
-  if (threadIdx.x == 0 && rank == 0) e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * (gridDim.x / kC) + blockIdx.x / kC] = exp;
+  if (threadIdx.x == 0 && rank == 0)
+    e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * (gridDim.x / kC) + blockIdx.x / kC] = exp;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     if (!holds(p)) continue;
@@ -217,7 +228,7 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
     for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
     *reinterpret_cast<uint64_t*>(qt + (blockIdx.z * N + n0 + n) * K + k0 + i) = packed;
   }
-  cluster.sync();  // no block leaves while another may still read its maximum
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
 // ---- the persistent loop's traffic with an add in place of adam's arithmetic ----
@@ -271,7 +282,9 @@ struct Buffers {
     CK(cudaMemcpy(w, w0, n * 4, cudaMemcpyDeviceToDevice));
     CK(cudaMemcpy(mu, mu0, n * 4, cudaMemcpyDeviceToDevice));
     CK(cudaMemcpy(nu, nu0, n * 4, cudaMemcpyDeviceToDevice));
-    CK(cudaMemset(q, 0, n)), CK(cudaMemset(qt, 0, n));
+    // Poisoned (0xFF: an e4m3 NaN, exponent -1): a variant that leaves an element unwritten differs.
+    CK(cudaMemset(q, 0xFF, n)), CK(cudaMemset(qt, 0xFF, n));
+    CK(cudaMemset(e, 0xFF, E * ScaleBlocks(K) * ScaleBlocks(N) * 4));
   }
   AdamStep Step() const { return AdamStep{w, mu, nu, g, w, mu, nu, hyper, 0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 0.0f}; }
   std::vector<uint8_t> Outputs() const {

@@ -215,14 +215,15 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW, each step's
   gradient accumulated over `micro_batches` parts of its batch. fp8: a recipe name, run in FP8 at every
   shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster);
-  blockwise without an expert axis has the experts' FP8 weights written by their update (fp8_adam_step)."""
+  blockwise has the experts' FP8 weights written by their update (fp8_adam_step; over the expert axis, each
+  device its own experts)."""
   recipe = Fp8Recipe(fp8, when="always") if fp8 else None
   model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=recipe)
   graphdef, params = nnx.split(model)
   leaves, treedef = jax.tree.flatten(params)
-  # The blockwise recipe on one device: the experts' FP8 weights are written by their optimizer's update
+  # The blockwise recipe: the experts' FP8 weights are written by their optimizer's update
   # (jaxmlp.fp8_adam_step: adamw's step, as optax's for the rest), not quantized in the loss.
-  experts = expert_weights(params) if recipe is not None and recipe.name == "blockwise" and not expert_axis else []
+  experts = expert_weights(params) if recipe is not None and recipe.name == "blockwise" else []
   labels = jax.tree.unflatten(treedef, ["experts" if i in experts else "rest" for i in range(len(leaves))])
   optimizer = optax.multi_transform({"rest": optax.adamw(cfg.learning_rate, weight_decay=WEIGHT_DECAY),
                                      "experts": optax.set_to_zero()}, labels)
@@ -243,7 +244,7 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
     g = jax.tree.leaves(grads)
     for k, i in enumerate(experts):
       new[i], adam[k], fp8 = fp8_adam_step(new[i], g[i], adam[k], learning_rate=cfg.learning_rate,
-                                           weight_decay=WEIGHT_DECAY, dtype=dtype)
+                                           weight_decay=WEIGHT_DECAY, dtype=dtype, expert_axis=expert_axis)
       quantized[k] = fp8.quantized
     return jax.tree.unflatten(treedef, new), opt_state, (adam, quantized), cross_entropy
 
@@ -288,8 +289,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
                            "the other; with --fp8 the experts' weights are quantized once per step "
-                           "(jaxmlp.fp8_weights; blockwise on one device: by the last step's optimizer update, "
-                           "jaxmlp.fp8_adam_step)")
+                           "(jaxmlp.fp8_weights; blockwise: by the last step's optimizer update, jaxmlp.fp8_adam_step)")
   parser.add_argument("--expert-parallel", action="store_true",
                       help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
                            "on a CPU), and check the first batch's loss and gradients against one device")

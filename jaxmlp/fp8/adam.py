@@ -26,9 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from .. import expert_parallel
 from .._library import on_platforms
 from . import blockwise, cuda
 from .recipe import Fp8Weights
@@ -45,7 +48,7 @@ class Hyperparameters:
 
 
 def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  eps_root: float = 0.0, weight_decay: float = 0.0, dtype=jnp.bfloat16):
+                  eps_root: float = 0.0, weight_decay: float = 0.0, dtype=jnp.bfloat16, expert_axis: str | None = None):
   """One adam step of float32 master expert weights, and the new weights quantized for the blockwise FP8
   recipe: (new w, new state, jaxmlp.Fp8Weights of the new w).
 
@@ -70,16 +73,41 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
     b1, b2, eps, eps_root, weight_decay: adam's constants, as optax.adam / optax.adamw take them.
     dtype: the computation dtype of the calls (x's: bfloat16 or float16) that the new weights are rounded to
       before they are quantized, as fp8_weights' dtype.
+    expert_axis: the mesh axis (of jax.set_mesh's mesh) that the experts are split over, as the MoE layer's
+      expert_axis: each device then steps and quantizes its own experts (a 128 x 128 tile lies in one
+      expert: the results are those of the whole tensor), and the results stay split as w; without it, the
+      step's operands are whole on each device that runs it.
   """
   hyper = _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtype)
+  try:  # no tokens here: 0 splits over any axis
+    devices = expert_parallel.axis_size(expert_axis, np.shape(w)[0], 0, experts_name="w")
+  except ValueError as e:
+    raise ValueError(f"fp8_adam_step: {e}") from None
   mu, nu, count = state.mu, state.nu, jnp.asarray(state.count)
   # optax.safe_increment, then optax's bias corrections and its scaling by the negative learning rate,
   # computed as optax computes them: the same values on the CPU and for the GPU's kernel.
   count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
   scalars = jnp.stack([-1 * jnp.asarray(learning_rate, jnp.float32), 1 - b1 ** count, 1 - b2 ** count])
   step = functools.partial(_step_on_platforms, hyper=hyper, dtype=jnp.dtype(dtype))
+  if devices > 1:
+    step = _split_over(step, expert_axis)
   w, mu, nu, q, e, qt = step(w, g, mu, nu, scalars.astype(jnp.float32))
   return w, state._replace(count=count, mu=mu, nu=nu), Fp8Weights(w, q, e, qt, recipe="blockwise")
+
+
+def _split_over(step, axis: str):
+  """step(w, g, mu, nu, scalars) on each device's experts of `axis` (jax.shard_map): the [E, ...] operands and
+  results split by their leading dimension, the scalars whole on every device."""
+  split = P(axis)
+  specs = (split,) * 4 + (P(),)
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit
+
+  def on_devices(*args):
+    if explicit:  # shard_map moves Auto operands itself, Explicit ones not
+      args = jax.sharding.reshard(args, specs)
+    return jax.shard_map(step, in_specs=specs, out_specs=(split,) * 6, axis_names={axis})(*args)
+  return on_devices
 
 
 def _step_on_platforms(w, g, mu, nu, scalars, hyper: Hyperparameters, dtype):
