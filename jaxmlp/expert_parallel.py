@@ -67,7 +67,7 @@ def axis_size(expert_axis: str | None, num_experts: int, num_tokens: int, expert
   size = mesh.shape[expert_axis]
   if size > 1 and mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Manual:
     raise ValueError(f"expert_axis: {expert_axis!r} is already manual here (inside a shard_map over it); "
-                     "call the layer outside, on the tokens of all devices")
+                     "call this outside, on the arrays of all devices")
   if size > 1 and num_experts % size:
     raise ValueError(f"{experts_name}: {num_experts} experts do not split over the {size} devices of "
                      f"expert_axis {expert_axis!r}; expected a multiple of {size}")

@@ -208,24 +208,28 @@ def test_flax_modules_take_the_optimizers_fp8_weights(rng):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
-@pytest.mark.parametrize("devices", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices):
-  """With expert_axis (the experts split over 4 devices of the mesh, as the expert-parallel layer holds them)
+@pytest.mark.parametrize("devices, placed", [(4, "split"), (4, "whole"), (4, "eagerly"), (1, "split"),
+                                             pytest.param(4, "on GPUs", marks=pytest.mark.gpu)])
+def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices, placed):
+  """With expert_axis (the experts split over the mesh's devices, as the expert-parallel layer holds them)
   each device steps and quantizes its own experts: NumPy's adam of the whole tensor up to a few roundings (on
   the CPU XLA fuses the split program's multiply-adds otherwise than the whole one's: last bits), and the
-  quantization of the new weights bit for bit (cut tiles); the results stay split by expert."""
-  if devices == "gpu" and (len(gpus()) < 4 or fp8_reason()):
-    pytest.skip(f"needs 4 GPUs that run FP8 ({len(gpus())} here)")
+  quantization of the new weights bit for bit (cut tiles); the results come back split by expert. Operands
+  already split or whole (under Explicit axes the step reshards them), the step jitted or eager, an axis of
+  one device."""
+  platform = "gpu" if placed == "on GPUs" else "cpu"
+  if platform == "gpu" and (len(gpus()) < devices or fp8_reason()):
+    pytest.skip(f"needs {devices} GPUs that run FP8 ({len(gpus())} here)")
   count = 5
   w, g, state = adam_inputs(rng, (8, 144, 272), count)
   kw = HYPER["adamw"]
-  mesh = jax.make_mesh((4,), ("expert",), axis_types=(axis_type,), devices=jax.devices(devices)[:4])
-  split = jax.sharding.NamedSharding(mesh, P("expert"))
-  args = [jax.device_put(v, split) for v in (w, g, state.mu, state.nu)]
-  step = jax.jit(lambda w, g, mu, nu: jaxmlp.fp8_adam_step(w, g, state._replace(mu=mu, nu=nu),
-                                                           expert_axis="expert", **kw))
+  mesh = jax.make_mesh((devices,), ("expert",), axis_types=(axis_type,), devices=jax.devices(platform)[:devices])
+  args = (w, g, state.mu, state.nu)
+  if placed != "whole":
+    args = [jax.device_put(v, jax.sharding.NamedSharding(mesh, P("expert"))) for v in args]
+  step = lambda w, g, mu, nu: jaxmlp.fp8_adam_step(w, g, state._replace(mu=mu, nu=nu), expert_axis="expert", **kw)
   with jax.set_mesh(mesh):
-    new_w, new_state, fp8 = step(*args)
+    new_w, new_state, fp8 = (step if placed == "eagerly" else jax.jit(step))(*args)
     # Each device runs the step on its own experts (on a GPU the kernel's custom call, which XLA would
     # otherwise run on gathered operands), not XLA's partitioning of the whole step.
     assert "shard_map" in str(jax.make_jaxpr(step)(*args))

@@ -103,9 +103,14 @@ def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, m
     with train_moe.on(mesh):
       return train_moe.train(cfg, batches, impl="jaxmlp", dtype=jnp.bfloat16, seed=4, fp8="blockwise",
                              micro_batches=micro_batches, expert_axis=train_moe.EXPERT_AXIS if mesh else None).losses
+  axes = []  # expert_axis of each fp8_adam_step the step traces (once: one compilation)
+  step = train_moe.fp8_adam_step
+  monkeypatch.setattr(train_moe, "fp8_adam_step", lambda *a, **k: (axes.append(k["expert_axis"]), step(*a, **k))[1])
   by_optimizer = run()
+  assert axes == [train_moe.EXPERT_AXIS if mesh else None] * len(experts)
   monkeypatch.setattr(train_moe, "expert_weights", lambda params: [])
   in_the_loss = run()
+  assert len(axes) == len(experts)
   assert by_optimizer[-1] < by_optimizer[0]
   np.testing.assert_allclose(by_optimizer, in_the_loss, rtol=1e-4)
 

@@ -73,23 +73,26 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
     b1, b2, eps, eps_root, weight_decay: adam's constants, as optax.adam / optax.adamw take them.
     dtype: the computation dtype of the calls (x's: bfloat16 or float16) that the new weights are rounded to
       before they are quantized, as fp8_weights' dtype.
-    expert_axis: the mesh axis (of jax.set_mesh's mesh) that the experts are split over, as the MoE layer's
-      expert_axis: each device then steps and quantizes its own experts (a 128 x 128 tile lies in one
-      expert: the results are those of the whole tensor), and the results stay split as w; without it, the
-      step's operands are whole on each device that runs it.
+    expert_axis: the axis of the current mesh (jax.set_mesh) that the experts are split over, as the MoE
+      layer's expert_axis: each device then steps and quantizes its own experts inside a jax.shard_map (a
+      128 x 128 tile lies in one expert: the results are those of the whole tensor), and the results come
+      back split over that axis (alone: under Explicit axes, w's other axes are gathered). Without it, or
+      without a current mesh (as the layer, which then runs on one device), the step takes its operands
+      whole: on a GPU its kernel would run on them gathered.
   """
   hyper = _check(w, g, state, learning_rate, b1, b2, eps, eps_root, weight_decay, dtype)
   try:  # no tokens here: 0 splits over any axis
-    devices = expert_parallel.axis_size(expert_axis, np.shape(w)[0], 0, experts_name="w")
+    expert_parallel.axis_size(expert_axis, np.shape(w)[0], 0, experts_name="w")
   except ValueError as e:
     raise ValueError(f"fp8_adam_step: {e}") from None
+  split = expert_axis is not None and not jax.sharding.get_abstract_mesh().empty  # an axis of size 1 too
   mu, nu, count = state.mu, state.nu, jnp.asarray(state.count)
   # optax.safe_increment, then optax's bias corrections and its scaling by the negative learning rate,
   # computed as optax computes them: the same values on the CPU and for the GPU's kernel.
   count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
   scalars = jnp.stack([-1 * jnp.asarray(learning_rate, jnp.float32), 1 - b1 ** count, 1 - b2 ** count])
   step = functools.partial(_step_on_platforms, hyper=hyper, dtype=jnp.dtype(dtype))
-  if devices > 1:
+  if split:
     step = _split_over(step, expert_axis)
   w, mu, nu, q, e, qt = step(w, g, mu, nu, scalars.astype(jnp.float32))
   return w, state._replace(count=count, mu=mu, nu=nu), Fp8Weights(w, q, e, qt, recipe="blockwise")
