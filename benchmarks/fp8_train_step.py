@@ -23,9 +23,10 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
            (Fp8Recipe.runs_fp8 with the weights given), else bf16's (the call, fp8= the recipe, runs in bf16)
 
 RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all six products in FP8
-(when="always"). The calls of the steps that donate their state (adam_flow) carry the state their last step
-returned; the others run from the first state each time (one copy of the weights and moments for all of them: dsv3's fit). Speedups over bf16;
-medians of --rounds rounds in a shuffled order (timing.measure_alternating).
+(when="always"). The calls of the steps that donate their state (carries_state) carry the state their last
+step returned; the others run from the first state each time (one copy of the weights and moments for all of
+them: dsv3's fit). Speedups over bf16; medians of --rounds rounds in a shuffled order
+(timing.measure_alternating).
 
   python benchmarks/fp8_train_step.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 5
 """
@@ -54,11 +55,12 @@ def _recipe(name: str):
   return jaxmlp.Fp8Recipe(name, when="always")
 
 
-def adam_flow(variant: str, M: int, E: int) -> bool:
-  """Whether the variant's step carries its state from call to call, donated (bf16_donated, and those whose FP8
-  weights fp8_adam_step writes)."""
-  return variant in ("blockwise_adam", "bf16_donated") or (variant == "blockwise_adam_default"
-                                         and _recipe(variant).runs_fp8(M, E, cached=True))
+def carries_state(variant: str, M: int, E: int) -> bool:
+  """Whether the variant's step carries its state from call to call, donated: bf16_donated's, and those whose
+  FP8 weights fp8_adam_step writes (blockwise_adam_default's where the rule runs the calls in FP8)."""
+  if variant == "blockwise_adam_default":
+    return _recipe(variant).runs_fp8(M, E, cached=True)
+  return variant in ("blockwise_adam", "bf16_donated")
 
 
 def optimizer():
@@ -68,7 +70,8 @@ def optimizer():
 
 def first_state(w1, w2):
   """The float32 master weights {"w1", "w2"} of make_inputs' weights, and their adam state: shared by every
-  variant but those of adam_flow (no other step writes into its inputs), so that dsv3's fit beside each other."""
+  variant whose step does not carry its state (no other step writes into its inputs), so that dsv3's fit beside
+  each other."""
   import jax.numpy as jnp
   masters = {"w1": w1.astype(jnp.float32), "w2": w2.astype(jnp.float32)}
   return masters, optimizer().init(masters)
@@ -76,8 +79,8 @@ def first_state(w1, w2):
 
 def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   """(jitted step(*state) -> (next state, (y, dx)), the first state, a tuple) of `variant`, from make_inputs'
-  x, dy and first_state (adam_flow's: (weights, adam's state, quantized weights), the first two a copy of
-  first_state's, which its step donates; the quantized weights it does not donate: XLA would copy them where
+  x, dy and first_state (with fp8_adam_step: (weights, adam's state, quantized weights), the first two a copy
+  of first_state's, which its step donates; the quantized weights it does not donate: XLA would copy them where
   the products still read the old ones)."""
   import jax
   import jax.numpy as jnp
@@ -87,7 +90,7 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
   tx = optimizer()
 
   recipe = None if variant.startswith("bf16") else _recipe(variant)
-  if variant.startswith("bf16") or (variant in ADAM and not adam_flow(variant, x.shape[0], gs.shape[0])):
+  if variant.startswith("bf16") or (variant in ADAM and not carries_state(variant, x.shape[0], gs.shape[0])):
     def step(state):
       w, opt, w16 = state
       y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, a, b, gs, fp8=recipe), x, w16["w1"], w16["w2"])
@@ -96,7 +99,7 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
       w = optax.apply_updates(w, updates)
       return (w, opt, {k: v.astype(jnp.bfloat16) for k, v in w.items()}), (y, dx)
     first = (masters, opt_state, {k: v.astype(jnp.bfloat16) for k, v in masters.items()})
-    if variant == "bf16_donated":  # the state as three arguments, donated and carried as adam_flow's
+    if variant == "bf16_donated":  # the state as three arguments, donated and carried
       return jax.jit(lambda *state: step(state), donate_argnums=(0, 1, 2)), jax.tree.map(jnp.copy, first)
     return jax.jit(step), (first,)
 
@@ -158,7 +161,7 @@ def main():
     del w1, w2
     gs = jnp.asarray(cases.group_sizes(a.routing, s.E, s.M))
     steps = {v: step_and_state(v, x, masters, opt_state, dy, gs) for v in variants}
-    calls = {v: carried(*st) if adam_flow(v, s.M, s.E) else (lambda i, st=st: st[0](*st[1]))
+    calls = {v: carried(*st) if carries_state(v, s.M, s.E) else (lambda i, st=st: st[0](*st[1]))
              for v, st in steps.items()}
     fp8_in_turn.measure_shape(results, shape, calls, a.rounds)
     del steps, masters, opt_state

@@ -442,7 +442,7 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
     step, state = fp8_train_step.step_and_state(variant, x, masters, opt_state, dy, gs)
     compiled = step.lower(*state).compile()
     new, outputs = compiled(*state)
-    if fp8_train_step.adam_flow(variant, s.M, s.E):  # donated: the weights and adam's state, updated in place
+    if fp8_train_step.carries_state(variant, s.M, s.E):  # donated: the weights and adam's state, updated in place
       assert all(v.is_deleted() for v in jax.tree.leaves(state[:2])), variant
     assert [o.shape for o in outputs] == [x.shape, x.shape], variant
     if variant in fp8_train_step.RECIPES + ("blockwise_adam",) and jax.default_backend() == "cpu":
@@ -457,9 +457,9 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
       assert np.all(np.abs(delta) <= lr * 1.001) and abs(np.median(np.abs(delta)) - lr) < 1e-3 * lr, (variant, k)
   for variant in fp8_train_step.RECIPES:
     assert any(np.any(np.sign(moved[variant][k]) != np.sign(moved["bf16"][k])) for k in masters), variant
-  # By the default rule 64 rows per expert run in bf16, and the step is bf16's (adam_flow): the same update.
-  assert not fp8_train_step.adam_flow("blockwise_adam_default", s.M, s.E)
+  # By the default rule 64 rows per expert run in bf16, and the step is bf16's: the same update.
+  assert not fp8_train_step.carries_state("blockwise_adam_default", s.M, s.E)
   for k in masters:
     np.testing.assert_array_equal(moved["blockwise_adam_default"][k], moved["bf16"][k], err_msg=k)
   monkeypatch.setenv("JAXMLP_FP8_WHEN", "always")  # where the rule runs FP8: blockwise_adam's step
-  assert fp8_train_step.adam_flow("blockwise_adam_default", s.M, s.E)
+  assert fp8_train_step.carries_state("blockwise_adam_default", s.M, s.E)

@@ -24,7 +24,7 @@ import kernel_share  # noqa: E402
 def step_kernels(variant: str, s: cases.Shape, x, masters, opt_state, dy, gs) -> collections.Counter:
   """{kernel name: ns} of one step of `variant` (the mean of two traced steps)."""
   step, state = fp8_train_step.step_and_state(variant, x, masters, opt_state, dy, gs)
-  call = (fp8_train_step.carried(step, state) if fp8_train_step.adam_flow(variant, s.M, s.E)
+  call = (fp8_train_step.carried(step, state) if fp8_train_step.carries_state(variant, s.M, s.E)
           else lambda i: step(*state))
   for i in range(3):
     jax.block_until_ready(call(i))

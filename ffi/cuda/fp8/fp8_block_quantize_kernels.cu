@@ -149,11 +149,11 @@ __device__ __forceinline__ void QuantizeWeightTile(const WeightTile& t, float am
 // A block per 128 x 128 tile of one expert: QuantizeWeightTile of w of type T (float32 master weights too)
 // rounded to the computation dtype R on the way in: the quantization of w.astype(R), with no copy of it.
 // A 16-bit w is read twice (the second time from L2): holding it in registers instead, as floats or as
-// 16-bit vectors, cost occupancy and was slower; unbounded, ptxas gives it ~60 registers (four blocks an
-// SM), all eight first loads in flight at once, 6% faster than bounded to 42 (five blocks). A wider w is
-// held in registers (HeldTile): its second read missed L2. Three blocks an SM at least there: ptxas fits
-// the held tile in 80 registers (84, two blocks, unbounded), as it does AdamWeightBlocksKernel's.
-// (docs/performance.md, "Kernel measurements".)
+// 16-bit vectors, cost occupancy and was slower; unbounded, ptxas gives it 56-70 registers (three or four
+// blocks an SM), 3% faster than bounded to 42 (five blocks). A wider w is held in registers (HeldTile):
+// its second read missed L2. Three blocks an SM at least there: ptxas fits the held tile in 80 registers
+// (84, two blocks, unbounded), as it does AdamWeightBlocksKernel's. (docs/performance.md, "Kernel
+// measurements".)
 template <typename T, typename R>
 __global__ void __launch_bounds__(256, sizeof(T) > sizeof(R) ? 3 : 1)
     WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
