@@ -141,17 +141,29 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
 
   split = P(expert_axis)
   specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
-  explicit = mesh.axis_types[mesh.axis_names.index(expert_axis)] == jax.sharding.AxisType.Explicit
-  args = (tokens, logits, expert_params)
-  if explicit:  # shard_map moves Auto operands itself, Explicit ones not
-    args = jax.sharding.reshard(args, specs)
-  # Compiled as one program also when called outside jit (a Linen init): op by op, jax 0.11.2's XLA:CPU
-  # crashed (segmentation fault) compiling the ops of the shard.
-  y, losses = jax.jit(jax.shard_map(shard, in_specs=specs, out_specs=(split, P()),
-                                    axis_names={expert_axis}))(*args)
-  if explicit:  # y as the tokens were, so that the caller's reshape is the one it does without EP
+  y, losses = split_over(shard, expert_axis, specs, (split, P()))(tokens, logits, expert_params)
+  if is_explicit(expert_axis):  # y as the tokens were, so that the caller's reshape is the one it does without EP
     y = jax.sharding.reshard(y, jax.typeof(tokens).sharding.spec)
   return y, losses
+
+
+def is_explicit(axis: str) -> bool:
+  """Whether `axis` of the current mesh is Explicit (its arrays' shardings are part of their types)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit
+
+
+def split_over(fn, axis: str, in_specs, out_specs):
+  """fn on each device's share of `axis` of the current mesh: jax.shard_map over that axis, its operands
+  first resharded to in_specs where the axis is Explicit (shard_map moves Auto operands itself, Explicit
+  ones not). Compiled as one program also when called outside jit (a Linen init): op by op, jax 0.11.2's
+  XLA:CPU crashed (segmentation fault) compiling the ops of the expert-parallel layer's shard."""
+  mapped = jax.jit(jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={axis}))
+  explicit = is_explicit(axis)
+
+  def call(*args):
+    return mapped(*(jax.sharding.reshard(args, in_specs) if explicit else args))
+  return call
 
 
 def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array, *, top_k: int, num_experts: int,

@@ -94,25 +94,10 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
   count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
   scalars = jnp.stack([-1 * jnp.asarray(learning_rate, jnp.float32), 1 - b1 ** count, 1 - b2 ** count])
   step = functools.partial(_step_on_platforms, hyper=hyper, dtype=jnp.dtype(dtype))
-  if split:
-    step = _split_over(step, expert_axis)
+  if split:  # the [E, ...] operands and results split by their leading dimension, the scalars whole
+    step = expert_parallel.split_over(step, expert_axis, (P(expert_axis),) * 4 + (P(),), (P(expert_axis),) * 6)
   w, mu, nu, q, e, qt = step(w, g, mu, nu, scalars.astype(jnp.float32))
   return w, state._replace(count=count, mu=mu, nu=nu), Fp8Weights(w, q, e, qt, recipe="blockwise")
-
-
-def _split_over(step, axis: str):
-  """step(w, g, mu, nu, scalars) on each device's experts of `axis` (jax.shard_map): the [E, ...] operands and
-  results split by their leading dimension, the scalars whole on every device."""
-  split = P(axis)
-  specs = (split,) * 4 + (P(),)
-  mesh = jax.sharding.get_abstract_mesh()
-  explicit = mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Explicit
-
-  def on_devices(*args):
-    if explicit:  # shard_map moves Auto operands itself, Explicit ones not
-      args = jax.sharding.reshard(args, specs)
-    return jax.shard_map(step, in_specs=specs, out_specs=(split,) * 6, axis_names={axis})(*args)
-  return on_devices
 
 
 def _step_on_platforms(w, g, mu, nu, scalars, hyper: Hyperparameters, dtype):
