@@ -127,12 +127,7 @@ __global__ void __launch_bounds__(256) AdamTileStreamKernel(AdamStep s, const G*
   const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
 #pragma unroll
   for (int p = 0; p < WeightTile::kPasses; ++p) {
-    if (!t.Holds(p)) continue;
-    const int64_t o = t.Offset(p);
-    Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
-    const Vec<G, 8> g = Load<G, 8>(grad + o);
-    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
-    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+    if (t.Holds(p)) AdamEight(s, neg_lr, c1, c2, grad, t.Offset(p));
   }
 }
 
@@ -143,11 +138,7 @@ __global__ void __launch_bounds__(256) AdamStripStreamKernel(AdamStep s, const G
   const int64_t row = int64_t(blockIdx.y) * 16 + threadIdx.x / 16, col = int64_t(blockIdx.x) * 128 + j;
   if (row >= K || col >= N) return;
   const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
-  const int64_t o = (blockIdx.z * K + row) * N + col;
-  Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
-  const Vec<G, 8> g = Load<G, 8>(grad + o);
-  for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
-  Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+  AdamEight(s, neg_lr, c1, c2, grad, (blockIdx.z * K + row) * N + col);
 }
 
 // ---- the fused kernel over a cluster of kC blocks per 128 x 128 tile: each block 128 / kC rows (8 / kC

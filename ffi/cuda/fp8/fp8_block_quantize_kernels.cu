@@ -196,9 +196,21 @@ __device__ __forceinline__ void AdamUpdate(const AdamStep& s, float neg_lr, floa
   w = __fadd_rn(w, __fmul_rn(u, neg_lr));
 }
 
-// A block per 128 x 128 tile of one expert: the adam step of its weights (w, mu and nu written back, read
-// once; the gradient of type G, float32 or R), then QuantizeWeightTile of the new weights rounded to R, held
-// in registers.
+// AdamUpdate of the eight weights from index o (w, mu and nu read and written back once; the gradient of
+// type G, float32 or R): the new weights. The scalars s.hyper holds, read once by the caller: the stores may
+// alias them, for all the compiler knows, so a read here would be repeated for every eight weights.
+template <typename G>
+__device__ __forceinline__ Vec<float, 8> AdamEight(const AdamStep& s, float neg_lr, float c1, float c2, const G* grad,
+                                                   int64_t o) {
+  Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
+  const Vec<G, 8> g = Load<G, 8>(grad + o);
+  for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
+  Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+  return w;
+}
+
+// A block per 128 x 128 tile of one expert: the adam step of its weights (AdamEight), then
+// QuantizeWeightTile of the new weights rounded to R, held in registers.
 template <typename R, typename G>
 __global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
                                                               uint8_t* q, uint8_t* qt, int32_t* e) {
@@ -209,11 +221,7 @@ __global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, con
 #pragma unroll
   for (int p = 0; p < WeightTile::kPasses; ++p) {
     if (!t.Holds(p)) continue;
-    const int64_t o = t.Offset(p);
-    Vec<float, 8> w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
-    const Vec<G, 8> g = Load<G, 8>(grad + o);
-    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
-    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+    const Vec<float, 8> w = AdamEight(s, neg_lr, c1, c2, grad, t.Offset(p));
     amax = fmaxf(amax, held.Hold(p, w.v));
   }
   QuantizeWeightTile(t, amax, held, q, qt, e);
