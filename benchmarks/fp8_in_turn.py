@@ -6,9 +6,14 @@ timed round after round, one sample of about 0.1 s of each per round in a shuffl
 (timing.measure_alternating), and reported as medians and as speedups over the first implementation.
 
   python benchmarks/fp8_in_turn.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 10
+
+An implementation named IMPL@PATH is IMPL compiled with JAXMLP_GEMM_PATH=PATH (the path is chosen at trace
+time), so two GEMM paths of one implementation can be timed in turn: --impls
+jaxmlp_fp8_cached,jaxmlp_fp8_cached@cutlass (the tensorwise recipe's row products on the CUTLASS engine).
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,14 +34,32 @@ def main():
   a = p.parse_args()
   impls = a.impls.split(",")
   for impl in impls:
-    if impl not in kernel_share.IMPLS:
+    if impl.split("@")[0] not in kernel_share.IMPLS:
       sys.exit(f"--impls: {impl!r}: expected one of {', '.join(kernel_share.IMPLS)}")
   results = new_results()
   for shape in a.shapes.split(","):
-    steps = {impl: kernel_share.step_and_args(shape, a.routing, impl) for impl in impls}
+    steps = {impl: compiled_step(shape, a.routing, impl) for impl in impls}
     measure_shape(results, shape, {impl: (lambda i, s=s: s[0](*s[1])) for impl, s in steps.items()}, a.rounds)
     del steps
   report(results, impls, a, "fwd+bwd", "fp8_in_turn.json")
+
+
+def compiled_step(shape: str, routing: str, impl: str):
+  """kernel_share.step_and_args of IMPL, run once (compiled) under JAXMLP_GEMM_PATH=PATH for IMPL@PATH."""
+  import jax
+  name, _, path = impl.partition("@")
+  before = os.environ.get("JAXMLP_GEMM_PATH")
+  if path:
+    os.environ["JAXMLP_GEMM_PATH"] = path
+  try:
+    step, args = kernel_share.step_and_args(shape, routing, name)
+    jax.block_until_ready(step(*args))
+  finally:
+    if before is None:
+      os.environ.pop("JAXMLP_GEMM_PATH", None)
+    else:
+      os.environ["JAXMLP_GEMM_PATH"] = before
+  return step, args
 
 
 def new_results() -> dict:

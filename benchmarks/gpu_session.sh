@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU lease in one call: build, tests, memcheck, benchmark; a short summary last.
 #   bash benchmarks/gpu_session.sh test [TESTS]  build + the tests (default: all, the README's command) +
-#                                               compute-sanitizer memcheck (MEMCHECK="fp8 dispatch": only those, MEMCHECK= none)
+#                                               compute-sanitizer memcheck (MEMCHECK="fp8 dispatch": only those, MEMCHECK= none;
+#                                               fp8_cutlass: the FP8 recipes with JAXMLP_GEMM_PATH=cutlass)
 #   bash benchmarks/gpu_session.sh bench ARGS    build + benchmarks/bench.py ARGS
 # A staged cuBLAS (../shared/device/stage_cublas.py) whose parts were copied to /tmp/jaxmlp-cublas is
 # unpacked first, and wheels carried in .whl installed (`pip download --python-version 3.12 ... -d .whl
@@ -43,14 +44,16 @@ if [ "$what" = test ]; then
   # Every test, not only the GPU ones: the CPU tests meet a GPU's defaults here (XLA's TF32 products).
   python3 -P -m pytest -q -p no:cacheprovider -rs "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
   # memcheck: every path, adversarial and skewed group sizes, forward and backward.
-  memcheck=" ${MEMCHECK-fallback grouped cutlass fused tiled fp8 dispatch} "
+  memcheck=" ${MEMCHECK-fallback grouped cutlass fused tiled fp8 fp8_cutlass dispatch} "
   for path in $(echo $memcheck | tr ' ' '\n' | grep -v dispatch); do
-    case $path in fp8) available=fp8_available ;; fused) available=cutlass_available ;; *) available=${path}_available ;; esac
+    case $path in fp8) available=fp8_available ;; fused|fp8_cutlass) available=cutlass_available ;;
+      *) available=${path}_available ;; esac
     if [ $path != fallback ] && ! grep -q "\"$available\": true" "$OUT/backend_info.json"; then
       echo "memcheck $path: skipped, unavailable here (backend_info)" | tee -a "$OUT/summary.txt"; continue
     fi
     # JAXMLP_FP8_WHEN=always: these small shapes would otherwise run the FP8 recipes in bf16 (Fp8Recipe.when).
-    JAXMLP_GEMM_PATH=$([ $path = fp8 ] && echo grouped || echo $path) JAXMLP_FP8=$([ $path = fp8 ] && echo 1) \
+    gemm_path=${path#fp8_}; [ $path = fp8 ] && gemm_path=grouped
+    JAXMLP_GEMM_PATH=$gemm_path JAXMLP_FP8=$([ ${path%_cutlass} = fp8 ] && echo 1) \
       JAXMLP_FP8_WHEN=always XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 300 \
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -P - > "$OUT/memcheck-$path.log" 2>&1 <<'PY'
 import os, jax, jax.numpy as jnp, numpy as np, jaxmlp

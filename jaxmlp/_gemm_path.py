@@ -5,8 +5,9 @@ CUDA targets of the grouped products come in five variants (ffi/targets.inc):
               declared command-buffer compatible, so XLA may capture them in CUDA graphs;
   *_cutlass   jaxmlp's CUTLASS grouped GEMM engine on Hopper (sm_90a), also sync-free, for the 16-bit
               products ragged in their rows whose output dtype is the input's (cuBLASLt's grouped GEMM
-              runs the others: the weight gradients, FP8); grouped_mlp's FC1, f a multiple of 64, adds
-              b1 and computes the activation in its epilogue;
+              runs the others: the weight gradients, the blockwise FP8 products); grouped_mlp's FC1, f a
+              multiple of 64, adds b1 and computes the activation in its epilogue; forced, also the
+              tensorwise FP8 MLP's row products (`fp8_on_engine`);
   *_fused     cuBLASLt's grouped GEMM, except that such an FC1 runs on the engine with the activation in
               its epilogue;
   *_tiled     jaxmlp's own tensor-core grouped GEMM for small problems, where cuBLAS's fixed cost per
@@ -102,6 +103,14 @@ def gemm_path(dtype, *row_lengths: int, problem: tuple[int, int, int, int] | Non
     return "fused", ("cuBLASLt grouped GEMM, FC1 with its activation on jaxmlp's CUTLASS engine (rows per group "
                      f"within {FUSED_ROWS_PER_GROUP})")
   return "grouped", "cuBLASLt grouped GEMM (device-side group sizes, no host sync)"
+
+
+def fp8_on_engine(dtype, *row_lengths: int) -> bool:
+  """Whether the tensorwise FP8 MLP runs its row products (FC1, FC2, the data gradients; the weight gradients
+  stay cuBLASLt's) on jaxmlp's CUTLASS engine: where JAXMLP_GEMM_PATH=cutlass forces the engine (with its
+  errors where it cannot run). `auto` keeps them on cuBLASLt's FP8 grouped GEMM, which the engine's FP8
+  kernels are measured against first (docs/performance.md, "FP8 on the engine")."""
+  return gemm_path(dtype, *row_lengths)[0] == "cutlass"
 
 
 # Within `padded_buffers`: how many times the rows a grouped_mlp call will have in use its buffer may hold.

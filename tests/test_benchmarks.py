@@ -366,14 +366,15 @@ def test_fp8_biases_benchmark_runs_on_the_cpu(tmp_path):
 @pytest.mark.full
 def test_fp8_in_turn_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_in_turn.py times bf16 and FP8 steps in turn at a shape of the user's own (the emulation
-  without a GPU) and reports each one's speedup over the first."""
+  without a GPU) and reports each one's speedup over the first; IMPL@PATH is IMPL traced under that GEMM path."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, str(BENCH.parent / "fp8_in_turn.py"), "--shapes", "2x64x64x128", "--impls",
-         "jaxmlp,jaxmlp_fp8_cached,jaxmlp_fp8_blockwise", "--rounds", "2", "--out", str(tmp_path)]
+         "jaxmlp,jaxmlp_fp8_cached,jaxmlp_fp8_blockwise,jaxmlp_fp8_cached@cutlass", "--rounds", "2", "--out",
+         str(tmp_path)]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   times = json.loads((tmp_path / "fp8_in_turn.json").read_text())["shapes"]["2x64x64x128"]
-  assert set(times) == {"jaxmlp", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise"}
+  assert set(times) == {"jaxmlp", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached@cutlass"}
   assert all(t["samples"] == 2 and t["s"] > 0 for t in times.values())
   row = proc.stdout.strip().splitlines()[-1].split("|")
   assert row[1].strip() == "2x64x64x128" and row[3].strip().endswith(")") and "x (" in row[3]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _library
+from .. import _gemm_path, _library
 from .._checks import MlpShape
 from .._groups import Groups
 from .._library import ABSENT, optional
@@ -68,13 +68,14 @@ def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, r
   cuda = _module_or_raise()
   dt = x.dtype
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
-  ws = cuda.mlp_fp8_workspace_bytes(True, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), False, False)
+  engine = _gemm_path.fp8_on_engine(dt, s.d, s.f)
+  ws = cuda.mlp_fp8_workspace_bytes(True, engine, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), False, False)
   xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals else ABSENT
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3)]
   y, h, amax, xt = _library.call(
       "jaxmlp_mlp_fp8_fwd", outs, x, w1, w2, groups.given, optional(b1, dt), optional(b2, dt), optional(scales, dt),
       w1t, w2t, jnp.stack([aw1, aw2]), workspace=ws, **_library.activation_attrs(act),
-      fast_accumulation=bool(recipe.fast_accumulation))
+      fast_accumulation=bool(recipe.fast_accumulation), engine=engine)
   return y, (h, amax, xt, w1, w2) if residuals else None
 
 
@@ -85,15 +86,16 @@ def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, re
   cuda = _module_or_raise()
   h, amax, xt, w1q, w2q = residuals
   dt = h.dtype
-  ws = (cuda.mlp_fp8_workspace_bytes(False, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), b1 is not None,
-                                     b2 is not None))
+  engine = _gemm_path.fp8_on_engine(dt, s.d, s.f)
+  ws = cuda.mlp_fp8_workspace_bytes(False, engine, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
+                                    b1 is not None, b2 is not None)
   outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
           ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
           ((s.M,) if scales is not None else ABSENT, dt)]
   dx, dw1, dw2, db1, db2, dscales = _library.call(
       "jaxmlp_mlp_fp8_bwd", outs, xt, w1q, w2q, groups.given, optional(b1, dt), optional(b2, dt),
       optional(scales, dt), h, dy, amax, workspace=ws, **_library.activation_attrs(act),
-      fast_accumulation=bool(recipe.backward_fast_accumulation))
+      fast_accumulation=bool(recipe.backward_fast_accumulation), engine=engine)
   return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
           dscales if scales is not None else None)
 

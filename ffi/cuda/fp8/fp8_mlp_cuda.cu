@@ -87,6 +87,10 @@ Error Zero(cudaStream_t stream, void* p, size_t bytes) {
   return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
 }
 
+// The calls' GEMM path: cuBLASLt's grouped GEMM, or with `engine` (the "engine" attribute) jaxmlp's CUTLASS
+// engine for the row products (FC1, FC2, the data gradients: kNT), cuBLASLt's for the weight gradients.
+GemmPath Fp8Path(bool engine) { return engine ? GemmPath::kCutlass : GemmPath::kGrouped; }
+
 // An FP8 product: lhs and rhs e4m3 with their scales, out in `t`.
 GemmSpec Fp8Product(GemmOp op, int64_t K, int64_t N, const void* lhs, const float* lhs_scale, const void* rhs,
                     const float* rhs_scale, void* out, DataType t, bool fast_accumulation, float beta = 0.0f) {
@@ -142,7 +146,7 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
 // rows), the backward's residual; absent (ABSENT, a scalar) where the call is not differentiated.
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
-                    int32_t act, float alpha, float limit, bool fast_accumulation, Result<AnyBuffer> y,
+                    int32_t act, float alpha, float limit, bool fast_accumulation, bool engine, Result<AnyBuffer> y,
                     Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xt, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
@@ -159,7 +163,7 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(CheckMlpForward(m, x, *y, *h));
   JAXMLP_RETURN_IF_ERROR(CheckResult("amax", *amax, {4}, DataType::F32));
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+  GroupedGemms gemms(Fp8Path(engine), stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
@@ -196,7 +200,7 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
 // x, w1 and w2 are the forward's e4m3 copies (xt, w1q, w2q; see CheckFp8Copies): dy gives M and d.
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
-                     AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation,
+                     AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation, bool engine,
                      Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
                      Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
@@ -212,7 +216,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   JAXMLP_RETURN_IF_ERROR(CheckShape("amax", amax, {4}));
   if (amax.element_type() != DataType::F32) return Error::InvalidArgument("jaxmlp: amax must be float32");
   Carver ws(workspace->untyped_data());
-  GroupedGemms gemms(GemmPath::kGrouped, stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
+  GroupedGemms gemms(Fp8Path(engine), stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
   const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
@@ -259,9 +263,9 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
 
 }  // namespace
 
-size_t MlpFp8WorkspaceBytes(bool forward, const MlpDims& m, int esize) {
+size_t MlpFp8WorkspaceBytes(bool forward, bool engine, const MlpDims& m, int esize) {
   Carver c(nullptr);
-  GroupedGemms counted(GemmPath::kGrouped, nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
+  GroupedGemms counted(Fp8Path(engine), nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
   if (forward) CarveForward(c, m);
   else CarveBackward(c, m, esize);
   return c.used();
@@ -285,6 +289,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                                               .Arg<xla::ffi::AnyBuffer>()   // w2t
                                                               .Arg<xla::ffi::AnyBuffer>())  // weight_amax
                                   .Attr<bool>("fast_accumulation")
+                                  .Attr<bool>("engine")
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
@@ -299,6 +304,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                                               .Arg<xla::ffi::AnyBuffer>()   // dy
                                                               .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
                                   .Attr<bool>("fast_accumulation")
+                                  .Attr<bool>("engine")
                                   .Ret<xla::ffi::AnyBuffer>()                               // dx
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw1
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw2

@@ -13,10 +13,13 @@ namespace jaxmlp {
 size_t CutlassWorkspaceBytes() { return size_t(1) << 20; }
 
 bool CutlassSupports(const GemmSpec& s) {
-  const bool sixteen_bit = s.in_type == ffi::DataType::BF16 || s.in_type == ffi::DataType::F16;
+  const auto sixteen_bit = [](ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; };
+  const bool beta = s.beta == 0.0f || s.beta == 1.0f;
+  if (s.in_type == kFp8)
+    return s.op == GemmOp::kNT && s.scaling == Fp8Scaling::kTensor && s.lhs_scale && s.rhs_scale &&
+           sixteen_bit(s.out_type) && s.K % 16 == 0 && s.N % 16 == 0 && beta && !s.gather;
   const bool op = s.op == GemmOp::kNN || s.op == GemmOp::kNT;
-  return sixteen_bit && s.out_type == s.in_type && op && s.K % 8 == 0 && s.N % 8 == 0 &&
-         (s.beta == 0.0f || s.beta == 1.0f);
+  return sixteen_bit(s.in_type) && s.out_type == s.in_type && op && s.K % 8 == 0 && s.N % 8 == 0 && beta;
 }
 
 // FC2's data gradient takes the activation's backward only where its reduction (d, the spec's N) is long:
@@ -29,7 +32,7 @@ bool CutlassSupports(const GemmSpec& s) {
 constexpr int32_t kGatedDgradMinReduction = 4096, kUngatedDgradMinReduction = 7168;
 
 bool CutlassFusesActivation(const GemmSpec& s, Act act) {
-  if (!CutlassSupports(s) || s.beta != 0.0f) return false;
+  if (!CutlassSupports(s) || s.in_type == kFp8 || s.beta != 0.0f) return false;
   if (s.op == GemmOp::kNT)
     return s.K % 64 == 0 && s.N >= (IsGated(act) ? kGatedDgradMinReduction : kUngatedDgradMinReduction);
   return IsGated(act) ? s.N % 128 == 0 : s.N % 64 == 0 && !s.gather;
@@ -68,19 +71,22 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   const int sm_count = MultiProcessorCount(device);
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
-  const bool bf16 = s.in_type == ffi::DataType::BF16;
+  const bool bf16 = s.out_type == ffi::DataType::BF16, fp8 = s.in_type == kFp8;
   if (s.gather && (!activation || s.op != GemmOp::kNN))
     return ffi::Error::Internal("jaxmlp: the engine gathers FC1's rows with its activation only");
-  const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems,
-                        out_ptrs, s.beta, workspace, s.out, activation, s.gather, s.gather_div, s.sources};
+  const CutlassLaunch l{stream, device, sm_count, E, bf16, fp8, s.lhs_scale, s.rhs_scale, s.fast_accumulation,
+                        s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems, out_ptrs, s.beta, workspace, s.out,
+                        activation, s.gather, s.gather_div, s.sources};
   const bool gated = activation && IsGated(activation->act.act);
   CutlassKernel kernel = s.op == GemmOp::kNN ? CutlassKernel::kNN : CutlassKernel::kNT;
-  if (s.gather) kernel = CutlassKernel::kGatedFc1Gathered;
+  if (fp8) kernel = CutlassKernel::kFp8NT;
+  else if (s.gather) kernel = CutlassKernel::kGatedFc1Gathered;
   else if (activation && s.op == GemmOp::kNT)
     kernel = gated ? CutlassKernel::kGatedDgrad : CutlassKernel::kUngatedDgrad;
   else if (activation) kernel = gated ? CutlassKernel::kGatedFc1 : CutlassKernel::kUngatedFc1;
   ++cutlass_launches[int(kernel)];
   switch (kernel) {
+    case CutlassKernel::kFp8NT: return s.fast_accumulation ? RunCutlassFp8NTFast(l) : RunCutlassFp8NT(l);
     case CutlassKernel::kGatedFc1Gathered: return RunCutlassGatedFc1Gathered(l);
     case CutlassKernel::kGatedDgrad: return RunCutlassGatedDgrad(l);
     case CutlassKernel::kUngatedDgrad: return RunCutlassUngatedDgrad(l);

@@ -11,6 +11,8 @@
 //   kNN: (c_g, N, K)  A = lhs rows [c_g, K] (K-major)     B = rhs[g] [K, N] (N-major)  D = out rows [c_g, N]
 //   kNT: (c_g, K, N)  A = lhs rows [c_g, N] (N-major: the reduction)  B = rhs[g] [K, N] (reduction-major)
 // A group with no rows gets the problem (0, N, K), which has no tiles: nothing is read or written for it.
+// kNT also takes the tensorwise FP8 recipe's products: e4m3 operands (both reduction-major, as FP8 wgmma needs
+// them), out = (lhs_scale rhs_scale) A B in bfloat16 or float16 (+ beta out).
 // FC1 can take the activation in its epilogue, and FC2's data gradient the activation's backward
 // (CutlassActivation), which no cuBLASLt grouped GEMM can.
 // The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
@@ -32,10 +34,10 @@ namespace jaxmlp {
 // command-buffer replay does not count): tests read them (jaxmlp._cuda.cutlass_launches) to see that a
 // product ran the kernel its path promises, the activation in an epilogue where the results could not tell.
 enum class CutlassKernel : int {
-  kNN, kNT, kGatedFc1, kUngatedFc1, kGatedFc1Gathered, kGatedDgrad, kUngatedDgrad, kCount
+  kNN, kNT, kGatedFc1, kUngatedFc1, kGatedFc1Gathered, kGatedDgrad, kUngatedDgrad, kFp8NT, kCount
 };
 inline constexpr const char* kCutlassKernelNames[] = {"nn", "nt", "gated_fc1", "ungated_fc1", "gated_fc1_gathered",
-                                                      "gated_dgrad", "ungated_dgrad"};
+                                                      "gated_dgrad", "ungated_dgrad", "fp8_nt"};
 static_assert(sizeof(kCutlassKernelNames) / sizeof(kCutlassKernelNames[0]) == size_t(CutlassKernel::kCount));
 inline std::atomic<int64_t> cutlass_launches[int(CutlassKernel::kCount)];
 
@@ -63,7 +65,8 @@ __host__ __device__ inline void WriteCutlassProblem(const CutlassProblems& p, in
 size_t CutlassWorkspaceBytes();
 
 // Whether the engine serves product s: 16-bit inputs with the output in the same type, kNN or kNT, K and N
-// multiples of 8 (16-byte rows for TMA), beta 0 or 1. Others run on cuBLASLt.
+// multiples of 8 (16-byte rows for TMA), beta 0 or 1; or a tensorwise FP8 kNT product (e4m3 inputs, their
+// scales device floats, the output bfloat16 or float16), K and N multiples of 16. Others run on cuBLASLt.
 bool CutlassSupports(const GemmSpec& s);
 
 // Whether the engine can run on CUDA device `device` (compute capability 9.0 and a build that holds its
@@ -105,7 +108,12 @@ struct CutlassLaunch {
   cudaStream_t stream;
   int device, sm_count;
   int64_t E;
-  bool bf16;  // else float16
+  bool bf16;  // the output (and 16-bit operands'), else float16
+  // FP8 (kFp8NT): e4m3 operands, their dequantization scales (one device float each), and the accumulation.
+  bool fp8;
+  const float* lhs_scale;
+  const float* rhs_scale;
+  bool fast_accumulation;
   const void* lhs;  // [rows, K] (kNN) or [rows, N] (kNT), the groups' rows in order
   const void* rhs;  // [E, K, N]
   int64_t rows, K, N;
@@ -132,6 +140,8 @@ ffi::Error RunCutlassGatedFc1Gathered(const CutlassLaunch& l);
 ffi::Error RunCutlassUngatedFc1(const CutlassLaunch& l);
 ffi::Error RunCutlassGatedDgrad(const CutlassLaunch& l);
 ffi::Error RunCutlassUngatedDgrad(const CutlassLaunch& l);
+ffi::Error RunCutlassFp8NT(const CutlassLaunch& l);  // cutlass_fp8_nt.cu
+ffi::Error RunCutlassFp8NTFast(const CutlassLaunch& l);  // cutlass_fp8_nt_fast.cu
 
 // Enqueues product s over E groups of `rows` rows on `stream`: offsets and problems as the setup kernel wrote
 // them, out_ptrs the product's [E] output pointers, workspace of CutlassWorkspaceBytes(). With `activation`

@@ -85,6 +85,37 @@ inline bool WithoutCluster(const CutlassLaunch& l) {
   return l.rows <= kTileRows * l.E || l.K * l.N <= kSmallExpertWeights;
 }
 
+// FP8 e4m3 operands (both reduction-major: kNT), the tensorwise recipe's: 128-element (128-byte) k-tiles, as the
+// 16-bit kernels' 64, and CUTLASS's FP8 schedules: fast accumulation (wgmma's accumulator throughout, as
+// cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM) on the ping-pong kernel, or the FP8 main loop that adds the wgmma
+// accumulator into a float32 one after every k-tile (cuBLASLt's default accumulation) on the cooperative
+// kernel: two accumulators of a 128 x 128 tile in one warpgroup spill (168 registers, 744 bytes of spills; the
+// step 0.76-0.89x cuBLASLt's), those of its 64 x 128 half in each of two do not.
+template <class Config, bool kFastAccumulation>
+struct Fp8 : Config {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using Kernel = cute::conditional_t<kFastAccumulation,
+                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using Epilogue = cute::conditional_t<kFastAccumulation, typename Config::Epilogue,
+                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+
+// The tensorwise FP8 product's epilogue: D = (scale_a scale_b) acc + beta C, the two dequantization scales
+// device floats (read by the kernel: nothing syncs) multiplied first, as the recipe defines the product
+// (jaxmlp/fp8/tensorwise.py). CUTLASS's LinearCombination with its alpha a broadcast of two scalars; C is
+// loaded only where beta is not 0 (CUTLASS's multiply-add node over a scalar and the source).
+constexpr auto kToNearest = cutlass::FloatRoundStyle::round_to_nearest;
+template <typename T>
+using TensorScaled = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::homogeneous_multiply_add, T, float, kToNearest>,
+    cutlass::epilogue::fusion::Sm90ScalarBroadcastPtrArray<float, cute::Stride<cute::_0, cute::_0, int64_t>>,
+    cutlass::epilogue::fusion::Sm90SrcFetch<T>,
+    cutlass::epilogue::fusion::Sm90EVT<
+        cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float, kToNearest>,
+        cutlass::epilogue::fusion::Sm90ScalarBroadcastPtrArray<float, cute::Stride<cute::_0, cute::_0, int64_t>, 2>,
+        cutlass::epilogue::fusion::Sm90AccFetch>>;
+
 // What a kernel computes beside its product, in its epilogue (cutlass_activation_epilogue.cuh): kGatedFc1 a
 // gated activation in FC1 (kNN; B's tiles in gate and up halves), kFc1 an ungated one, kGatedDgrad a gated
 // activation's backward from FC2's data gradient (kNT), kDgrad an ungated one's.
@@ -93,21 +124,25 @@ constexpr bool IsGatedFusion(Fusion f) { return f == Fusion::kGatedFc1 || f == F
 constexpr bool IsDgradFusion(Fusion f) { return f == Fusion::kGatedDgrad || f == Fusion::kDgrad; }
 
 // The grouped GEMM D = A B (+ beta D) of element T, A and B in the given layouts, D row-major, rows ragged;
-// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherSplitN).
+// with kGather A's rows gathered from tokens (VarlenMainloop's kGatherA, GatherSplitN). With TIn an FP8 type,
+// A and B are TIn (Config an Fp8) and the product is scaled by their tensorwise scales (TensorScaled).
 template <typename T, typename LayoutA, typename LayoutB, typename Config, Fusion kFusion = Fusion::kNone,
-          bool kGather = false>
+          bool kGather = false, typename TIn = T>
 struct Grouped {
-  static constexpr int kAlign = 8;  // 16 bytes: rows of K and N multiples of 8 (CutlassSupports)
+  static constexpr bool kFp8 = !cute::is_same_v<TIn, T>;
+  // 16 bytes: rows of K and N multiples of 8 16-bit elements or 16 FP8 ones (CutlassSupports)
+  static constexpr int kAlign = 8, kAlignIn = 16 / int(sizeof(TIn));
+  static_assert(!kFp8 || (kFusion == Fusion::kNone && !kGather), "FP8 products run without fusions");
   using TmaEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, T, cutlass::layout::RowMajor*, kAlign, T,
       cutlass::layout::RowMajor*, kAlign, typename Config::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<T, float>>::CollectiveOp;
+      cute::conditional_t<kFp8, TensorScaled<T>, cutlass::epilogue::fusion::LinearCombination<T, float>>>::CollectiveOp;
   using Epilogue = cute::conditional_t<kFusion == Fusion::kNone, TmaEpilogue,
                                        ActivationEpilogue<TmaEpilogue, IsGatedFusion(kFusion),
                                                           IsDgradFusion(kFusion), kGather>>;
   using PtrArrayMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, LayoutA*, kAlign, T, LayoutB*, kAlign, float,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TIn, LayoutA*, kAlignIn, TIn, LayoutB*, kAlignIn, float,
       typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename TmaEpilogue::SharedStorage) + sizeof(typename Epilogue::TensorStorage) -
@@ -126,7 +161,7 @@ struct Grouped {
   static constexpr Fusion kFuses = kFusion;
   // The activation epilogues' staging leaves the main loop the stages it has without them (6): FC1's lives in
   // Base's shared memory; a gated data gradient's second buffer (16 KB) fits in the ~17 KB the 6 stages leave.
-  static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= (kGather ? 4 : 6),
+  static_assert(PtrArrayMainloop::DispatchPolicy::Stages >= (kGather ? 4 : kFp8 ? 5 : 6),
                 "the epilogue's shared memory costs main-loop stages");
 };
 
@@ -161,8 +196,13 @@ ffi::Error Launch(const CutlassLaunch& l, bool nt) {
   args.problem_shape = {int(E), reinterpret_cast<ProblemShape::UnderlyingProblemShape*>(l.problems->shapes), nullptr};
   args.mainloop = {static_cast<const ElementA*>(l.lhs), l.rows, k, static_cast<const ElementB*>(l.rhs), E, l.N, n, k,
                    l.offsets, G::kFuses == Fusion::kGatedFc1 ? l.N / 2 : 0, l.gather, l.gather_div, l.sources};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = l.beta;
+  if constexpr (G::kFp8) {
+    // TensorScaled's arguments: beta (a scalar), C, then the scales' broadcast (both pointers) and acc.
+    args.epilogue.thread = {{{l.beta}}, {}, {{{1.0f, 1.0f}, {l.lhs_scale, l.rhs_scale}}, {}, {}}, {}};
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = l.beta;
+  }
   args.epilogue.ptr_C = static_cast<const ElementD**>(static_cast<void*>(l.out_ptrs));
   args.epilogue.dC = reinterpret_cast<StrideD*>(l.problems->ldd);
   args.epilogue.ptr_D = reinterpret_cast<ElementD**>(l.out_ptrs);
@@ -203,6 +243,23 @@ ffi::Error LaunchTypes(const CutlassLaunch& l, bool nt) {
   if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, LayoutA, LayoutB, Config, kFusion, kGather>>(l, nt);
   return Launch<Grouped<cutlass::half_t, LayoutA, LayoutB, Config, kFusion, kGather>>(l, nt);
 }
+// The tensorwise FP8 product (kNT) of e4m3 operands, into bfloat16 or float16, with or without the cluster.
+template <bool kFastAccumulation>
+ffi::Error LaunchFp8(const CutlassLaunch& l) {
+  using namespace cutlass_detail;
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+  using E4m3 = cutlass::float_e4m3_t;
+  if (WithoutCluster(l)) {
+    using Config = Fp8<NoCluster<Pingpong128x128>, kFastAccumulation>;
+    if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, A, B, Config, Fusion::kNone, false, E4m3>>(l, true);
+    return Launch<Grouped<cutlass::half_t, A, B, Config, Fusion::kNone, false, E4m3>>(l, true);
+  }
+  using Config = Fp8<Pingpong128x128, kFastAccumulation>;
+  if (l.bf16) return Launch<Grouped<cutlass::bfloat16_t, A, B, Config, Fusion::kNone, false, E4m3>>(l, true);
+  return Launch<Grouped<cutlass::half_t, A, B, Config, Fusion::kNone, false, E4m3>>(l, true);
+}
+
 template <typename LayoutA, typename LayoutB, cutlass_detail::Fusion kFusion = cutlass_detail::Fusion::kNone,
           bool kGather = false>
 ffi::Error LaunchLayouts(const CutlassLaunch& l, bool nt) {

@@ -57,6 +57,19 @@ auto MakeOperandTma(Element const* ptr, int32_t mn, int32_t k, int32_t l, Stride
                              cute::size<kMulticastMode>(ClusterShape{}));
 }
 
+// The operands' element types as the TMA copies them: the 16-bit main loop's InternalElementA/B (unsigned
+// integers of the width), where the FP8 main loop (which has none) copies its ElementA/B.
+template <class Base, class = void>
+struct CopiedElements {
+  using A = typename Base::ElementA;
+  using B = typename Base::ElementB;
+};
+template <class Base>
+struct CopiedElements<Base, cute::void_t<typename Base::InternalElementA>> {
+  using A = typename Base::InternalElementA;
+  using B = typename Base::InternalElementB;
+};
+
 // Base: the CollectiveMma that CUTLASS's builder makes for a ptr-array kernel (its pipeline, shared memory
 // layouts and wgmma consumer are kept; its loads and operand descriptors are replaced).
 template <class Base, bool kSplitB = false, bool kGatherA = false>
@@ -65,8 +78,8 @@ struct VarlenMainloop : Base {
   using typename Base::ElementB;
   using typename Base::GmemTiledCopyA;
   using typename Base::GmemTiledCopyB;
-  using typename Base::InternalElementA;
-  using typename Base::InternalElementB;
+  using InternalElementA = typename CopiedElements<Base>::A;
+  using InternalElementB = typename CopiedElements<Base>::B;
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
   using typename Base::SmemLayoutA;
