@@ -67,7 +67,8 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
     w2 = jnp.asarray(rng.standard_normal((E, f, d)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     b1, b2 = jnp.ones((E, 2 * f), jnp.bfloat16), jnp.ones((E, d), jnp.bfloat16)
-    for recipe in ("tensorwise", "blockwise", jaxmlp.Fp8Recipe("blockwise", fp8_weight_gradients=False)):
+    for recipe in ("tensorwise", "blockwise", *(jaxmlp.Fp8Recipe(name, fp8_weight_gradients=False)
+                                                for name in ("tensorwise", "blockwise"))):
       g = jax.grad(lambda x, w1, w2, s: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8=recipe)
                    .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w1, w2, x[:, 0])
       biased = jax.grad(lambda x, w1, w2, s, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, b1=b1, b2=b2, fp8=recipe)

@@ -10,8 +10,9 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
               optimizer step over many micro-batches
   jaxmlp_fp8_cached_fast_bwd  jaxmlp_fp8_cached with fast accumulation in the backward's products too
               (Fp8Recipe.backward_fast_accumulation)
-  jaxmlp_fp8_blockwise_wgrad16, jaxmlp_fp8_blockwise_wgrad16_cached  jaxmlp_fp8_blockwise(_cached) with
-              16-bit weight gradients (Fp8Recipe.fp8_weight_gradients=False)
+  jaxmlp_fp8_wgrad16, jaxmlp_fp8_wgrad16_cached, jaxmlp_fp8_blockwise_wgrad16,
+  jaxmlp_fp8_blockwise_wgrad16_cached  jaxmlp_fp8(_cached), jaxmlp_fp8_blockwise(_cached) with 16-bit
+              weight gradients (Fp8Recipe.fp8_weight_gradients=False)
   jaxmlp_master, jaxmlp_fp8_master, jaxmlp_fp8_blockwise_master, jaxmlp_fp8_blockwise_wgrad16_master  the
               weights as an optimizer holds them, float32 master weights, rounded to x's dtype in the step
               (bf16: astype; FP8: jaxmlp.fp8_weights(w, recipe, x.dtype), the weights' gradients float32)
@@ -34,12 +35,13 @@ from cases import TOLERANCE
 from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
-             "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached",
-             "jaxmlp_master", "jaxmlp_fp8_master", "jaxmlp_fp8_blockwise_master", "jaxmlp_fp8_blockwise_wgrad16_master",
-             "ragged_dot", "tokamax", "dense")
+             "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached",
+             "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached", "jaxmlp_master", "jaxmlp_fp8_master",
+             "jaxmlp_fp8_blockwise_master", "jaxmlp_fp8_blockwise_wgrad16_master", "ragged_dot", "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
 CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
-                  "jaxmlp_fp8_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_blockwise_wgrad16_cached": "blockwise"}
+                  "jaxmlp_fp8_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_wgrad16_cached": "tensorwise",
+                  "jaxmlp_fp8_blockwise_wgrad16_cached": "blockwise"}
 
 
 def swiglu_mlp(x, w1, w2, matmul):
@@ -67,6 +69,9 @@ def forward(impl: str):
   if impl == "jaxmlp_fp8_cached_fast_bwd":
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", backward_fast_accumulation=True,
                                                                       when="always"))
+  if impl in ("jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached"):
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", when="always",
+                                                                      fp8_weight_gradients=False))
   if impl in ("jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("blockwise", when="always"))
   if impl in ("jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached"):

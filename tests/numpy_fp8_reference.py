@@ -73,9 +73,10 @@ def _rows_of(b, off, M):
   return out
 
 
-def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, nudge=0.0):
+def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_weight_gradients=True, nudge=0.0):
   """(y, {x, w1, w2, scales, b1, b2} gradients) of the FP8 recipe, as float64 arrays; dtype: the 16-bit
-  ml_dtype."""
+  ml_dtype; without fp8_weight_gradients the weight gradients are products of x, a and dh rounded to dtype,
+  and dy."""
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
   x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
   M, E, d = x.shape[0], w1.shape[0], x.shape[1]
@@ -110,9 +111,13 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, nudg
   grads = {"x": np.zeros_like(x), "w1": np.zeros_like(w1), "w2": np.zeros_like(w2)}
   for g in range(E):
     r = slice(off[g], off[g + 1])
-    grads["w2"][g] = rnd(qa[r].T @ qdy[r] * (_scale(aa) * _scale(ady)))
     grads["x"][r] = rnd(qdh[r] @ qw1[g].T * (_scale(adh) * _scale(aw1)))
-    grads["w1"][g] = rnd(qx[r].T @ qdh[r] * (_scale(ax) * _scale(adh)))
+    if fp8_weight_gradients:
+      grads["w2"][g] = rnd(qa[r].T @ qdy[r] * (_scale(aa) * _scale(ady)))
+      grads["w1"][g] = rnd(qx[r].T @ qdh[r] * (_scale(ax) * _scale(adh)))
+    else:
+      grads["w2"][g] = rnd(rnd(_nudged(a[r], nudge)).T @ dyv[r])
+      grads["w1"][g] = rnd(x[r].T @ rnd(_nudged(dh[r], nudge)))
   dscales = _bias_grads(grads, off, s, dh, dyv, value, da, valid, b1, b2, rnd)
   if scales is not None:
     grads["scales"] = dscales

@@ -1,6 +1,7 @@
-"""The blockwise recipe's 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients=False, and by default below
-MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert): every output against the float64 NumPy model, the rule that
-decides them, and on a GPU the quantizers that write the rows only (and a, dh in 16 bits) against JAX's."""
+"""The recipes' 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients=False, and by default below
+MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert): every output against the float64 NumPy model of each recipe,
+the rule that decides them, and on a GPU the blockwise quantizers that write the rows only (and a, dh in 16
+bits) against JAX's."""
 import dataclasses
 import functools
 
@@ -9,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_error
-from fp8_cases import (BLOCK_CASES, DTYPES, blockwise_primitive, check_against_model, fp8_reason, inputs,  # noqa: F401
-                       platform, run)
+from fp8_cases import (BLOCK_CASES, DTYPES, NUMPY_MODEL, blockwise_primitive, check_against_model, fp8_reason,  # noqa: F401
+                       inputs, platform, run)
 
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
@@ -19,70 +20,72 @@ from jaxmlp._groups import Groups
 from jaxmlp.fp8 import blockwise
 from jaxmlp.fp8.recipe import MIN_ROWS_FP8_WEIGHT_GRADIENTS, MIN_ROWS_PER_EXPERT
 
-WGRAD16 = jaxmlp.Fp8Recipe("blockwise", fast_accumulation=False, fp8_weight_gradients=False)
+WGRAD16 = {name: jaxmlp.Fp8Recipe(name, fast_accumulation=False, fp8_weight_gradients=False)
+           for name in ("tensorwise", "blockwise")}
 
 
 @pytest.mark.matrix
+@pytest.mark.parametrize("recipe", list(WGRAD16))
 @pytest.mark.parametrize("case, act, dtype", [("uneven", "swiglu", "bfloat16"), ("blocks", "gelu", "float16"),
                                               pytest.param("blocks", "clamped_swiglu", "bfloat16", marks=pytest.mark.full),
                                               pytest.param("all_empty", "swiglu", "bfloat16", marks=pytest.mark.full)])
 @pytest.mark.parametrize("biases", [False, True])
-def test_16bit_weight_gradients_follow_the_recipe(platform, rng, case, act, dtype, biases):
+def test_16bit_weight_gradients_follow_the_recipe(platform, rng, recipe, case, act, dtype, biases):
   """y, dx, dscales (and db1, db2) as the FP8 recipe's, dw1 = x^T round(dh) and dw2 = round(a)^T dy of
   16-bit operands, against the NumPy model; the rows past the groups of y and dx zeros."""
   M, d, f, sizes = BLOCK_CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.dtype(dtype), b1=biases, b2=biases)
-  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=WGRAD16)
+  y, grads = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=WGRAD16[recipe])
   n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
-  model = functools.partial(fp8_ref.blockwise_grouped_mlp, n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"),
+  model = functools.partial(NUMPY_MODEL[recipe], n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"),
                             np.asarray(dy, np.float64), DTYPES[dtype], b1=n.get("b1"), b2=n.get("b2"),
                             fp8_weight_gradients=False)
   check_against_model(y, grads, model, args, platform, M, sizes)
   if sum(sizes):  # ...and they are not the FP8 weight gradients: the test tells the two apart
-    fp8_wgrad = run(jaxmlp.grouped_mlp, args, gs, dy, act, fp8=dataclasses.replace(WGRAD16, fp8_weight_gradients=True))
+    fp8_wgrad = run(jaxmlp.grouped_mlp, args, gs, dy, act,
+                    fp8=dataclasses.replace(WGRAD16[recipe], fp8_weight_gradients=True))
     np.testing.assert_array_equal(np.asarray(fp8_wgrad[1]["x"], np.float32), np.asarray(grads["x"], np.float32))
     assert rel_error(fp8_wgrad[1]["w1"], grads["w1"]) > 1e-2
 
 
-def test_the_rule_decides_each_products_precision():
-  """Fp8Recipe.as_run: None below the recipe's rows; blockwise's weight gradients in FP8 from
-  MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert, or as the recipe says; tensorwise's always FP8."""
-  E, need = 4, MIN_ROWS_FP8_WEIGHT_GRADIENTS["blockwise"]
-  cached = jaxmlp.Fp8Recipe("blockwise", when="faster")
-  assert MIN_ROWS_PER_EXPERT["blockwise", True] < need  # a range where only the weight gradients go 16-bit
-  assert cached.as_run(MIN_ROWS_PER_EXPERT["blockwise", True] * E - 1, E, True) is None
+@pytest.mark.parametrize("recipe", list(WGRAD16))
+def test_the_rule_decides_each_products_precision(recipe):
+  """Fp8Recipe.as_run: None below the recipe's rows; the weight gradients in FP8 from
+  MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert, or as the recipe says."""
+  E, need = 4, MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe]
+  cached = jaxmlp.Fp8Recipe(recipe, when="faster")
+  assert MIN_ROWS_PER_EXPERT[recipe, True] < need  # a range where only the weight gradients go 16-bit
+  assert cached.as_run(MIN_ROWS_PER_EXPERT[recipe, True] * E - 1, E, True) is None
   assert cached.as_run(need * E - 1, E, True).fp8_weight_gradients is False
   assert cached.as_run(need * E, E, True).fp8_weight_gradients is True
   assert dataclasses.replace(cached, fp8_weight_gradients=True).as_run(need * E - 1, E, True).fp8_weight_gradients
-  assert jaxmlp.Fp8Recipe("blockwise", when="always").as_run(16, E, False).fp8_weight_gradients is True
-  assert WGRAD16.as_run(need * E * 8, E, False).fp8_weight_gradients is False
-  assert jaxmlp.Fp8Recipe("tensorwise", when="faster").as_run(512 * E, E, True).fp8_weight_gradients is True
+  assert jaxmlp.Fp8Recipe(recipe, when="always").as_run(16, E, False).fp8_weight_gradients is True
+  assert WGRAD16[recipe].as_run(need * E * 8, E, False).fp8_weight_gradients is False
 
 
+@pytest.mark.parametrize("recipe", list(WGRAD16))
 @pytest.mark.parametrize("rows, fp8_wgrad", [(-16, False), (0, True)])
-def test_by_default_16bit_weight_gradients_below_their_rows(rng, monkeypatch, rows, fp8_wgrad):
+def test_by_default_16bit_weight_gradients_below_their_rows(rng, monkeypatch, recipe, rows, fp8_wgrad):
   """when="faster" with weights given as Fp8Weights: just below MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert
   the results of fp8_weight_gradients=False bit for bit, from there on those of True."""
   monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
   E, d, f = 2, 32, 32
-  M = MIN_ROWS_FP8_WEIGHT_GRADIENTS["blockwise"] * E + rows
+  M = MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe] * E + rows
   args, gs, dy = inputs(rng, M, d, f, [M // 2, M - M // 2], "swiglu", jnp.bfloat16)
 
   def call(fp8):
     def mlp(x, w1, w2, sizes, **kw):
-      w1, w2 = (jaxmlp.fp8_weights(w, "blockwise") for w in (w1, w2))
+      w1, w2 = (jaxmlp.fp8_weights(w, recipe) for w in (w1, w2))
       return jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=fp8, **kw)
     return mlp
 
-  got = run(call("blockwise"), args, gs, dy, "swiglu")
-  want = run(call(jaxmlp.Fp8Recipe("blockwise", when="always", fp8_weight_gradients=fp8_wgrad)), args, gs, dy,
-             "swiglu")
+  got = run(call(recipe), args, gs, dy, "swiglu")
+  want = run(call(jaxmlp.Fp8Recipe(recipe, when="always", fp8_weight_gradients=fp8_wgrad)), args, gs, dy, "swiglu")
   for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in want[1]]:
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=k)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(name="tensorwise", fp8_weight_gradients=False), ValueError, "fp8_weight_gradients=False: the tensorwise"),
     (dict(name="blockwise", fp8_weight_gradients="no"), TypeError, "fp8_weight_gradients='no'"),
     (dict(name="blockwise", fp8_weight_gradients=0), TypeError, "fp8_weight_gradients=0"),  # 0 == False
 ])

@@ -48,7 +48,7 @@ constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 // (fp8/fp8_mlp_cuda.cu), and the block-scaled FP8 product (fp8/fp8_block_gemm_cuda.cu; op: a GemmOp).
 // esize: the bytes of one element of x (ElementBytes).
 size_t MlpWorkspaceBytes(GemmPath path, bool forward, const MlpDims& m, int esize);
-size_t MlpFp8WorkspaceBytes(bool forward, bool engine, const MlpDims& m, int esize);
+size_t MlpFp8WorkspaceBytes(bool forward, bool engine, bool fp8_wgrad, const MlpDims& m, int esize);
 size_t GemmFp8BlocksWorkspaceBytes(int32_t op, int64_t M, int64_t E, int64_t N);
 
 }  // namespace jaxmlp

@@ -59,8 +59,8 @@ import jax.numpy as jnp
 
 from .._groups import Groups
 from ..activations import Activation
-from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, bias_and_scale_grads, bias_rows, group_sums,
-                       padded_length, rounded_first, scaled_bias, to_e4m3)
+from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, bias_and_scale_grads, bias_rows, fp8_weight_gradients,
+                       group_sums, padded_length, rounded_first, scaled_bias, to_e4m3)
 
 BLOCK = 128
 
@@ -350,18 +350,12 @@ def backward(p: Primitives, residuals, groups: Groups, scales, act: Activation, 
 def implementation(p: Primitives, quantize_weights_on_platform) -> Implementation:
   """The recipe over a platform's primitives and weight quantizer."""
   def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding):
-    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2, zero_padding, _fp8_wgrad(recipe))
+    return forward(p, x, w1q, w2q, groups, scales, act, b1, b2, zero_padding, fp8_weight_gradients(recipe))
 
   def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
-    return backward(p, residuals, groups, scales, act, dy, b1, b2, zero_padding, _fp8_wgrad(recipe))
+    return backward(p, residuals, groups, scales, act, dy, b1, b2, zero_padding, fp8_weight_gradients(recipe))
 
   return Implementation(quantize_weights_on_platform, forward_, backward_)
-
-
-def _fp8_wgrad(recipe) -> bool:
-  """Whether the recipe's call runs FP8 weight gradients: a recipe as run (Fp8Recipe.as_run) says; one not
-  decided (None: the forward of a call built by hand) runs FP8."""
-  return recipe.fp8_weight_gradients is not False
 
 
 def emulation(gemm: Gemm) -> Implementation:

@@ -19,7 +19,7 @@ from .._library import ABSENT, optional
 from ..activations import Activation
 from ..gemm import grouped_gemm
 from . import blockwise, tensorwise
-from .quantize import Implementation
+from .quantize import Implementation, fp8_weight_gradients
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -63,20 +63,21 @@ def tensor_weights(w, dtype):
 def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape,
                  residuals: bool, zero_padding: bool):
   """The forward's custom call: (y [M, d], with `residuals` what the backward takes: h [M, F1], amax [4]
-  float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout), q(w1), q(w2)).
-  y's rows past the groups are zeros, whatever zero_padding says."""
+  float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout; with 16-bit weight
+  gradients x itself), q(w1), q(w2)). y's rows past the groups are zeros, whatever zero_padding says."""
   cuda = _module_or_raise()
   dt = x.dtype
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
-  engine = _gemm_path.fp8_on_engine(dt, s.d, s.f)
-  ws = cuda.mlp_fp8_workspace_bytes(True, engine, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt), False, False)
-  xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals else ABSENT
+  engine, fp8_wgrad = _gemm_path.fp8_on_engine(dt, s.d, s.f), fp8_weight_gradients(recipe)
+  ws = cuda.mlp_fp8_workspace_bytes(True, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
+                                    False, False)
+  xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals and fp8_wgrad else ABSENT
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3)]
   y, h, amax, xt = _library.call(
       "jaxmlp_mlp_fp8_fwd", outs, x, w1, w2, groups.given, optional(b1, dt), optional(b2, dt), optional(scales, dt),
       w1t, w2t, jnp.stack([aw1, aw2]), workspace=ws, **_library.activation_attrs(act),
       fast_accumulation=bool(recipe.fast_accumulation), engine=engine)
-  return y, (h, amax, xt, w1, w2) if residuals else None
+  return y, (h, amax, xt if fp8_wgrad else x, w1, w2) if residuals else None
 
 
 def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape, dy,
@@ -84,10 +85,10 @@ def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, re
   """The backward's custom call, from the forward's residuals: (dx, dw1, dw2, db1, db2, dscales), None where
   absent; dx's rows past the groups zeros, whatever zero_padding says."""
   cuda = _module_or_raise()
-  h, amax, xt, w1q, w2q = residuals
+  h, amax, xt, w1q, w2q = residuals  # xt: x itself with 16-bit weight gradients
   dt = h.dtype
-  engine = _gemm_path.fp8_on_engine(dt, s.d, s.f)
-  ws = cuda.mlp_fp8_workspace_bytes(False, engine, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
+  engine, fp8_wgrad = _gemm_path.fp8_on_engine(dt, s.d, s.f), fp8_weight_gradients(recipe)
+  ws = cuda.mlp_fp8_workspace_bytes(False, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
                                     b1 is not None, b2 is not None)
   outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
           ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
@@ -95,7 +96,7 @@ def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, re
   dx, dw1, dw2, db1, db2, dscales = _library.call(
       "jaxmlp_mlp_fp8_bwd", outs, xt, w1q, w2q, groups.given, optional(b1, dt), optional(b2, dt),
       optional(scales, dt), h, dy, amax, workspace=ws, **_library.activation_attrs(act),
-      fast_accumulation=bool(recipe.backward_fast_accumulation), engine=engine)
+      fast_accumulation=bool(recipe.backward_fast_accumulation), engine=engine, fp8_weight_gradients=fp8_wgrad)
   return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
           dscales if scales is not None else None)
 

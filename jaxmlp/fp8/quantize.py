@@ -66,6 +66,12 @@ class Implementation(tp.NamedTuple):
   backward: tp.Callable
 
 
+def fp8_weight_gradients(recipe) -> bool:
+  """Whether the recipe's call runs FP8 weight gradients: a recipe as run (Fp8Recipe.as_run) says; one not
+  decided (None: the forward of a call built by hand) runs FP8."""
+  return recipe.fp8_weight_gradients is not False
+
+
 def rounded_first(quantize_weights: tp.Callable) -> tp.Callable:
   """Implementation.quantize_weights(w, dtype) of a Scheme's quantize_weights(w): w rounded to dtype, then
   quantized."""

@@ -19,13 +19,13 @@ WHEN = ("faster", "always")
 # when="faster": the rows per expert (M / E) from which each recipe's fwd+bwd measured at least as fast as
 # bf16 (docs/fp8.md, "When FP8 runs"), with the weights quantized in the call or given quantized
 # (Fp8Weights: "cached"); below, the call runs in x's dtype.
-MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 512,
+MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 256,
                        ("blockwise", False): 2048, ("blockwise", True): 512}
-# when="faster", per product: the rows per expert from which the blockwise recipe's step measured as fast
-# with FP8 weight gradients as with 16-bit ones (docs/fp8.md, "When FP8 runs": below, the FP8 products are
-# slower or no faster, and their operands' 128 x 1 quantizations cost passes); below, a call that runs in
-# FP8 runs its weight gradients in x's dtype. Only the blockwise recipe has 16-bit weight gradients.
-MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"blockwise": 1024}
+# when="faster", per product: the rows per expert from which each recipe's step measured as fast with FP8
+# weight gradients as with 16-bit ones (docs/fp8.md, "When FP8 runs": below, the FP8 products are slower or
+# no faster, and their operands' transposed or 128 x 1 quantizations cost passes); below, a call that runs in
+# FP8 runs its weight gradients in x's dtype.
+MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"tensorwise": 512, "blockwise": 1024}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Fp8Recipe:
   fp8_weight_gradients: whether the two weight gradients of a call that runs in FP8 are FP8 products (True)
     or products of x's dtype (False: dw1 = x^T dh and dw2 = a^T dy of 16-bit operands, dh and a rounded to
     x's dtype, as fp8=None computes them from this call's h and da). None: by when: "always", FP8; "faster",
-    FP8 from MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert. False is the blockwise recipe's only.
+    FP8 from MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert.
   """
 
   name: str = "tensorwise"
@@ -66,9 +66,6 @@ class Fp8Recipe:
       if not isinstance(self.fp8_weight_gradients, (bool, np.bool_)):  # 0 == False, but 0 is no answer
         raise TypeError(f"fp8: fp8_weight_gradients={self.fp8_weight_gradients!r}; expected None, True or False")
       object.__setattr__(self, "fp8_weight_gradients", bool(self.fp8_weight_gradients))  # np.False_ too
-    if self.fp8_weight_gradients is False and self.name not in MIN_ROWS_FP8_WEIGHT_GRADIENTS:
-      raise ValueError(f"fp8: fp8_weight_gradients=False: the {self.name} recipe has FP8 weight gradients only "
-                       f"(16-bit ones: {', '.join(MIN_ROWS_FP8_WEIGHT_GRADIENTS)})")
 
   def runs_fp8(self, M: int, E: int, cached: bool) -> bool:
     """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights)."""

@@ -32,8 +32,16 @@ Where each quantization happens, which is what makes a result bit-reproducible:
 The biases stay in x's dtype and their gradients are float32 sums of unquantized 16-bit operands (dh rounded
 to x's dtype, as the 16-bit path stores it), as in the 16-bit path: only the six products are FP8.
 
+With 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients False; by default below
+recipe.MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert, where the step measured faster with them) the two
+weight gradients are those of fp8=None from this recipe's h and da, as in the blockwise recipe:
+
+            dw1 = round(x^T @ round(dh)),  dw2 = round(round(a)^T @ dy)    (16-bit operands, float32 sums)
+
+and the backward keeps x itself in place of q(x) (no transposed copies of x, a, dy or dh are written).
+
 The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes) and its quantized
-q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights; q(x) in
+q(x) (x with 16-bit weight gradients), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights; q(x) in
 the layout the weight gradient reads, transposed_padded). All FP8 data is e4m3, gradients included: with
 per-tensor current scaling its 3 mantissa bits beat e5m2's range, which current scaling does not need (the
 scale adapts every call; docs/fp8.md).
@@ -50,8 +58,8 @@ import numpy as np
 
 from .._groups import Groups
 from ..activations import Activation
-from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, amax, bias_and_scale_grads, bias_rows, padded_length,
-                       rounded_first, scaled_bias, to_e4m3)
+from .quantize import (E4M3_MAX, Gemm, Implementation, Scheme, amax, bias_and_scale_grads, bias_rows,
+                       fp8_weight_gradients, padded_length, rounded_first, scaled_bias, to_e4m3)
 
 # The weight gradients' operands on FP8 tensor cores: transposed (contiguous along the tokens), each group's
 # rows from a multiple of PAD.
@@ -121,9 +129,10 @@ def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return q, a, jnp.swapaxes(q, 1, 2)
 
 
-def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=None, b2=None):
+def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=None, b2=None, fp8_wgrad=True):
   """(y, residuals) of the forward for w1 and w2 quantized by quantize_weights ((q, amax, qt) each). The
-  residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x) (transposed_padded), q(w1), q(w2) in e4m3."""
+  residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x) (transposed_padded; without fp8_wgrad x itself),
+  q(w1), q(w2) in e4m3."""
   dtype, valid, sizes = x.dtype, groups.valid, groups.sizes
   (w1q, aw1, _), (w2q, aw2, _) = w1, w2
   ax = amax(x, valid)
@@ -140,15 +149,15 @@ def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=N
   y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
   if b2 is not None:
     y = y + scaled_bias(b2, scales, groups, dtype)
-  residuals = (h, jnp.stack([ax, aw1, aw2, aa]), transposed_padded(xq, groups), w1q, w2q)
+  residuals = (h, jnp.stack([ax, aw1, aw2, aa]), transposed_padded(xq, groups) if fp8_wgrad else x, w1q, w2q)
   return jnp.where(valid[:, None], y, 0).astype(dtype), residuals
 
 
-def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None):
-  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals."""
+def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None, fp8_wgrad=True):
+  """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals (of a
+  forward with the same fp8_wgrad)."""
   h, amaxes, xt, w1q, w2q = residuals
   dtype, sizes = h.dtype, groups.sizes
-  xq = rows_of_transposed_padded(xt, groups)
   ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
   rows = groups.valid[:, None]
   dy = jnp.where(rows, dy.astype(jnp.float32), 0)
@@ -158,13 +167,19 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
   da = jnp.where(rows, da.astype(jnp.float32), 0)
   value, vjp = jax.vjp(act, h.astype(jnp.float32))
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
-  qa = quantize(jnp.where(rows, value * s, 0), aa)
+  a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
   adh = amax(dh)
   qdh = quantize(dh, adh)
-  dw2 = gemm("tn", qa, qdy, sizes) * (scale_of(aa) * scale_of(ady))
   dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
-  dw1 = gemm("tn", xq.astype(jnp.float32), qdh, sizes) * (scale_of(ax) * scale_of(adh))  # xq: 0 past the groups
+  if fp8_wgrad:
+    xq = rows_of_transposed_padded(xt, groups)  # 0 past the groups
+    dw2 = gemm("tn", quantize(a, aa), qdy, sizes) * (scale_of(aa) * scale_of(ady))
+    dw1 = gemm("tn", xq.astype(jnp.float32), qdh, sizes) * (scale_of(ax) * scale_of(adh))
+  else:  # 16-bit operands (rounded as the CUDA kernels store them), float32 sums; rows past the groups 0
+    x16 = jnp.where(rows, xt, 0)
+    dw2 = gemm("tn", a.astype(dtype), jnp.where(rows, dy, 0).astype(dtype), sizes)
+    dw1 = gemm("tn", x16, dh.astype(dtype), sizes)
   return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
           *bias_and_scale_grads(da, dh, dy, value, dtype, scales, groups, b1, b2))
 
@@ -172,11 +187,12 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
 def emulation(gemm: Gemm) -> Implementation:
   """The recipe around `gemm`, with float32 operands that are exactly the dequantized FP8 values."""
   def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding):
-    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2)  # zeros past the groups, always
+    # zeros past the groups, always
+    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2, fp8_weight_gradients(recipe))
     return y, res if residuals else None
 
   def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
-    return backward(gemm, residuals, groups, scales, act, dy, b1, b2)
+    return backward(gemm, residuals, groups, scales, act, dy, b1, b2, fp8_weight_gradients(recipe))
 
   return Implementation(rounded_first(quantize_weights), forward_, backward_)
 

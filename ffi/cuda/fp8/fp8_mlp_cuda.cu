@@ -42,36 +42,46 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
 }
 
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
-// operands in row layout (dyq, aq, dhq) and transposed (dyt, at, dht: [width, L]; x's came from the
-// forward), and da; with biases dh in x.dtype (b1) and BiasGradients' partial sums.
+// operands in row layout (dyq, dhq) and da; with FP8 weight gradients aq and the transposed copies (dyt, at,
+// dht: [width, L]; x's came from the forward), else a16, a in x.dtype; dh in x.dtype with b1 or 16-bit weight
+// gradients, and BiasGradients' partial sums with biases.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
-  uint8_t *dyq, *aq, *dhq, *dyt, *at, *dht;
+  uint8_t *dyq, *dhq;
+  uint8_t *aq = nullptr, *dyt = nullptr, *at = nullptr, *dht = nullptr;
   void* da;  // [M, f] in x.dtype
+  void* a16 = nullptr;  // [M, f] in x.dtype
   void* dh = nullptr;  // [M, F1] in x.dtype
   float* bias_partials = nullptr;
 };
-BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize) {
+BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_wgrad) {
   const int64_t L = PaddedRows(m.M, m.E);
   BackwardScratch s;
   s.amax = c.Take<float>(2);
   s.scale = c.Take<float>(6);
   s.dyq = c.Take<uint8_t>(m.M * m.d);
-  s.aq = c.Take<uint8_t>(m.M * m.f);
   s.dhq = c.Take<uint8_t>(m.M * m.F1);
-  s.dyt = c.Take<uint8_t>(m.d * L);
-  s.at = c.Take<uint8_t>(m.f * L);
-  s.dht = c.Take<uint8_t>(m.F1 * L);
+  if (fp8_wgrad) {
+    s.aq = c.Take<uint8_t>(m.M * m.f);
+    s.dyt = c.Take<uint8_t>(m.d * L);
+    s.at = c.Take<uint8_t>(m.f * L);
+    s.dht = c.Take<uint8_t>(m.F1 * L);
+  } else {
+    s.a16 = c.Take<char>(m.M * m.f * esize);
+  }
   s.da = c.Take<char>(m.M * m.f * esize);
-  if (m.has_b1) s.dh = c.Take<char>(m.M * m.F1 * esize);
+  if (m.has_b1 || !fp8_wgrad) s.dh = c.Take<char>(m.M * m.F1 * esize);
   if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(BiasGradientsScratch(m));
   return s;
 }
 
-// The e4m3 weights and x's e4m3 copy that the backward takes from the forward: w1q, w2q as they lie, and
-// xt, x transposed into the weight gradients' layout [d, L] (each group's rows from a multiple of 16).
-Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xt, const AnyBuffer& w1q, const AnyBuffer& w2q) {
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("xt", xt, {m.d, PaddedRows(m.M, m.E)}));
+// The e4m3 weights and x's copy that the backward takes from the forward: w1q, w2q as they lie, and xt, x
+// transposed into the FP8 weight gradients' layout [d, L] (each group's rows from a multiple of 16), or with
+// 16-bit weight gradients x itself [M, d] in the operands' dtype t.
+Error CheckFp8Copies(const MlpDims& m, const AnyBuffer& xt, const AnyBuffer& w1q, const AnyBuffer& w2q,
+                     bool fp8_wgrad = true, DataType t = DataType::BF16) {
+  if (fp8_wgrad) JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("xt", xt, {m.d, PaddedRows(m.M, m.E)}));
+  else JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("x", xt, {m.M, m.d}, t, "h's dtype"));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("w1q", w1q, {m.E, m.d, m.F1}));
   return CheckFp8Buffer("w2q", w2q, {m.E, m.f, m.d});
 }
@@ -197,18 +207,20 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   return gemms.Run(1);  // y = a w2
 }
 
-// x, w1 and w2 are the forward's e4m3 copies (xt, w1q, w2q; see CheckFp8Copies): dy gives M and d.
+// x, w1 and w2 are the forward's copies (xt or x, w1q, w2q; see CheckFp8Copies): dy gives M and d. Without
+// fp8_weight_gradients dw1 = x^T round(dh) and dw2 = round(a)^T dy are products of x.dtype (the recipe:
+// jaxmlp/fp8/tensorwise.py), and a and dh are not transposed.
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
                      AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation, bool engine,
-                     Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
+                     bool fp8_wgrad, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
                      Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(dy, w1, w2, group_sizes, b1, b2, scales, act, &m));
   const DataType t = h.element_type();
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, x, w1, w2));
+  JAXMLP_RETURN_IF_ERROR(CheckFp8Copies(m, x, w1, w2, fp8_wgrad, t));
   for (const AnyBuffer* b : {&b1, &b2, &scales})
     if (b->element_type() != t) return Error::InvalidArgument("jaxmlp: b1, b2 and scales must have h's dtype");
   // h stands in for x: the gradients take h's dtype, x's in the forward.
@@ -218,7 +230,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(Fp8Path(engine), stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
-  const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)));
+  const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)), fp8_wgrad);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
@@ -229,12 +241,20 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
         *sdh = s.scale + 5;
   const bool fast = fast_accumulation;
+  // The weight gradients: FP8 products of the transposed copies, or 16-bit ones of x, round(a), dy, round(dh).
+  const GemmSpec dw2_spec = fp8_wgrad ? Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy,
+                                                   dw2->untyped_data(), t, fast)
+                                      : GemmSpec{GemmOp::kTN, int32_t(m.f), int32_t(m.d), s.a16, dy.untyped_data(),
+                                                 dw2->untyped_data(), t, t, 0.0f, false, true};
+  const GemmSpec dw1_spec = fp8_wgrad ? Fp8Product(GemmOp::kTNPadded, m.d, m.F1, x.untyped_data(), sx, s.dht, sdh,
+                                                   dw1->untyped_data(), t, fast)
+                                      : GemmSpec{GemmOp::kTN, int32_t(m.d), int32_t(m.F1), x.untyped_data(), s.dh,
+                                                 dw1->untyped_data(), t, t, 0.0f, true, false};
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
       Fp8Product(GemmOp::kNT, m.f, m.d, s.dyq, sdy, w2.untyped_data(), sw2, s.da, t, fast),                 // da
-      Fp8Product(GemmOp::kTNPadded, m.f, m.d, s.at, sa, s.dyt, sdy, dw2->untyped_data(), t, fast),          // dw2
+      dw2_spec,
       Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast),  // dx
-      Fp8Product(GemmOp::kTNPadded, m.d, m.F1, x.untyped_data(), sx, s.dht, sdh, dw1->untyped_data(), t,
-                 fast),  // dw1
+      dw1_spec,
   }));
   JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
@@ -243,18 +263,21 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   const ActParams p{Act(act), alpha, limit};
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d,
                                                   h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
-                                                  dy.untyped_data(), DataIfPresent(b2), s.aq,
+                                                  dy.untyped_data(), DataIfPresent(b2), s.aq, s.a16,
                                                   m.has_scales ? dscales->untyped_data() : nullptr,
                                                   dx->untyped_data(), s.amax + 1));
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
                                                     s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
-  // Transposed copies of the FP8 a and dh (exact copies: no scale).
-  JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
-  JAXMLP_RETURN_IF_ERROR(
-      QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
+  if (fp8_wgrad) {  // transposed copies of the FP8 a and dh (exact copies: no scale)
+    JAXMLP_RETURN_IF_ERROR(
+        QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
+    JAXMLP_RETURN_IF_ERROR(
+        QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
+  }
   // RunIndependent's promise: none of its products reads another's output. dx (2), dw2 (1) and dw1 (3) read
-  // dhq, w1, at, dyt, x and dht, all scratch or operands, and write dx, dw2 and dw1; da has its own scratch
-  // here (CarveBackward), unlike the 16-bit backward's cuBLAS paths, which put it in dw1's buffer.
+  // dhq, w1, at or a16, dyt or dy, x or xt and dht or dh, all scratch or operands, and write dx, dw2 and dw1;
+  // da has its own scratch here (CarveBackward), unlike the 16-bit backward's cuBLAS paths, which put it in
+  // dw1's buffer.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   return BiasGradients(stream, t, gemms.offsets(), m, s.dh, dy.untyped_data(), DataIfPresent(scales), s.bias_partials,
@@ -263,11 +286,11 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
 
 }  // namespace
 
-size_t MlpFp8WorkspaceBytes(bool forward, bool engine, const MlpDims& m, int esize) {
+size_t MlpFp8WorkspaceBytes(bool forward, bool engine, bool fp8_wgrad, const MlpDims& m, int esize) {
   Carver c(nullptr);
   GroupedGemms counted(Fp8Path(engine), nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
   if (forward) CarveForward(c, m);
-  else CarveBackward(c, m, esize);
+  else CarveBackward(c, m, esize, fp8_wgrad);
   return c.used();
 }
 
@@ -305,6 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                                               .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
                                   .Attr<bool>("fast_accumulation")
                                   .Attr<bool>("engine")
+                                  .Attr<bool>("fp8_weight_gradients")
                                   .Ret<xla::ffi::AnyBuffer>()                               // dx
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw1
                                   .Ret<xla::ffi::AnyBuffer>()                               // dw2

@@ -274,8 +274,8 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                     int64_t M, int64_t f, int64_t d, const T* h,
                                                                     const T* da, const T* scales, const float* amax_a,
-                                                                    const T* dy, const T* b2, uint8_t* aq, T* dscales,
-                                                                    T* dx, float* amax_dh) {
+                                                                    const T* dy, const T* b2, uint8_t* aq, T* a16,
+                                                                    T* dscales, T* dx, float* amax_dh) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t valid = offsets[E];
   const float inv_a = InverseScale(amax_a);
@@ -291,16 +291,19 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
     ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
       const Vec<T, V> dav = Load<T, V>(da + row * f + j);
       Bytes<V> q;
+      Vec<T, V> a;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const ActGrad r = act(k);
         const float dak = ToFloat(dav.v[k]);
         ds += dak * r.val;
         q.b[k] = ToE4m3(r.val * s * inv_a);
+        a.v[k] = T(r.val * s);
         m = fmaxf(m, fabsf(dak * s * r.dgate));
         if (kGated) m = fmaxf(m, fabsf(dak * s * r.dup));
       }
-      *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
+      if (a16) Store<T, V>(a16 + row * f + j, a);
+      else *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
     });
     if (dscales && b2) ds += BiasDotShare<T, V>(dy + row * d, b2 + GroupOf(offsets, E, row) * d, d);
     if (dscales) {
@@ -433,11 +436,11 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,
-                                    void* aq, void* dscales, void* dx, float* amax_dh) {
+                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh) {
   JAXMLP_ACT_LAUNCH(ActBackwardAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<const T*>(h),
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_a, static_cast<const T*>(dy),
-                    static_cast<const T*>(b2), static_cast<uint8_t*>(aq), static_cast<T*>(dscales),
-                    static_cast<T*>(dx), amax_dh);
+                    static_cast<const T*>(b2), static_cast<uint8_t*>(aq), static_cast<T*>(a16),
+                    static_cast<T*>(dscales), static_cast<T*>(dx), amax_dh);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation backward kernel");
 }
 

@@ -58,13 +58,14 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
                               float* scale_a, void* aq);
 
 // The backward's activation, from h and da = dy w2^T (x.dtype), in two passes over the valid rows:
-//   1. aq = e4m3(act(h) * s) with the forward's *amax_a, dscales = sum_j da * act(h) (+ sum_j dy * b2[g]
+//   1. aq = e4m3(act(h) * s) with the forward's *amax_a (or, where a16 is given, a16 = act(h) * s in t
+//      instead: the 16-bit weight gradient's operand), dscales = sum_j da * act(h) (+ sum_j dy * b2[g]
 //      with b2), *amax_dh = max |dh| where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
 //   2. dhq = e4m3(dh) with that scale, and dh itself in t where dh is not null (for db1).
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,
-                                    void* aq, void* dscales, void* dx, float* amax_dh);
+                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh);
 ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
                                       const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
