@@ -36,8 +36,9 @@ from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
              "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached",
-             "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached", "jaxmlp_master", "jaxmlp_fp8_master",
-             "jaxmlp_fp8_blockwise_master", "jaxmlp_fp8_blockwise_wgrad16_master", "ragged_dot", "tokamax", "dense")
+             "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached", "jaxmlp_master",
+             "jaxmlp_fp8_master", "jaxmlp_fp8_blockwise_master", "jaxmlp_fp8_blockwise_wgrad16_master", "ragged_dot",
+             "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
 CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
                   "jaxmlp_fp8_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_wgrad16_cached": "tensorwise",

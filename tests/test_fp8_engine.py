@@ -17,13 +17,14 @@ ENGINE_CASES = {**BLOCK_CASES, "clustered": (1024, 2048, 1536, [700, 0, 300, 3])
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-@pytest.mark.parametrize("fast", ["none", "forward", "both"])
+@pytest.mark.parametrize("fast, fp8_wgrad", [("none", True), ("forward", True), ("both", True), ("none", False)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("biases", [False, True])
-def test_cuda_fp8_on_the_engine_equals_the_cpu_emulation(rng, monkeypatch, case, fast, dtype, biases):
+def test_cuda_fp8_on_the_engine_equals_the_cpu_emulation(rng, monkeypatch, case, fast, fp8_wgrad, dtype, biases):
   """JAXMLP_GEMM_PATH=cutlass runs the tensorwise recipe's row products (FC1, FC2, the data gradients) on the
-  CUTLASS engine's FP8 kernels (the launch counts show it), with the same semantics: the CPU emulation's results
-  within CUDA_TOLERANCE, and y and dx's padding rows zero where the poisoned outputs held NaN."""
+  CUTLASS engine's FP8 kernels (the launch counts show it; the weight gradients, FP8 or 16-bit, on cuBLASLt),
+  with the same semantics: the CPU emulation's results within CUDA_TOLERANCE, and y and dx's padding rows zero
+  where the poisoned outputs held NaN."""
   status = _library.cuda_status()
   reason = fp8_reason() or (None if status.get("cutlass_available") else status.get("cutlass_reason"))
   if reason:
@@ -31,7 +32,7 @@ def test_cuda_fp8_on_the_engine_equals_the_cpu_emulation(rng, monkeypatch, case,
   M, d, f, sizes = ENGINE_CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", getattr(jnp, dtype), b1=biases, b2=biases)
   recipe = jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=fast != "none",
-                            backward_fast_accumulation=fast == "both")
+                            backward_fast_accumulation=fast == "both", fp8_weight_gradients=fp8_wgrad)
   results = {}
   for platform in ("cpu", "cuda"):
     device = jax.devices(platform)[0]

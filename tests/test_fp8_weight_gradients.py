@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_error
-from fp8_cases import (BLOCK_CASES, DTYPES, NUMPY_MODEL, blockwise_primitive, check_against_model, fp8_reason,  # noqa: F401
-                       inputs, platform, run)
+from fp8_cases import (BLOCK_CASES, DTYPES, NUMPY_MODEL, blockwise_primitive,  # noqa: F401 (platform: a fixture)
+                       check_against_model, fp8_reason, inputs, platform, run)
 
 import jaxmlp
-import numpy_fp8_reference as fp8_ref
 import numpy_reference as ref
 from jaxmlp._groups import Groups
 from jaxmlp.fp8 import blockwise

@@ -59,8 +59,8 @@ def _bfloat16_gemm(op, lhs, rhs, sizes):
   """A float32 grouped product of dequantized FP8 operands on jaxmlp's grouped GEMM, CPU or CUDA: an e4m3
   value, and its product with a power-of-two scale, is exact in bfloat16 (8 bits of exponent, 7 of
   mantissa), so the product of the bfloat16 operands with float32 accumulation and output is the float32
-  product of the dequantized values (up to the order of the sums). 16-bit operands (the blockwise
-  recipe's 16-bit weight gradients) go as they are."""
+  product of the dequantized values (up to the order of the sums). 16-bit operands (the recipes' 16-bit
+  weight gradients) go as they are."""
   if op == "tn":
     out_shape = (sizes.shape[0], lhs.shape[1], rhs.shape[1])
   else:

@@ -78,8 +78,7 @@ class Fp8Recipe:
       return None
     fp8_wgrad = self.fp8_weight_gradients
     if fp8_wgrad is None:
-      fp8_wgrad = self.name not in MIN_ROWS_FP8_WEIGHT_GRADIENTS or self._by_rows(
-          M, E, MIN_ROWS_FP8_WEIGHT_GRADIENTS[self.name])
+      fp8_wgrad = self._by_rows(M, E, MIN_ROWS_FP8_WEIGHT_GRADIENTS[self.name])
     return dataclasses.replace(self, fp8_weight_gradients=fp8_wgrad)
 
   def _by_rows(self, M: int, E: int, rows_per_expert: int) -> bool:
@@ -161,7 +160,7 @@ def fp8_when() -> str:
                    for (name, cached), need in MIN_ROWS_PER_EXPERT.items())
   wgrad = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_FP8_WEIGHT_GRADIENTS.items())
   return (f"{when}: a call with an FP8 recipe runs in FP8 from these rows per expert on ({rows}), in x's dtype "
-          f"below them; its weight gradients are FP8 products from these on ({wgrad}; the other recipes always), "
+          f"below them; its weight gradients are FP8 products from these on ({wgrad}), "
           "products of x's dtype below; unless its Fp8Recipe says when='always' or fp8_weight_gradients")
 
 

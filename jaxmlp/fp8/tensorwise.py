@@ -30,7 +30,7 @@ Where each quantization happens, which is what makes a result bit-reproducible:
             db1[g] = round(sum over g's rows of round(dh)), db2[g] = round(sum over g's rows of scales * dy)
 
 The biases stay in x's dtype and their gradients are float32 sums of unquantized 16-bit operands (dh rounded
-to x's dtype, as the 16-bit path stores it), as in the 16-bit path: only the six products are FP8.
+to x's dtype, as the 16-bit path stores it), as in the 16-bit path: only the products are FP8.
 
 With 16-bit weight gradients (Fp8Recipe.fp8_weight_gradients False; by default below
 recipe.MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert, where the step measured faster with them) the two
@@ -41,10 +41,10 @@ weight gradients are those of fp8=None from this recipe's h and da, as in the bl
 and the backward keeps x itself in place of q(x) (no transposed copies of x, a, dy or dh are written).
 
 The backward reuses the forward's scales of x, w1, w2 and a (saved as their amaxes) and its quantized
-q(x) (x with 16-bit weight gradients), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights; q(x) in
-the layout the weight gradient reads, transposed_padded). All FP8 data is e4m3, gradients included: with
-per-tensor current scaling its 3 mantissa bits beat e5m2's range, which current scaling does not need (the
-scale adapts every call; docs/fp8.md).
+q(x), q(w1) and q(w2) (saved in e4m3: half the bytes of x, and no second pass over the weights; q(x) in the
+layout the weight gradient reads, transposed_padded; with 16-bit weight gradients x itself). All FP8 data is
+e4m3, gradients included: with per-tensor current scaling its 3 mantissa bits beat e5m2's range, which current
+scaling does not need (the scale adapts every call; docs/fp8.md).
 
 The emulation computes exactly that with dequantized float32 operands around any grouped GEMM: with
 jax.lax.ragged_dot it is the reference (jaxmlp.reference), with jaxmlp's grouped GEMM the CPU backend. The

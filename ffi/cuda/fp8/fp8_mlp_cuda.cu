@@ -1,11 +1,12 @@
-// CUDA handlers of the FP8 grouped MLP (the recipe: jaxmlp/fp8.py), one custom call per direction, on the
-// cuBLASLt grouped GEMM with FP8 e4m3 operands, and its weight quantizer. cuBLAS takes FP8 only in the "TN"
-// layout (both operands contiguous along the reduction), so the weights are quantized in one pass into both
-// layouts (Fp8TensorWeights: its own call, so that a caller can quantize them once for several calls):
-// transposed for the forward, as they lie for the backward's data gradients. The weight gradients read
-// transposed copies of the activations and gradients, each group's rows a 16-aligned column segment
-// (GemmOp::kTNPadded); x's is written by the forward's pass that quantizes x, beside its rows. Group sizes
-// stay on the device: no host sync, command-buffer compatible.
+// CUDA handlers of the tensorwise FP8 grouped MLP (the recipe: jaxmlp/fp8/tensorwise.py), one custom call per
+// direction, on the cuBLASLt grouped GEMM with FP8 e4m3 operands (with the "engine" attribute the row products
+// on jaxmlp's CUTLASS engine), and its weight quantizer. FP8 tensor cores take FP8 only in the "TN" layout
+// (both operands contiguous along the reduction), so the weights are quantized in one pass into both layouts
+// (Fp8TensorWeights: its own call, so that a caller can quantize them once for several calls): transposed for
+// the forward, as they lie for the backward's data gradients. FP8 weight gradients read transposed copies of
+// the activations and gradients, each group's rows a 16-aligned column segment (GemmOp::kTNPadded); x's is
+// written by the forward's pass that quantizes x, beside its rows. 16-bit weight gradients read x, dy and a,
+// dh in x.dtype instead. Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
 
@@ -153,7 +154,8 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
 // w1 and w2 are the e4m3 weights of Fp8TensorWeights as they lie (for the shapes; the backward reads
 // them), w1t and w2t the same transposed, weight_amax [2] their absolute maxima. xt: x's e4m3 copy in the
 // weight gradients' layout, written by the pass that quantizes x for FC1 (its transposed tile besides its
-// rows), the backward's residual; absent (ABSENT, a scalar) where the call is not differentiated.
+// rows), the backward's residual; absent (ABSENT, a scalar) where the call is not differentiated or the
+// backward's weight gradients are 16-bit (it then takes x itself).
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
                     int32_t act, float alpha, float limit, bool fast_accumulation, bool engine, Result<AnyBuffer> y,
@@ -213,8 +215,9 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
                      AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation, bool engine,
-                     bool fp8_wgrad, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2, Result<AnyBuffer> db1,
-                     Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> workspace) {
+                     bool fp8_wgrad, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
+                     Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales,
+                     Result<AnyBuffer> workspace) {
   ++handler_host_calls;
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(dy, w1, w2, group_sizes, b1, b2, scales, act, &m));

@@ -61,7 +61,7 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 //   1. aq = e4m3(act(h) * s) with the forward's *amax_a (or, where a16 is given, a16 = act(h) * s in t
 //      instead: the 16-bit weight gradient's operand), dscales = sum_j da * act(h) (+ sum_j dy * b2[g]
 //      with b2), *amax_dh = max |dh| where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
-//   2. dhq = e4m3(dh) with that scale, and dh itself in t where dh is not null (for db1).
+//   2. dhq = e4m3(dh) with that scale, and dh itself in t where dh is not null (for db1 and 16-bit dw1).
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,

@@ -1,5 +1,5 @@
 // The engine's tensorwise FP8 kNT kernels (cutlass_grouped.h):
-// the FP8 main loop's float32 accumulation (promoted every 4 k-tiles).
+// the FP8 main loop's float32 accumulation (wgmma's accumulator added into it after every k-tile).
 // One translation unit per op, so that a parallel build compiles them side by side.
 #include "cuda/gemm/cutlass_grouped_kernel.cuh"
 

@@ -71,12 +71,12 @@ ffi::Error RunCutlass(cudaStream_t stream, int device, const GemmSpec& s, int64_
   const int sm_count = MultiProcessorCount(device);
   if (sm_count <= 0) return ffi::Error::Internal("jaxmlp: cannot query the SM count of CUDA device " +
                                                  std::to_string(device));
-  const bool bf16 = s.out_type == ffi::DataType::BF16, fp8 = s.in_type == kFp8;
+  const bool bf16 = s.out_type == ffi::DataType::BF16, fp8 = s.in_type == kFp8;  // (kFp8NT's dispatch below)
   if (s.gather && (!activation || s.op != GemmOp::kNN))
     return ffi::Error::Internal("jaxmlp: the engine gathers FC1's rows with its activation only");
-  const CutlassLaunch l{stream, device, sm_count, E, bf16, fp8, s.lhs_scale, s.rhs_scale, s.fast_accumulation,
-                        s.lhs, s.rhs, rows, s.K, s.N, offsets, &problems, out_ptrs, s.beta, workspace, s.out,
-                        activation, s.gather, s.gather_div, s.sources};
+  const CutlassLaunch l{stream, device, sm_count, E, bf16, s.lhs_scale, s.rhs_scale, s.lhs, s.rhs, rows, s.K,
+                        s.N, offsets, &problems, out_ptrs, s.beta, workspace, s.out, activation, s.gather,
+                        s.gather_div, s.sources};
   const bool gated = activation && IsGated(activation->act.act);
   CutlassKernel kernel = s.op == GemmOp::kNN ? CutlassKernel::kNN : CutlassKernel::kNT;
   if (fp8) kernel = CutlassKernel::kFp8NT;

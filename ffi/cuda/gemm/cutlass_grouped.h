@@ -109,11 +109,9 @@ struct CutlassLaunch {
   int device, sm_count;
   int64_t E;
   bool bf16;  // the output (and 16-bit operands'), else float16
-  // FP8 (kFp8NT): e4m3 operands, their dequantization scales (one device float each), and the accumulation.
-  bool fp8;
+  // FP8 (kFp8NT): the e4m3 operands' dequantization scales (one device float each).
   const float* lhs_scale;
   const float* rhs_scale;
-  bool fast_accumulation;
   const void* lhs;  // [rows, K] (kNN) or [rows, N] (kNT), the groups' rows in order
   const void* rhs;  // [E, K, N]
   int64_t rows, K, N;

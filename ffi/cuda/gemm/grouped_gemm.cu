@@ -194,7 +194,7 @@ ffi::Error GroupedGemms::Prepare(std::initializer_list<GemmSpec> specs, bool pad
   for (const GemmSpec& s : specs) {
     if ((s.op == GemmOp::kTNPadded || s.in_type == ffi::DataType::F8E4M3FN) &&
         (path_ == GemmPath::kTiled || path_ == GemmPath::kFallback))
-      return ffi::Error::Internal("jaxmlp: FP8 products run on cuBLASLt's grouped GEMM only");
+      return ffi::Error::Internal("jaxmlp: FP8 products run on cuBLASLt's grouped GEMM or the engine only");
     if (s.scaling == Fp8Scaling::kBlocks && s.op != GemmOp::kNT && s.op != GemmOp::kTNPadded)
       return ffi::Error::Internal("jaxmlp: block-scaled FP8 products are kNT or kTNPadded");
     if (s.gather && (s.op != GemmOp::kNN || (path_ != GemmPath::kCutlass && path_ != GemmPath::kFused)))

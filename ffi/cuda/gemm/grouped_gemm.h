@@ -10,8 +10,7 @@
 //             13.3 on Blackwell; any on other GPUs), float32, and row lengths not multiples of 8.
 //   kCutlass  jaxmlp's CUTLASS engine on Hopper (cutlass_grouped.h): dims and pointers on the device as for
 //             kGrouped; the products it does not serve (the weight gradients, the blockwise FP8 recipe's
-//             products, a float32 output) run
-//             on cuBLASLt's.
+//             products, a float32 output) run on cuBLASLt's.
 //   kFused    cuBLASLt's grouped GEMM as kGrouped, except FC1's product (kNN) where the engine computes the
 //             activation in its epilogue (FusesActivation), which no cuBLASLt grouped GEMM can: the
 //             engine's plain products trail cuBLASLt's by 1-6%, its fused FC1 saves the activation pass.
@@ -110,8 +109,8 @@ struct GemmSpec {
   // starts copying them before the kernel ahead of it on the stream has finished.
   bool lhs_is_input = false, rhs_is_input = false;
   // FP8 (in_type F8E4M3FN; cuBLASLt's grouped GEMM, and the engine for kTensor kNT products): device
-  // pointers to the operands' dequantization
-  // scales (see Fp8Scaling), and whether to use the faster, less precise FP8 accumulation.
+  // pointers to the operands' dequantization scales (see Fp8Scaling), and whether to use the faster, less
+  // precise FP8 accumulation.
   const float* lhs_scale = nullptr;
   const float* rhs_scale = nullptr;
   bool fast_accumulation = false;
