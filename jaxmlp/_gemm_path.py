@@ -40,12 +40,12 @@ TILED_MAX_MACS = 1 << 30
 
 # The rows per group (M / E) where `auto` runs a fusable forward on the fused path: measured 1-4% faster
 # forwards than cuBLASLt's FC1 and activation pass at gptoss's 512 and dsv3's 1024 rows a group, nothing
-# gained at mixtral's 2048; from 128, where a group fills a tile (docs/performance.md, "The cluster").
+# gained at mixtral's 2048; from 128, where a group fills a tile (docs/engine-performance.md, "The cluster").
 FUSED_ROWS_PER_GROUP = (128, 1024)
 # Where `auto` runs a fusable grouped_mlp's forward and backward on the engine: more than one 128-row tile a
 # group, at most 1024 rows, and FC1's weights at most this many elements an expert, where the engine runs
 # without clusters (kSmallExpertWeights, cutlass_grouped_kernel.cuh, the same number) and measured ahead of
-# cuBLASLt, most with skewed routing (docs/performance.md, "The cluster"). Calls with b1 or an ungated
+# cuBLASLt, most with skewed routing (docs/engine-performance.md, "The cluster"). Calls with b1 or an ungated
 # activation take the same bounds: measured within 1% of cuBLASLt (b1, qwen3 balanced: 0.989x) to 10% ahead
 # over a step ("b1 and ungated activations in FC1's epilogue").
 ENGINE_ROWS_PER_GROUP = (129, 1024)
@@ -109,7 +109,7 @@ def fp8_on_engine(dtype, *row_lengths: int) -> bool:
   """Whether the tensorwise FP8 MLP runs its row products (FC1, FC2, the data gradients; the weight gradients
   stay cuBLASLt's) on jaxmlp's CUTLASS engine: where JAXMLP_GEMM_PATH=cutlass forces the engine (with its
   errors where it cannot run). `auto` keeps them on cuBLASLt's FP8 grouped GEMM, which the engine's FP8
-  kernels are measured against first (docs/performance.md, "FP8 on the engine")."""
+  kernels are measured against first (docs/engine-performance.md, "FP8 on the engine")."""
   return gemm_path(dtype, *row_lengths)[0] == "cutlass"
 
 
@@ -145,7 +145,7 @@ def fc1_fusable(f: int) -> bool:
 
 # grouped_mlp(..., gather=plan) with FC1 reading the rows from the tokens in the engine's loads (cp.async from
 # the producer warpgroup) runs the forward slower than XLA's gather followed by TMA loads of the copied rows
-# at Qwen3's shape, and its step no faster (docs/performance.md, "Rows gathered in FC1's loads").
+# at Qwen3's shape, and its step no faster (docs/engine-performance.md, "Rows gathered in FC1's loads").
 # So `auto` gathers the rows with XLA first, and only JAXMLP_GEMM_PATH=cutlass or fused, which ask for the
 # engine, takes the gathered loads.
 GATHER_IN_FC1_WHY = ("only with JAXMLP_GEMM_PATH=cutlass or fused: the engine's cp.async loads of the gathered "

@@ -28,7 +28,7 @@ _openblas = ctypes.CDLL(  # the CPU handlers' sgemm: loaded here so that _cpu fi
 if "OPENBLAS_NUM_THREADS" not in os.environ:
   # One thread per sgemm call: the CPU handlers spread their blocks of rows and columns over XLA's own
   # intra-op thread pool (ffi/cpu/parallel.h), and OpenBLAS's pool, which spins between calls, would
-  # compete with it for the cores (docs/performance.md, "The CPU backend").
+  # compete with it for the cores (docs/build.md, "What the install does").
   _openblas.scipy_openblas_set_num_threads(1)
 from . import _cpu  # noqa: E402
 

@@ -173,7 +173,7 @@ struct ActivationEpilogue : Base {
     // rounding: the product rounded, plus b1's element (PlusBias), so that T(acc) below is h as the unfused
     // pass stores it. `pairs`: b1 at this thread's first column of the piece, 2 (lane % 4); each pair is read
     // once for the thread's four rows (read where h's values are formed, each was read eight times:
-    // docs/performance.md).
+    // docs/engine-performance.md).
     auto add_b1 = [&](T const* pairs, int piece) {
       CUTLASS_PRAGMA_UNROLL
       for (int v2 = 0; v2 < 8; ++v2) {

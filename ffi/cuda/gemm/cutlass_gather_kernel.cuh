@@ -3,7 +3,7 @@
 //
 // CUTLASS 4.2's ptr-array kernels fix the roles of their producer warpgroup's four warps (main-loop loads,
 // auxiliary loads, epilogue loads, the tile schedule), so one warp loads A, and one warp's cp.async copies
-// cannot keep pace with the wgmma main loop where four can (docs/performance.md, "Rows gathered in FC1's
+// cannot keep pace with the wgmma main loop where four can (docs/engine-performance.md, "Rows gathered in FC1's
 // loads"). Even four do not in the GEMM with 128x128 tiles, so GatherSplitN also halves A's bytes a FLOP:
 // a 128x256 tile whose two consumer warpgroups split N, each a 128x128 product over the same A stage (the
 // main loop's TiledMma lays its warpgroups along N; B's stage holds 64-column gate and up pieces in turn,

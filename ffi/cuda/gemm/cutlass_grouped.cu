@@ -26,7 +26,7 @@ bool CutlassSupports(const GemmSpec& s) {
 // the epilogue (h's loads, dh's and a_s's stores and the activation, by one warpgroup) takes longer than a
 // 128 x 128 tile's main loop over d = 2048 on an H200, so the ping-pong kernel no longer hides it, and the
 // product slows by more than the activation pass costs (gated, d = 2048: 267 us against 165 + 72; d = 4096
-// and 7168: 8% and 6% faster than the product and the pass; docs/performance.md). An ungated activation's
+// and 7168: 8% and 6% faster than the product and the pass; docs/engine-performance.md). An ungated activation's
 // pass is cheaper (h and dh f wide, not 2 f), and its epilogue pays later: at d = 4096 2-11% slower than the
 // product and the pass, at 7168 3% faster (gelu, H200).
 constexpr int32_t kGatedDgradMinReduction = 4096, kUngatedDgradMinReduction = 7168;

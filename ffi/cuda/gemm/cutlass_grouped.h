@@ -16,7 +16,7 @@
 // FC1 can take the activation in its epilogue, and FC2's data gradient the activation's backward
 // (CutlassActivation), which no cuBLASLt grouped GEMM can.
 // The weight gradients (kTN, ragged in the reduction) run on cuBLASLt's grouped GEMM, faster than CUTLASS's
-// ptr-array kernel at every measured shape (docs/performance.md, "The CUTLASS engine").
+// ptr-array kernel at every measured shape (docs/engine-performance.md, "The engine against cuBLASLt").
 #pragma once
 
 #include <cuda_runtime.h>

@@ -31,7 +31,7 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 // The tile configuration: 128x128 output tiles, two consumer warpgroups taking turns (ping-pong: one's
 // epilogue under the other's main loop), a cluster of two CTAs along M sharing B's loads (TMA multicast).
 // With equal groups CUTLASS's batched kernel of this configuration runs 8-16% faster than of cooperative
-// 128x256 tiles at the MoE shapes (docs/performance.md, "The CUTLASS engine"); the varlen main loop is
+// 128x256 tiles at the MoE shapes (docs/engine-performance.md, "The engine against cuBLASLt"); the varlen main loop is
 // measured with this one, with and without the cluster (below).
 struct Pingpong128x128 {
   using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
@@ -45,7 +45,7 @@ struct Pingpong128x128 {
 // group's rows and computes nothing (half the SMs idle at decode sizes), and skewed routing over small
 // experts, where many groups have an odd number of tiles; with an expert's weights at most
 // kSmallExpertWeights elements, L2 serves the repeated loads of B that the cluster would have shared. Larger
-// experts' steps lose time without it (docs/performance.md, "The cluster").
+// experts' steps lose time without it (docs/engine-performance.md, "The cluster").
 template <class Config>
 struct NoCluster : Config {
   using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;

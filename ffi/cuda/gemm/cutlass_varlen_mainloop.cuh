@@ -127,7 +127,7 @@ struct VarlenMainloop : Base {
   // kGatherA's cp.async tiling of a stage of A (K-major, rows of BLK_K 16-bit elements): 16-byte chunks, 8
   // threads a row (a row's 128 bytes in one instruction), 16 rows a pass; each thread copies the same chunk
   // of kPasses rows, whose sources it reads once a tile. Four warps so laid out keep pace with the wgmma main
-  // loop where one warp cannot (docs/performance.md, "Rows gathered in FC1's loads").
+  // loop where one warp cannot (docs/engine-performance.md, "Rows gathered in FC1's loads").
   static constexpr int kChunk = 16 / int(sizeof(InternalElementA));
   static constexpr int kChunksPerRow = kBlkK / kChunk;
   static constexpr int kRowsPerPass = kGatherThreads / kChunksPerRow;
@@ -297,7 +297,7 @@ struct VarlenMainloop : Base {
     // rows are 128 bytes (static_assert above) under the 128-byte swizzle, whose pattern repeats every 8 rows:
     // kRowsPerPass rows further down is the same distance for every chunk, and a stage is a whole number of
     // patterns. A copy's addresses are then two additions: the per-copy address arithmetic and the swizzle,
-    // recomputed for each copy, had made the producer warps the main loop's bottleneck (docs/performance.md,
+    // recomputed for each copy, had made the producer warps the main loop's bottleneck (docs/engine-performance.md,
     // "Rows gathered in FC1's loads").
     [[maybe_unused]] const int chunk = thread % kChunksPerRow, row0 = thread / kChunksPerRow;
     [[maybe_unused]] InternalElementA const* sources[kPasses];
