@@ -13,7 +13,6 @@ jaxmlp_fp8_cached,jaxmlp_fp8_cached@cutlass (the tensorwise recipe's row product
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -46,20 +45,8 @@ def main():
 
 def compiled_step(shape: str, routing: str, impl: str):
   """kernel_share.step_and_args of IMPL, run once (compiled) under JAXMLP_GEMM_PATH=PATH for IMPL@PATH."""
-  import jax
   name, _, path = impl.partition("@")
-  before = os.environ.get("JAXMLP_GEMM_PATH")
-  if path:
-    os.environ["JAXMLP_GEMM_PATH"] = path
-  try:
-    step, args = kernel_share.step_and_args(shape, routing, name)
-    jax.block_until_ready(step(*args))
-  finally:
-    if before is None:
-      os.environ.pop("JAXMLP_GEMM_PATH", None)
-    else:
-      os.environ["JAXMLP_GEMM_PATH"] = before
-  return step, args
+  return kernel_share.traced_on(path or None, lambda: kernel_share.step_and_args(shape, routing, name))
 
 
 def new_results() -> dict:

@@ -18,6 +18,7 @@ import csv
 import glob
 import gzip
 import json
+import os
 import re
 import sys
 import tempfile
@@ -56,6 +57,24 @@ def step_and_args(shape_name, routing="balanced", impl="jaxmlp"):
   inputs = jax_impls.impl_inputs(impl, jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, seed=0))
   step = jax.jit(jax_impls.forward_backward(jax_impls.forward(impl)))  # the step bench.py times
   return step, (*inputs, jnp.asarray(cases.group_sizes(routing, s.E, s.M)))
+
+
+def traced_on(path, build):
+  """build() -> (jitted fn, args), traced and compiled (run once) with JAXMLP_GEMM_PATH=path (the path is
+  picked at trace time; "auto" is the policy's own choice; None leaves the environment as it is)."""
+  import jax
+  before = os.environ.get("JAXMLP_GEMM_PATH")
+  if path is not None:
+    os.environ["JAXMLP_GEMM_PATH"] = path
+  try:
+    fn, args = build()
+    jax.block_until_ready(fn(*args))
+  finally:
+    if before is None:
+      os.environ.pop("JAXMLP_GEMM_PATH", None)
+    else:
+      os.environ["JAXMLP_GEMM_PATH"] = before
+  return fn, args
 
 
 def run(*args, **kwargs):

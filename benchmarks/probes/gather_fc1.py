@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxmlp  # noqa: E402
 from jaxmlp import dispatch  # noqa: E402
-from gemm_engines import traced_on  # noqa: E402
+from kernel_share import traced_on  # noqa: E402
 from timing import measure_alternating  # noqa: E402
 
 T, d, E, k, f = 8192, 2048, 128, 8, 768

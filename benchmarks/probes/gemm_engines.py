@@ -10,7 +10,6 @@ than swiglu (the products alone stay swiglu's). GPU only.
   python benchmarks/probes/gemm_engines.py --shapes qwen3,128x2048x768x65536 --routings balanced,skewed
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -24,23 +23,6 @@ def step_and_args(shape, routing, biases, activation):
   if biases or activation != "swiglu":
     return custom_step(shape, routing, biases, activation)
   return kernel_share.step_and_args(shape, routing, "jaxmlp")
-
-
-def traced_on(path, build):
-  """build() -> (jitted fn, args), traced and compiled with JAXMLP_GEMM_PATH=path (the path is picked at
-  trace time; "auto" is the policy's own choice)."""
-  import jax
-  before = os.environ.get("JAXMLP_GEMM_PATH")
-  os.environ["JAXMLP_GEMM_PATH"] = path
-  try:
-    fn, args = build()
-    jax.block_until_ready(fn(*args))
-  finally:
-    if before is None:
-      del os.environ["JAXMLP_GEMM_PATH"]
-    else:
-      os.environ["JAXMLP_GEMM_PATH"] = before
-  return fn, args
 
 
 def custom_step(shape, routing, biases, activation):
@@ -116,7 +98,7 @@ def main():
           if a.what and what not in a.what.split(","):
             continue
           for path in paths:
-            step, args = traced_on(path, build)
+            step, args = kernel_share.traced_on(path, build)
             print(f"{shape} {routing} {what} {path}:")
             kernel_share.summarize(
                 kernel_share.traced_kernels(lambda: [jax.block_until_ready(step(*args)) for _ in range(2)]))
@@ -135,7 +117,7 @@ def main():
 
   for shape in a.shapes.split(","):
     for routing in a.routings.split(","):
-      steps = {path: traced_on(path, lambda: step_and_args(shape, routing, a.biases, a.activation))
+      steps = {path: kernel_share.traced_on(path, lambda: step_and_args(shape, routing, a.biases, a.activation))
                for path in paths}
       dense = kernel_share.step_and_args(shape, routing, "dense")
       calls = {path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in steps.items()}
@@ -148,7 +130,7 @@ def main():
       for name, build in products(shape, routing, a.biases, a.activation).items():
         if a.what and name not in a.what.split(","):
           continue
-        fns = {path: traced_on(path, build) for path in paths}
+        fns = {path: kernel_share.traced_on(path, build) for path in paths}
         t = measure_alternating({path: (lambda i, fa=fa: fa[0](*fa[1])) for path, fa in fns.items()},
                                 jax.block_until_ready, rounds=a.rounds)
         row(shape, routing, name, t)
