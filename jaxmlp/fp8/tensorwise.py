@@ -178,7 +178,7 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
     dw1 = gemm("tn", xq.astype(jnp.float32), qdh, sizes) * (scale_of(ax) * scale_of(adh))
   else:  # 16-bit operands (rounded as the CUDA kernels store them), float32 sums; rows past the groups 0
     x16 = jnp.where(rows, xt, 0)
-    dw2 = gemm("tn", a.astype(dtype), jnp.where(rows, dy, 0).astype(dtype), sizes)
+    dw2 = gemm("tn", a.astype(dtype), dy.astype(dtype), sizes)  # dy: 0 past the groups (above)
     dw1 = gemm("tn", x16, dh.astype(dtype), sizes)
   return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
           *bias_and_scale_grads(da, dh, dy, value, dtype, scales, groups, b1, b2))
