@@ -9,7 +9,9 @@ boundary (h's and da's 16-bit ones, a's and dh's e4m3 ones and their 16-bit ones
 rounds to either neighbour. `nudge` scales such elements by 1 + nudge before the rounding: the model at
 +-nudge rounds them away from or toward zero. Values that are float32 numbers take no nudge (the
 implementation computes them exactly: relu's a, the blockwise products' sums of e4m3 pairs), nor do the inputs
-(the 16-bit dtype, quantized alike by both).
+(the 16-bit dtype, quantized alike by both). a and dh are rounded to float32 before their e4m3 and 16-bit
+roundings, as the implementation holds them: an element within half a float32 ulp of a tie lands on it and
+rounds to even, which no single nudge of the whole tensor reproduces while another element needs the other.
 """
 import ml_dtypes
 import numpy as np
@@ -24,6 +26,13 @@ def _nudged(v, nudge, unscaled=None):
   v = np.asarray(v, np.float64)
   unscaled = v if unscaled is None else np.asarray(unscaled, np.float64)
   return np.where(unscaled == unscaled.astype(np.float32), v, v * (1 + nudge))
+
+
+def _nudged_f32(v, nudge):
+  """v rounded to float32 (the implementation's a and dh are float32 before their 16-bit rounding, so an
+  element that float32 puts on a 16-bit tie rounds to even there), then nudged where v is not a float32
+  number."""
+  return _nudged(np.asarray(v, np.float32), nudge, v)
 
 
 # The recipe scales in float32: 16-bit data puts many v * 448 / amax exactly on an e4m3 rounding tie, which
@@ -116,8 +125,8 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_
       grads["w2"][g] = rnd(qa[r].T @ qdy[r] * (_scale(aa) * _scale(ady)))
       grads["w1"][g] = rnd(qx[r].T @ qdh[r] * (_scale(ax) * _scale(adh)))
     else:
-      grads["w2"][g] = rnd(rnd(_nudged(a[r], nudge)).T @ dyv[r])
-      grads["w1"][g] = rnd(x[r].T @ rnd(_nudged(dh[r], nudge)))
+      grads["w2"][g] = rnd(rnd(_nudged_f32(a[r], nudge)).T @ dyv[r])
+      grads["w1"][g] = rnd(x[r].T @ rnd(_nudged_f32(dh[r], nudge)))
   dscales = _bias_grads(grads, off, s, dh, dyv, value, da, valid, b1, b2, rnd)
   if scales is not None:
     grads["scales"] = dscales
@@ -136,9 +145,13 @@ def _block_scale(amax):
 
 
 def _quantize_block(v, nudge=0.0):
-  """A block v quantized and dequantized with its own power-of-two scale, in float64."""
+  """A block v quantized and dequantized with its own power-of-two scale, in float64. As in _quantize, v is
+  rounded to float32 before its e4m3 rounding: an element whose float32 value lies on an e4m3 tie (gelu(5.75)
+  is 5.75 in float32, 368 = 5.75 / 2^-6 a tie between 352 and 384) rounds to even there, as the
+  implementation's does, not by its float64 value's side of the tie."""
   scale = _block_scale(np.abs(v).max(initial=0))
-  q = np.clip(_nudged(v / scale, nudge, v), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  scaled = np.asarray(v, np.float32).astype(np.float64) / scale
+  q = np.clip(_nudged(scaled, nudge, v), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
   return q * scale
 
 
@@ -210,8 +223,8 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=
       grads["w2"][g] = rnd(column(a, nudge).T @ column(dy))
       grads["w1"][g] = rnd(column(x).T @ column(dh, nudge))
     else:
-      grads["w2"][g] = rnd(rnd(_nudged(a[r], nudge)).T @ dy[r])
-      grads["w1"][g] = rnd(x[r].T @ rnd(_nudged(dh[r], nudge)))
+      grads["w2"][g] = rnd(rnd(_nudged_f32(a[r], nudge)).T @ dy[r])
+      grads["w1"][g] = rnd(x[r].T @ rnd(_nudged_f32(dh[r], nudge)))
   dscales = _bias_grads(grads, off, s, dh, dy, value, da, valid[:, 0], b1, b2, rnd)
   if scales is not None:
     grads["scales"] = dscales
