@@ -3,8 +3,8 @@ shape: their JAX code (what XLA makes of jaxmlp/fp8/blockwise.py and jaxmlp/fp8/
 jaxmlp's CUDA kernels (jaxmlp/fp8/cuda.py's custom calls), with the
 bandwidth each reaches (bytes read and written over the time); the CUDA results are checked bit for bit
 against the JAX ones first (the activations' up to act's last bit, adam's up to XLA's fused multiply-adds:
-the share of equal bits). Also adam's step of the master weights with their quantization (fp8_adam_step),
-and XLA's adam alone.
+the share of equal bits). Also adam's step of the master weights with their quantization (fp8_adam_step,
+both recipes), and XLA's adam alone.
 
   python benchmarks/fp8_quantizers.py                 # dsv3 (E=32, d=7168, f=2048, M=32768), balanced
   python benchmarks/fp8_quantizers.py --shape 8x512x256x2048
@@ -37,15 +37,15 @@ def median_ms(fn, *args, repeats: int = 7) -> float:
 
 
 def donated_ms(fn, *args, repeats: int = 7) -> float:
-  """median_ms of an adam step fn(w, g, mu, nu, scalars) -> (w, mu, nu, ...) that donates w, mu and nu and
-  runs on the last call's (in place, as a training loop's update)."""
+  """median_ms of an adam step fn(w, g, mu, nu, scalars, ...) -> (w, mu, nu, ...) that donates w, mu and nu
+  and runs on the last call's (in place, as a training loop's update)."""
   fn = jax.jit(fn, donate_argnums=(0, 2, 3))
-  w, g, mu, nu, scalars = args
+  w, g, mu, nu, *rest = args
   state = tuple(jnp.copy(v) for v in (w, mu, nu))
   times = []
   for _ in range(repeats + 1):
     start = time.perf_counter()
-    out = jax.block_until_ready(fn(state[0], g, state[1], state[2], scalars))
+    out = jax.block_until_ready(fn(state[0], g, state[1], state[2], *rest))
     times.append(time.perf_counter() - start)
     state = out[:3]
   return 1e3 * sorted(times[1:])[repeats // 2]
@@ -106,9 +106,14 @@ def main() -> None:
   adam_args = (w1_master, w1 * 1e-3, w1_master * 1e-2, jnp.abs(w1_master) * 1e-4,
                jnp.array([-1e-4, 0.1, 1e-3], jnp.float32))
   hyper = fp8_adam.Hyperparameters(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0)
-  adam = (lambda *a: fp8_adam._step(*a, hyper=hyper, dtype=jnp.bfloat16),
+  adam = (lambda *a: fp8_adam._block_step(*a, hyper=hyper, dtype=jnp.bfloat16),
           lambda *a: fp8_cuda.block_adam(*a, hyper=hyper, dtype=jnp.bfloat16))
   runs.append(("adam + weights w1", *adam, adam_args, 28 * w1.size))
+  # The same, tensorwise: quantized by a given (the last weights') maximum, the new maximum reduced on the way.
+  tensor_adam = (lambda *a: fp8_adam._tensor_step(*a, hyper=hyper, dtype=jnp.bfloat16),
+                 lambda *a: fp8_cuda.tensor_adam(*a, hyper=hyper, dtype=jnp.bfloat16))
+  runs.append(("adam + tensorwise w1", *tensor_adam, adam_args + (jnp.max(jnp.abs(w1)).astype(jnp.float32),),
+               28 * w1.size))
   # adam's pass alone (its quantization's outputs unused: XLA drops it), what any optimizer step pays: the
   # kernel's time over this one is what its quantization costs. JAX only.
   adam_alone = lambda *a: adam[0](*a)[:3]
@@ -116,7 +121,7 @@ def main() -> None:
   print(f"{args.shape} (E={E}, d={d}, f={f}, M={M}) on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(f"{'quantizer':<22}{'JAX ms':>9}{'GB/s':>8}" + (f"{'CUDA ms':>10}{'GB/s':>8}  same bits" if gpu else ""))
   for name, jax_fn, cuda_fn, operands, nbytes in runs:
-    timed = donated_ms if jax_fn in (adam[0], adam_alone) else median_ms
+    timed = donated_ms if jax_fn in (adam[0], tensor_adam[0], adam_alone) else median_ms
     line = f"{name:<22}{(t := timed(jax_fn, *operands)):>9.3f}{nbytes / t / 1e6:>8.0f}"
     if gpu and cuda_fn is not None:
       # Of the rows-and-columns quantizers, what the products read (the kernels leave the rest unwritten).

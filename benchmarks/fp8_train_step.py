@@ -13,13 +13,13 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
            does not depend on it: 1.00x at dsv3 and gptoss on an H200)
   RECIPE   the loss quantizes the master weights (jaxmlp.fp8_weights(w, recipe, bf16), inside the
            differentiated function): the quantizer's pass over the weights in every step
-  blockwise_adam  the blockwise recipe with the weights' FP8 copy written by the last step's update
-           (jaxmlp.fp8_adam_step, in adam's pass: no quantizer's pass in the step), which takes the weights'
-           16-bit gradients as the call gives them; its state is donated, so the update writes in place, as a
-           training loop's would
-  blockwise_adam_default  what a user who turns FP8 on gets (docs/fp8.md, "Weights written by the
+  RECIPE_adam  the recipe with the weights' FP8 copy written by the last step's update (jaxmlp.fp8_adam_step,
+           in adam's pass: no quantizer's pass in the step; tensorwise by the last weights' maximum), which
+           takes the weights' 16-bit gradients as the call gives them; its state is donated, so the update
+           writes in place, as a training loop's would
+  RECIPE_adam_default  what a user who turns FP8 on gets (docs/fp8.md, "Weights written by the
            optimizer"): the recipe's default rule (when="faster", products in FP8 only at the rows per expert
-           where they measured faster), and blockwise_adam's step where the rule runs the calls in FP8
+           where they measured faster), and RECIPE_adam's step where the rule runs the calls in FP8
            (Fp8Recipe.runs_fp8 with the weights given), else bf16's (the call, fp8= the recipe, runs in bf16)
 
 RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all six products in FP8
@@ -31,6 +31,7 @@ them: dsv3's fit). Speedups over bf16; medians of --rounds rounds in a shuffled 
   python benchmarks/fp8_train_step.py --shapes dsv3,mixtral,gptoss,qwen3 --rounds 5
 """
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -39,17 +40,16 @@ import fp8_in_turn
 import jax_impls
 
 RECIPES = ("tensorwise", "blockwise", "blockwise_wgrad16")
-ADAM = ("blockwise_adam", "blockwise_adam_default")
+ADAM = tuple(f"{r}_adam{rule}" for r in ("tensorwise", "blockwise") for rule in ("", "_default"))
 VARIANTS = ("bf16", "bf16_donated") + RECIPES + ADAM
 LEARNING_RATE = 1e-4
 
 
 def _recipe(name: str):
   import jaxmlp
-  if name == "blockwise_adam_default":
-    return jaxmlp.Fp8Recipe("blockwise")
-  if name == "blockwise_adam":
-    name = "blockwise"
+  if name.endswith("_adam_default"):
+    return jaxmlp.Fp8Recipe(name.removesuffix("_adam_default"))
+  name = name.removesuffix("_adam")
   if name == "blockwise_wgrad16":
     return jaxmlp.Fp8Recipe("blockwise", when="always", fp8_weight_gradients=False)
   return jaxmlp.Fp8Recipe(name, when="always")
@@ -57,10 +57,10 @@ def _recipe(name: str):
 
 def carries_state(variant: str, M: int, E: int) -> bool:
   """Whether the variant's step carries its state from call to call, donated: bf16_donated's, and those whose
-  FP8 weights fp8_adam_step writes (blockwise_adam_default's where the rule runs the calls in FP8)."""
-  if variant == "blockwise_adam_default":
+  FP8 weights fp8_adam_step writes (RECIPE_adam_default's where the rule runs the calls in FP8)."""
+  if variant.endswith("_adam_default"):
     return _recipe(variant).runs_fp8(M, E, cached=True)
-  return variant in ("blockwise_adam", "bf16_donated")
+  return variant.endswith("_adam") or variant == "bf16_donated"
 
 
 def optimizer():
@@ -103,19 +103,22 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
       return jax.jit(lambda *state: step(state), donate_argnums=(0, 1, 2)), jax.tree.map(jnp.copy, first)
     return jax.jit(step), (first,)
 
-  if variant in ADAM:  # the state as three arguments: the quantized weights are not donated
+  if variant in ADAM:  # the state as three arguments: the quantized weights (Fp8Weights without their
+    # `weights`, which the step puts the master weights in) are not donated
     def step(w, opt, quantized):
-      fp8 = lambda a, k: jaxmlp.Fp8Weights(a, *quantized[k], recipe="blockwise")
+      fp8 = lambda a, k: dataclasses.replace(quantized[k], weights=a)
       y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, fp8(a, "w1"), fp8(b, "w2"), gs, fp8=recipe),
                        x, *(w[k].astype(jnp.bfloat16) for k in ("w1", "w2")))  # 16-bit gradients: no conversion
       dx, *g = vjp(dy)
-      new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16)
+      new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16,
+                                     fp8=quantized[k] if recipe.name == "tensorwise" else recipe)
              for k, gk in zip(("w1", "w2"), g)}
       w, opt = ({k: v[i] for k, v in new.items()} for i in range(2))
-      return (w, opt, {k: v[2].quantized for k, v in new.items()}), (y, dx)
+      return (w, opt, {k: dataclasses.replace(v[2], weights=None) for k, v in new.items()}), (y, dx)
     adam = opt_state[0]  # optax.adam's state: (ScaleByAdamState over the dict, EmptyState)
     per_weight = {k: adam._replace(mu=adam.mu[k], nu=adam.nu[k]) for k in masters}
-    quantized = {k: jaxmlp.fp8_weights(v, recipe, jnp.bfloat16).quantized for k, v in masters.items()}
+    quantized = {k: dataclasses.replace(jaxmlp.fp8_weights(v, recipe, jnp.bfloat16), weights=None)
+                 for k, v in masters.items()}
     return jax.jit(step, donate_argnums=(0, 1)), (*jax.tree.map(jnp.copy, (masters, per_weight)), quantized)
 
   def step(state):

@@ -337,8 +337,8 @@ def test_kernel_share_reports_the_idle_time_of_a_traced_step(capsys, monkeypatch
 @pytest.mark.full
 def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   """benchmarks/fp8_quantizers.py times the blockwise quantizers, the activations' among them, the tensorwise
-  weights' and adam's step with the weights' quantization and without it at a shape of the user's own (the JAX
-  code alone without a GPU)."""
+  weights' and adam's step with the weights' quantization (both recipes) and without it at a shape of the
+  user's own (the JAX code alone without a GPU)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, str(BENCH.parent / "fp8_quantizers.py"), "--shape", "2x128x128x256"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -346,7 +346,8 @@ def test_fp8_quantizers_benchmark_runs_on_the_cpu(tmp_path):
   rows = [line.split() for line in proc.stdout.splitlines()[2:]]
   assert [" ".join(r[:-2]) for r in rows] == ["rows + columns of x", "rows + columns of dh", "a = swiglu(h)",
                                               "dh of swiglu(h), da", "weights w1 (bf16)", "weights w1 (f32)",
-                                              "tensorwise w1 (bf16)", "adam + weights w1", "adam alone (XLA)"]
+                                              "tensorwise w1 (bf16)", "adam + weights w1", "adam + tensorwise w1",
+                                              "adam alone (XLA)"]
   assert all(float(r[-2]) > 0 and float(r[-1]) >= 0 for r in rows)  # ms, GB/s (0 at this size)
 
 
@@ -446,7 +447,7 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
     if fp8_train_step.carries_state(variant, s.M, s.E):  # donated: the weights and adam's state, updated in place
       assert all(v.is_deleted() for v in jax.tree.leaves(state[:2])), variant
     assert [o.shape for o in outputs] == [x.shape, x.shape], variant
-    if variant in fp8_train_step.RECIPES + ("blockwise_adam",) and jax.default_backend() == "cpu":
+    if variant in fp8_train_step.RECIPES + ("blockwise_adam", "tensorwise_adam") and jax.default_backend() == "cpu":
       # the recipe's six products, one call each, all run
       assert compiled.as_text().count('custom_call_target="jaxmlp_gemm"') == 6, variant
     if variant == "bf16":
@@ -459,8 +460,10 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
   for variant in fp8_train_step.RECIPES:
     assert any(np.any(np.sign(moved[variant][k]) != np.sign(moved["bf16"][k])) for k in masters), variant
   # By the default rule 64 rows per expert run in bf16, and the step is bf16's: the same update.
-  assert not fp8_train_step.carries_state("blockwise_adam_default", s.M, s.E)
-  for k in masters:
-    np.testing.assert_array_equal(moved["blockwise_adam_default"][k], moved["bf16"][k], err_msg=k)
-  monkeypatch.setenv("JAXMLP_FP8_WHEN", "always")  # where the rule runs FP8: blockwise_adam's step
-  assert fp8_train_step.carries_state("blockwise_adam_default", s.M, s.E)
+  defaults = ("blockwise_adam_default", "tensorwise_adam_default")
+  for variant in defaults:
+    assert not fp8_train_step.carries_state(variant, s.M, s.E)
+    for k in masters:
+      np.testing.assert_array_equal(moved[variant][k], moved["bf16"][k], err_msg=(variant, k))
+  monkeypatch.setenv("JAXMLP_FP8_WHEN", "always")  # where the rule runs FP8: RECIPE_adam's step
+  assert all(fp8_train_step.carries_state(variant, s.M, s.E) for variant in defaults)

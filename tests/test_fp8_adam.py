@@ -1,6 +1,6 @@
 """jaxmlp.fp8_adam_step: optax's adam (adamw) step of float32 master weights, and the new weights quantized for
-the blockwise recipe: against adam in float32 NumPy (each operation rounded once), optax itself, and the
-recipe's 128 x 128 quantization in NumPy."""
+the blockwise recipe or, by the last weights' maximum, the tensorwise one: against adam in float32 NumPy (each
+operation rounded once), optax itself, and the recipes' quantizations in NumPy."""
 import dataclasses
 
 import jax
@@ -89,92 +89,127 @@ def adam_inputs(rng, shape, count):
   return jnp.float32(w), jnp.float32(g), state
 
 
+def check_fp8_weights(fp8, new_w, dtype, delayed=None):
+  """fp8 against NumPy's quantization of new_w in the computation dtype, bit for bit: blockwise, the values
+  and exponents (numpy_weight_blocks); tensorwise (delayed: the maximum it was quantized by), its values by
+  that maximum, the scale and the new weights' own maximum. Both: the transposed copy."""
+  assert fp8.recipe == ("blockwise" if delayed is None else "tensorwise")
+  np.testing.assert_array_equal(np.asarray(fp8.weights), np.asarray(new_w))
+  rounded = np.asarray(new_w).astype(DTYPES[dtype]).astype(np.float64)
+  if delayed is None:
+    values, exponents = numpy_weight_blocks(rounded)
+    np.testing.assert_array_equal(np.asarray(fp8.scales), exponents)
+    scale = np.repeat(np.repeat(2.0 ** exponents, 128, axis=1), 128, axis=2)[:, :rounded.shape[1], :rounded.shape[2]]
+    np.testing.assert_array_equal(np.asarray(fp8.q).astype(np.float64) * scale, values)
+    assert fp8.amax is None
+  else:
+    np.testing.assert_array_equal(np.asarray(fp8.q).astype(np.float64), fp8_ref._quantize(rounded, delayed))
+    assert np.asarray(fp8.scales) == np.float32(delayed) and np.asarray(fp8.amax) == np.abs(rounded).max()
+  np.testing.assert_array_equal(np.asarray(fp8.qt).view(np.uint8), np.swapaxes(np.asarray(fp8.q).view(np.uint8), 1, 2))
+
+
+def tensorwise_before(w, dtype, fraction=1.0):
+  """The tensorwise Fp8Weights of w that a step takes its delayed maximum from: jaxmlp.fp8_weights', its
+  maximum scaled by `fraction` (below 1: the new weights' largest elements saturate)."""
+  fp8 = jaxmlp.fp8_weights(w, "tensorwise", dtype)
+  return dataclasses.replace(fp8, amax=jnp.float32(np.float32(fp8.amax) * np.float32(fraction)))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("hyper", HYPER)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grad", ["float32", "16-bit"])
-def test_fp8_adam_step_is_adam_then_the_blockwise_weights(platform, rng, shape, hyper, dtype, grad):  # noqa: F811
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_adam_step_is_adam_then_the_fp8_weights(platform, rng, shape, hyper, dtype, grad, recipe):  # noqa: F811
   """The new weights and moments equal NumPy's float32 adam up to a few roundings (fused multiply-adds, XLA's
   power against NumPy's); the FP8 weights are the NumPy quantization of the new weights as returned, in the
-  computation dtype, bit for bit: values, exponents, and the transposed copy. The gradient float32 or in the
-  computation dtype (taken as its float32 value). The quantized outputs are poisoned; w, mu and nu are
-  updated in place, where an element left unwritten keeps its old value, which the update moves (but in the
-  zero tile)."""
+  computation dtype, bit for bit (check_fp8_weights): tensorwise by a delayed maximum half the last weights',
+  so that the largest new weights saturate at +-448. The gradient float32 or in the computation dtype (taken
+  as its float32 value). The quantized outputs are poisoned; w, mu and nu are updated in place, where an
+  element left unwritten keeps its old value, which the update moves (but in the zero tile)."""
   count = int(rng.integers(0, 50))
   w, g, state = adam_inputs(rng, SHAPES[shape], count)
   if grad == "16-bit":
     g = g.astype(dtype)
   kw = dict(HYPER[hyper], dtype=jnp.dtype(dtype))
-  new_w, new_state, fp8 = jax.jit(lambda w, g, s: jaxmlp.fp8_adam_step(w, g, s, **kw))(w, g, state)
+  before = tensorwise_before(w, dtype, 0.5) if recipe == "tensorwise" else recipe
+  new_w, new_state, fp8 = jax.jit(lambda w, g, s, f: jaxmlp.fp8_adam_step(w, g, s, **kw, fp8=f),
+                                  static_argnums=3 if recipe == "blockwise" else ())(w, g, state, before)
   want, terms = numpy_adam(*(np.asarray(v, np.float32) for v in (w, g, state.mu, state.nu)), count + 1,
                            **HYPER[hyper])
   for got, expected, magnitude, roundings in zip((new_w, new_state.mu, new_state.nu), want, terms, ROUNDINGS):
     assert_rounded_alike(got, expected, magnitude, roundings)
   assert int(new_state.count) == count + 1 and isinstance(new_state, optax.ScaleByAdamState)
-  assert fp8.recipe == "blockwise"
-  np.testing.assert_array_equal(np.asarray(fp8.weights), np.asarray(new_w))
-  values, exponents = numpy_weight_blocks(np.asarray(new_w).astype(DTYPES[dtype]).astype(np.float64))
-  np.testing.assert_array_equal(np.asarray(fp8.scales), exponents)
-  scale = np.repeat(np.repeat(2.0 ** exponents, 128, axis=1), 128, axis=2)[:, :w.shape[1], :w.shape[2]]
-  np.testing.assert_array_equal(np.asarray(fp8.q).astype(np.float64) * scale, values)
-  np.testing.assert_array_equal(np.asarray(fp8.qt).view(np.uint8), np.swapaxes(np.asarray(fp8.q).view(np.uint8), 1, 2))
+  check_fp8_weights(fp8, new_w, dtype, None if recipe == "blockwise" else np.float32(before.amax))
+  if recipe == "tensorwise":  # the test reaches the saturation
+    assert np.any(np.abs(np.asarray(fp8.q, np.float32)) == 448)
 
 
 @pytest.mark.parametrize("hyper", HYPER)
-def test_fp8_adam_step_equals_optax_over_steps(platform, rng, hyper):  # noqa: F811
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_adam_step_equals_optax_over_steps(platform, rng, hyper, recipe):  # noqa: F811
   """Three steps, each fed the last one's state (and donated: on a GPU the kernel writes in place), against
   optax.adam's (optax.adamw's): the same weights, moments and counts up to a few roundings (module
-  ROUNDINGS), and FP8 weights that equal jaxmlp.fp8_weights of the new weights."""
+  ROUNDINGS), and FP8 weights that equal jaxmlp.fp8_weights of the new weights (blockwise) or their
+  quantization by the last step's maximum, starting from jaxmlp.fp8_weights' (tensorwise)."""
   w, g, _ = adam_inputs(rng, SHAPES["cut"], 0)
   kw = HYPER[hyper]
   tx = optax.adamw(**kw) if "weight_decay" in kw else optax.adam(**kw)
   opt_state = tx.init(w)
   state = opt_state[0]
-  step = jax.jit(lambda w, g, s: jaxmlp.fp8_adam_step(w, g, s, **kw), donate_argnums=(0, 2))
+  fp8 = jaxmlp.fp8_weights(w, "tensorwise", jnp.bfloat16) if recipe == "tensorwise" else None
+  step = jax.jit(lambda w, g, s, f: jaxmlp.fp8_adam_step(w, g, s, **kw, fp8=recipe if f is None else f),
+                 donate_argnums=(0, 2))
   want = w
   for i in range(3):
     g_i = g * (i + 1)
     _, terms = numpy_adam(*map(np.asarray, (want, g_i, opt_state[0].mu, opt_state[0].nu)), i + 1, **kw)
     updates, opt_state = tx.update(g_i, opt_state, want)
     want = optax.apply_updates(want, updates)
-    w, state, fp8 = step(w, g_i, state)
+    delayed = None if fp8 is None else np.float32(fp8.amax)
+    w, state, fp8 = step(w, g_i, state, fp8)
     for got, expected, magnitude, roundings in zip((w, state.mu, state.nu), (want, *opt_state[0][1:]), terms,
                                                    ROUNDINGS):
       assert_rounded_alike(got, expected, magnitude, 2 * roundings)  # both sides' roundings
     assert int(state.count) == int(opt_state[0].count) == i + 1
-    quantized = jaxmlp.fp8_weights(w, "blockwise", jnp.bfloat16)
-    for field in ("q", "scales", "qt"):
-      got, expected = np.asarray(getattr(fp8, field)), np.asarray(getattr(quantized, field))
-      np.testing.assert_array_equal(got.view(np.uint8) if got.dtype.itemsize == 1 else got,
-                                    expected.view(np.uint8) if expected.dtype.itemsize == 1 else expected)
+    check_fp8_weights(fp8, w, "bfloat16", delayed)
+    fp8 = fp8 if recipe == "tensorwise" else None
 
 
-def test_fp8_adam_step_feeds_grouped_mlp(rng):
-  """A training step as docs/fp8.md gives it: the loss reads the last step's FP8 weights with the master
-  weights differentiated in their `weights` field; its gradient reaches the master weights, and the results
-  equal those of quantizing the master weights in the call."""
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_adam_step_feeds_grouped_mlp(rng, recipe):
+  """A training step as docs/fp8.md gives it: the loss reads the last step's FP8 weights (Fp8Weights carried
+  without their weights) with the master weights differentiated in their `weights` field; its gradient
+  reaches the master weights, and the results equal those of the call given the same quantized weights
+  whole (blockwise: those of quantizing the master weights in the call)."""
   E, d, f, M = 2, 128, 128, 256
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
   w1 = jnp.float32(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
   w2 = jnp.float32(rng.standard_normal((E, f, d)) / np.sqrt(f))
   sizes = jnp.array([100, 156], jnp.int32)
-  recipe = jaxmlp.Fp8Recipe("blockwise", when="always")
+  fp8 = jaxmlp.Fp8Recipe(recipe, when="always")
 
   def loss(w1, w2, q1, q2):
     w1, w2 = dataclasses.replace(q1, weights=w1), dataclasses.replace(q2, weights=w2)
-    return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=recipe).astype(jnp.float32) ** 2)
+    return jnp.sum(jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=fp8).astype(jnp.float32) ** 2)
 
   states = [optax.scale_by_adam().init(w) for w in (w1, w2)]
-  q1, q2 = (jaxmlp.fp8_weights(w, "blockwise", jnp.bfloat16) for w in (w1, w2))
+  q1, q2 = (dataclasses.replace(jaxmlp.fp8_weights(w, recipe, jnp.bfloat16), weights=None) for w in (w1, w2))
   for _ in range(2):
-    grads = jax.grad(loss, argnums=(0, 1))(w1, w2, q1, q2)
-    want = jax.grad(lambda a, b: loss(a, b, *(jaxmlp.fp8_weights(w, "blockwise", jnp.bfloat16) for w in (a, b))),
-                    argnums=(0, 1))(w1, w2)
+    grads = jax.grad(jax.jit(loss), argnums=(0, 1))(w1, w2, q1, q2)
+    if recipe == "blockwise":
+      quantize = lambda w, q: jaxmlp.fp8_weights(w, recipe, jnp.bfloat16)
+    else:  # the same quantized weights, given whole
+      quantize = lambda w, q: jaxmlp.Fp8Weights(w, q.q, q.scales, q.qt, recipe=recipe)
+    want = jax.grad(jax.jit(lambda a, b: loss(a, b, quantize(a, q1), quantize(b, q2))), argnums=(0, 1))(w1, w2)
     for got, expected in zip(grads, want):
       assert got.dtype == jnp.float32 and np.any(np.asarray(got) != 0)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-    (w1, states[0], q1), (w2, states[1], q2) = (
-        jaxmlp.fp8_adam_step(w, gw, s, learning_rate=1e-2) for w, gw, s in zip((w1, w2), grads, states))
+    new = [jaxmlp.fp8_adam_step(w, gw, s, learning_rate=1e-2, fp8=q if recipe == "tensorwise" else recipe)
+           for w, gw, s, q in zip((w1, w2), grads, states, (q1, q2))]
+    (w1, states[0], q1), (w2, states[1], q2) = ((w, s, dataclasses.replace(q, weights=None)) for w, s, q in new)
+  if recipe == "tensorwise":  # the second step quantized by the first step's new maximum
+    assert np.asarray(q1.scales) != np.asarray(jaxmlp.fp8_weights(w1, recipe, jnp.bfloat16).scales)
 
 
 def test_flax_modules_take_the_optimizers_fp8_weights(rng):
@@ -210,13 +245,14 @@ def test_flax_modules_take_the_optimizers_fp8_weights(rng):
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize("devices, placed", [(4, "split"), (4, "whole"), (4, "eagerly"), (1, "split"),
                                              pytest.param(4, "on GPUs", marks=pytest.mark.gpu)])
-def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices, placed):
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices, placed, recipe):
   """With expert_axis (the experts split over the mesh's devices, as the expert-parallel layer holds them)
   each device steps and quantizes its own experts: NumPy's adam of the whole tensor up to a few roundings (on
   the CPU XLA fuses the split program's multiply-adds otherwise than the whole one's: last bits), and the
-  quantization of the new weights bit for bit (cut tiles); the results come back split by expert. Operands
-  already split or whole (under Explicit axes the step reshards them), the step jitted or eager, an axis of
-  one device."""
+  quantization of the new weights bit for bit (cut tiles; tensorwise by the one delayed maximum, and the new
+  maximum that of all devices' experts); the results come back split by expert. Operands already split or
+  whole (under Explicit axes the step reshards them), the step jitted or eager, an axis of one device."""
   platform = "gpu" if placed == "on GPUs" else "cpu"
   if platform == "gpu" and (len(gpus()) < devices or fp8_reason()):
     pytest.skip(f"needs {devices} GPUs that run FP8 ({len(gpus())} here)")
@@ -227,7 +263,9 @@ def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices, placed):
   args = (w, g, state.mu, state.nu)
   if placed != "whole":
     args = [jax.device_put(v, jax.sharding.NamedSharding(mesh, P("expert"))) for v in args]
-  step = lambda w, g, mu, nu: jaxmlp.fp8_adam_step(w, g, state._replace(mu=mu, nu=nu), expert_axis="expert", **kw)
+  before = tensorwise_before(w, "bfloat16", 0.75) if recipe == "tensorwise" else recipe
+  step = lambda w, g, mu, nu: jaxmlp.fp8_adam_step(w, g, state._replace(mu=mu, nu=nu), expert_axis="expert",
+                                                   fp8=before, **kw)
   with jax.set_mesh(mesh):
     new_w, new_state, fp8 = (step if placed == "eagerly" else jax.jit(step))(*args)
     # Each device runs the step on its own experts (on a GPU the kernel's custom call, which XLA would
@@ -236,12 +274,8 @@ def test_fp8_adam_step_over_the_expert_axis(rng, axis_type, devices, placed):
   want, terms = numpy_adam(*(np.asarray(v, np.float32) for v in (w, g, state.mu, state.nu)), count + 1, **kw)
   for got, expected, magnitude, roundings in zip((new_w, new_state.mu, new_state.nu), want, terms, ROUNDINGS):
     assert_rounded_alike(got, expected, magnitude, roundings)
-  values, exponents = numpy_weight_blocks(np.asarray(new_w).astype(DTYPES["bfloat16"]).astype(np.float64))
-  np.testing.assert_array_equal(np.asarray(fp8.scales), exponents)
-  scale = np.repeat(np.repeat(2.0 ** exponents, 128, axis=1), 128, axis=2)[:, :w.shape[1], :w.shape[2]]
-  np.testing.assert_array_equal(np.asarray(fp8.q).astype(np.float64) * scale, values)
-  np.testing.assert_array_equal(np.asarray(fp8.qt).view(np.uint8), np.swapaxes(np.asarray(fp8.q).view(np.uint8), 1, 2))
-  for v in (new_w, new_state.mu, new_state.nu, fp8.q, fp8.qt, fp8.scales):
+  check_fp8_weights(fp8, new_w, "bfloat16", None if recipe == "blockwise" else np.float32(before.amax))
+  for v in (new_w, new_state.mu, new_state.nu, fp8.q, fp8.qt) + ((fp8.scales,) if recipe == "blockwise" else ()):
     assert v.sharding.spec[0] == "expert", v.sharding
 
 
@@ -272,6 +306,17 @@ STATE = optax.ScaleByAdamState(count=jnp.int32(0), mu=W, nu=W)
     ((W, W, STATE), dict(b1=1.0), ValueError, r"b1 = 1.0 must lie in \[0, 1\)"),
     ((W, W, STATE), dict(eps=jnp.float32(1e-8)), TypeError, "eps must be a Python float"),
     ((W, W, STATE), dict(learning_rate=jnp.ones(2)), ValueError, "learning_rate must be a scalar"),
+    ((W, W, STATE), dict(fp8="tensorwise"), ValueError, "fp8='tensorwise' quantizes .* pass their Fp8Weights"),
+    ((W, W, STATE), dict(fp8="rowwise"), ValueError, "fp8: expected 'blockwise'"),
+    ((W, W, STATE), dict(fp8=3), TypeError, "fp8: expected 'blockwise'"),
+    ((W, W, STATE), dict(fp8=jaxmlp.fp8_weights(W, "blockwise", jnp.bfloat16)), ValueError,
+     "fp8: Fp8Weights of the blockwise recipe; pass fp8='blockwise'"),
+    ((W, W, STATE), dict(fp8=dataclasses.replace(jaxmlp.fp8_weights(W, "tensorwise", jnp.bfloat16), amax=None)),
+     ValueError, r"tensorwise Fp8Weights without their maximum \(amax is None\)"),
+    ((W, W, STATE), dict(fp8=jaxmlp.fp8_weights(W[:, :, :16], "tensorwise", jnp.bfloat16)), ValueError,
+     r"fp8: Fp8Weights of shape \[2, 16, 16\], expected w's \[2, 16, 32\]"),
+    ((W, W, STATE), dict(fp8=dataclasses.replace(jaxmlp.fp8_weights(W, "tensorwise", jnp.bfloat16),
+                                                 amax=jnp.zeros(1))), TypeError, r"fp8.amax must be a float32 scalar"),
 ])
 def test_fp8_adam_step_bad_arguments(args, kwargs, error, match):
   kwargs = dict(dict(learning_rate=1e-3), **kwargs)

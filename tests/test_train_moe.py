@@ -84,12 +84,15 @@ def test_train_example_fp8_over_micro_batches(capsys):
     train_moe.main(["--steps", "2", "--config", "tiny", "--micro-batches", "3"])
 
 
-@pytest.mark.parametrize("micro_batches, expert_parallel", [(1, False), (2, False), (1, True)])
-def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, micro_batches, expert_parallel):
-  """--fp8 blockwise: the experts' FP8 weights come from the last step's update (jaxmlp.fp8_adam_step, which
-  also updates them: adamw's step, as optax's for the rest; expert-parallel, each device its own experts).
-  The run's losses equal those of the same run with the weights quantized in the loss and every parameter on
-  optax.adamw."""
+@pytest.mark.parametrize("recipe, micro_batches, expert_parallel", [
+    ("blockwise", 1, False), ("blockwise", 2, False), ("blockwise", 1, True), ("tensorwise", 1, False),
+    ("tensorwise", 1, True)])
+def test_train_example_fp8_weights_written_by_the_optimizer(monkeypatch, recipe, micro_batches, expert_parallel):
+  """--fp8: the experts' FP8 weights come from the last step's update (jaxmlp.fp8_adam_step, which also
+  updates them: adamw's step, as optax's for the rest; expert-parallel, each device its own experts). The
+  run's losses equal those of the same run with the weights quantized in the loss and every parameter on
+  optax.adamw: blockwise up to float32's roundings; tensorwise, whose update quantizes by the last weights'
+  maximum (the loss by the new weights'), within 1% (0.27% measured over these five steps)."""
   cfg = train_moe.CONFIGS["tiny"]
   batches = np.stack([train_moe.MarkovChain(cfg.vocab_size, 4).sample(cfg.batch_size, cfg.seq_len + 1)
                       for _ in range(5)])
@@ -101,7 +104,7 @@ def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, m
 
   def run():
     with train_moe.on(mesh):
-      return train_moe.train(cfg, batches, impl="jaxmlp", dtype=jnp.bfloat16, seed=4, fp8="blockwise",
+      return train_moe.train(cfg, batches, impl="jaxmlp", dtype=jnp.bfloat16, seed=4, fp8=recipe,
                              micro_batches=micro_batches, expert_axis=train_moe.EXPERT_AXIS if mesh else None).losses
   axes = []  # expert_axis of each fp8_adam_step the step traces (once: one compilation)
   step = train_moe.fp8_adam_step
@@ -112,7 +115,7 @@ def test_train_example_blockwise_weights_written_by_the_optimizer(monkeypatch, m
   in_the_loss = run()
   assert len(axes) == len(experts)
   assert by_optimizer[-1] < by_optimizer[0]
-  np.testing.assert_allclose(by_optimizer, in_the_loss, rtol=1e-4)
+  np.testing.assert_allclose(by_optimizer, in_the_loss, rtol=1e-4 if recipe == "blockwise" else 1e-2)
 
 
 def test_train_example_verdict_says_what_failed():

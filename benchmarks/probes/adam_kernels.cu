@@ -12,7 +12,7 @@
 //
 //   nvcc -O3 -DNDEBUG -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -Iffi -I<jaxlib>/include \
 //     benchmarks/probes/adam_kernels.cu -o adam_kernels && ./adam_kernels [rounds]
-#include "cuda/fp8/fp8_block_quantize_kernels.cu"
+#include "cuda/fp8/fp8_adam_kernels.cu"
 
 #include <algorithm>
 #include <functional>

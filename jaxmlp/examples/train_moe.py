@@ -214,28 +214,30 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
           expert_axis: str | None = None, fp8: str | None = None, micro_batches: int = 1) -> Run:
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW, each step's
   gradient accumulated over `micro_batches` parts of its batch. fp8: a recipe name, run in FP8 at every
-  shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster);
-  blockwise has the experts' FP8 weights written by their update (fp8_adam_step; over the expert axis, each
-  device its own experts)."""
+  shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster), the
+  experts' FP8 weights written by their update (fp8_adam_step; tensorwise by the last weights' maximum; over
+  the expert axis, each device its own experts)."""
   recipe = Fp8Recipe(fp8, when="always") if fp8 else None
   model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=recipe)
   graphdef, params = nnx.split(model)
   leaves, treedef = jax.tree.flatten(params)
-  # The blockwise recipe: the experts' FP8 weights are written by their optimizer's update
-  # (jaxmlp.fp8_adam_step: adamw's step, as optax's for the rest), not quantized in the loss.
-  experts = expert_weights(params) if recipe is not None and recipe.name == "blockwise" else []
+  # The experts' FP8 weights are written by their optimizer's update (jaxmlp.fp8_adam_step: adamw's step, as
+  # optax's for the rest), not quantized in the loss.
+  experts = expert_weights(params) if recipe is not None else []
   labels = jax.tree.unflatten(treedef, ["experts" if i in experts else "rest" for i in range(len(leaves))])
   optimizer = optax.multi_transform({"rest": optax.adamw(cfg.learning_rate, weight_decay=WEIGHT_DECAY),
                                      "experts": optax.set_to_zero()}, labels)
   opt_state = optimizer.init(params)
-  # Per expert weight: its adam state, and its quantized weights (q, scales, qt) for the next step.
+  # Per expert weight: its adam state, and its quantized weights for the next step (Fp8Weights without the
+  # weights themselves, which the parameters hold; tensorwise's carry the maximum the next update scales by).
   expert_state = ([optax.scale_by_adam().init(leaves[i]) for i in experts],
-                  [quantize_weights(leaves[i], recipe, dtype).quantized for i in experts])
+                  [dataclasses.replace(quantize_weights(leaves[i], recipe, dtype), weights=None) for i in experts])
 
   @jax.jit
   def train_step(params, opt_state, expert_state, batch):
     adam, quantized = expert_state
-    blocks = list(zip(quantized[0::2], quantized[1::2])) if experts else None  # (w1's, w2's) a block
+    triples = [q.quantized for q in quantized]
+    blocks = list(zip(triples[0::2], triples[1::2])) if experts else None  # (w1's, w2's) a block
     (_, cross_entropy), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, batch,
                                                                                      micro_batches, blocks)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -244,8 +246,9 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
     g = jax.tree.leaves(grads)
     for k, i in enumerate(experts):
       new[i], adam[k], fp8 = fp8_adam_step(new[i], g[i], adam[k], learning_rate=cfg.learning_rate,
-                                           weight_decay=WEIGHT_DECAY, dtype=dtype, expert_axis=expert_axis)
-      quantized[k] = fp8.quantized
+                                           weight_decay=WEIGHT_DECAY, dtype=dtype, expert_axis=expert_axis,
+                                           fp8=quantized[k] if recipe.name == "tensorwise" else recipe)
+      quantized[k] = dataclasses.replace(fp8, weights=None)
     return jax.tree.unflatten(treedef, new), opt_state, (adam, quantized), cross_entropy
 
   log_every = max(1, len(batches) // 10)
@@ -289,7 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
                            "the other; with --fp8 the experts' weights are quantized once per step "
-                           "(jaxmlp.fp8_weights; blockwise: by the last step's optimizer update, jaxmlp.fp8_adam_step)")
+                           "(by the last step's optimizer update, jaxmlp.fp8_adam_step)")
   parser.add_argument("--expert-parallel", action="store_true",
                       help=f"run the MoE layers expert-parallel over all devices ({HOST_DEVICES} host devices "
                            "on a CPU), and check the first batch's loss and gradients against one device")

@@ -7,7 +7,7 @@
   blockwise.py   the blockwise recipe's definition (DeepSeek-V3's 1 x 128 and 128 x 128 blocks)
   cuda.py        both recipes on a GPU: their custom calls
   mlp.py         the one custom_vjp over them, and jaxmlp.fp8_weights
-  adam.py        jaxmlp.fp8_adam_step: adam's step that writes the blockwise FP8 weights in its pass
+  adam.py        jaxmlp.fp8_adam_step: adam's step that writes the FP8 weights in its pass
   exchange.py    the expert-parallel layer's gathers in e4m3 (MoE(fp8_exchange=True))
 
 docs/fp8.md has the recipes' rationale and measurements.

@@ -79,7 +79,7 @@ def times_pow2(v: jax.Array, e: jax.Array) -> jax.Array:
   multiplies by powers of two made from e's halves, each a normal float32 for |e| <= 252 (the recipe's
   exponents lie in [-158, 120]; jaxmlp.fp8.exchange's INFINITE, 256, overflows on purpose). An ldexp of
   every element costs XLA's code far more; the CUDA quantizers multiply likewise
-  (ffi/cuda/fp8/fp8_block_quantize_kernels.cu, Unscale). (XLA:CPU flushes float32 subnormals: there
+  (ffi/cuda/fp8/weight_tile.cuh, Unscale). (XLA:CPU flushes float32 subnormals: there
   `exponent` reads 0 for a block whose amax / 448 is subnormal, under 2^-126, where the CUDA kernels give
   its exponent; such a block's values quantize to e4m3 zeros there.)"""
   half = e // 2

@@ -123,17 +123,33 @@ def _weight_block_outputs(E: int, K: int, N: int) -> list:
 
 
 def block_adam(w, g, mu, nu, scalars, hyper, dtype):
-  """jaxmlp.fp8.adam's step on the GPU, one kernel: (new w, mu, nu, and the new weights' q, exponents, qt
-  as block_weights). The new w, mu and nu take the input's buffers (aliases: in place where the caller
-  donates them, else XLA copies the inputs first)."""
+  """jaxmlp.fp8.adam's blockwise step on the GPU, one kernel: (new w, mu, nu, and the new weights' q,
+  exponents, qt as block_weights). The new w, mu and nu take the input's buffers (aliases: in place where
+  the caller donates them, else XLA copies the inputs first)."""
   _module_or_raise()
   outs = [(w.shape, jnp.float32)] * 3 + _weight_block_outputs(*w.shape)
-  w, mu, nu, q, qt, e = _library.call(
-      "jaxmlp_fp8_block_adam", outs, w, g, mu, nu, scalars, input_output_aliases={0: 0, 2: 1, 3: 2},
-      b1=np.float32(hyper.b1), b2=np.float32(hyper.b2), one_minus_b1=np.float32(1 - hyper.b1),
-      one_minus_b2=np.float32(1 - hyper.b2), eps=np.float32(hyper.eps), eps_root=np.float32(hyper.eps_root),
-      weight_decay=np.float32(hyper.weight_decay), dtype=np.int32(_library.dtype_code(dtype)))
+  w, mu, nu, q, qt, e = _library.call("jaxmlp_fp8_block_adam", outs, w, g, mu, nu, scalars,
+                                      input_output_aliases={0: 0, 2: 1, 3: 2}, **_adam_attributes(hyper, dtype))
   return w, mu, nu, q, e, qt
+
+
+def tensor_adam(w, g, mu, nu, scalars, delayed, hyper, dtype):
+  """jaxmlp.fp8.adam's tensorwise step on the GPU, one kernel: (new w, mu, nu, the new weights' q by the
+  delayed amax, their amax, qt). Aliases as block_adam's."""
+  _module_or_raise()
+  E, K, N = w.shape
+  outs = [(w.shape, jnp.float32)] * 3 + [((E, K, N), E4M3), ((E, N, K), E4M3), ((1,), jnp.float32)]
+  w, mu, nu, q, qt, amax = _library.call("jaxmlp_fp8_tensor_adam", outs, w, g, mu, nu, scalars,
+                                         jnp.reshape(delayed, (1,)), input_output_aliases={0: 0, 2: 1, 3: 2},
+                                         **_adam_attributes(hyper, dtype))
+  return w, mu, nu, q, amax[0], qt
+
+
+def _adam_attributes(hyper, dtype) -> dict:
+  """adam's constants as the kernels take them (float32, 1 - b computed here in double and rounded once)."""
+  return dict(b1=np.float32(hyper.b1), b2=np.float32(hyper.b2), one_minus_b1=np.float32(1 - hyper.b1),
+              one_minus_b2=np.float32(1 - hyper.b2), eps=np.float32(hyper.eps), eps_root=np.float32(hyper.eps_root),
+              weight_decay=np.float32(hyper.weight_decay), dtype=np.int32(_library.dtype_code(dtype)))
 
 
 def _gemm_blocks(op: str, lhs, lhs_scales, rhs, rhs_scales, groups: Groups, dtype, zero_padding: bool = True):

@@ -52,7 +52,7 @@ def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weight
   """
   recipe, dtype = check_weights_args(w, fp8, dtype)
   quantized = _quantize_weights(jax.lax.stop_gradient(w), recipe, dtype)
-  return Fp8Weights(w, *quantized, recipe=recipe.name)
+  return Fp8Weights(w, *quantized, recipe=recipe.name, amax=quantized[1] if recipe.name == "tensorwise" else None)
 
 
 def _bfloat16_gemm(op, lhs, rhs, sizes):

@@ -109,6 +109,10 @@ class Fp8Weights:
     blockwise, the int32 exponents [E, ceil(K / 128), ceil(N / 128)] of the 128 x 128 blocks.
   qt: q transposed, [E, N, K]: the layout FP8 tensor cores read in the forward.
   recipe: the recipe's name.
+  amax: tensorwise, the float32 absolute maximum of the weights in the computation dtype, which the next
+    optimizer step's quantization scales by (jaxmlp.fp8_adam_step: delayed scaling). It equals `scales`
+    where the weights were quantized by their own maximum (jaxmlp.fp8_weights); fp8_adam_step's weights were
+    quantized by the last step's. None for blockwise (each block's scale is its own).
   """
 
   weights: jax.Array
@@ -116,6 +120,7 @@ class Fp8Weights:
   scales: jax.Array
   qt: jax.Array
   recipe: str = dataclasses.field(metadata=dict(static=True))
+  amax: jax.Array | None = None
 
   @property
   def quantized(self) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -7,13 +7,11 @@
 //            and values (optional): a or dh in h's dtype
 //   weights  w [E, K, N] (float32 master weights too), rounded to the attribute dtype -> q [E, K, N],
 //            qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)]  128 x 128 blocks
-//   adam     w, g, mu, nu [E, K, N] float32 (g: or in the attribute dtype), hyper [3] float32 -> w, mu, nu (the
-//            new ones, in place where XLA aliases them to the inputs), and the weights' q, qt, e as above
-//            (jaxmlp/fp8/adam.py)
 #include <cuda_runtime.h>
 
 #include "codes.h"
 #include "cuda/fp8/fp8_block_quantize_kernels.h"
+#include "cuda/fp8/weight_checks.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/handler.h"
 #include "mlp_checks.h"
@@ -26,19 +24,6 @@ using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Error;
 using ffi::Result;
-
-Error CheckInput(const char* name, const AnyBuffer& v, size_t rank) {
-  const DataType t = v.element_type();
-  if (t != DataType::BF16 && t != DataType::F16 && t != DataType::F32)
-    return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must be bfloat16, float16 or float32");
-  if (v.dimensions().size() != rank)
-    return Error::InvalidArgument(std::string("jaxmlp: ") + name + " must have rank " + std::to_string(rank));
-  for (int64_t n : v.dimensions())
-    if (n > INT32_MAX) return Error::InvalidArgument("jaxmlp: quantizer extents must be below 2^31");
-  if (v.dimensions().back() % 16)
-    return Error::InvalidArgument(std::string("jaxmlp: ") + name + "'s last dimension must be a multiple of 16");
-  return Error::Success();
-}
 
 // The column blocks' (first, count) of Fp8BlockRowsAndColumns: int32 [B] each.
 Error CheckColumnBlocks(const AnyBuffer& first, const AnyBuffer& count, int64_t* B) {
@@ -87,7 +72,7 @@ Error CheckRowsAndColumns(cudaStream_t stream, const RowsAndColumnsBuffers& o, D
 Error Fp8BlockRowsAndColumns(cudaStream_t stream, int32_t device, AnyBuffer v, AnyBuffer first, AnyBuffer count,
                              Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec) {
   ++handler_host_calls;
-  JAXMLP_RETURN_IF_ERROR(CheckInput("v", v, 2));
+  JAXMLP_RETURN_IF_ERROR(CheckQuantizerInput("v", v, 2));
   RowsAndColumnsBuffers o{v.dimensions()[0], v.dimensions()[1], 0, &first, &count, &*q, &*e, &*qt, &*ec};
   JAXMLP_RETURN_IF_ERROR(CheckColumnBlocks(first, count, &o.B));
   JAXMLP_RETURN_IF_ERROR(CheckRowsAndColumns(stream, o, v.element_type()));
@@ -101,7 +86,7 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
                          Result<AnyBuffer> q, Result<AnyBuffer> e, Result<AnyBuffer> qt, Result<AnyBuffer> ec,
                          Result<AnyBuffer> values) {
   ++handler_host_calls;
-  JAXMLP_RETURN_IF_ERROR(CheckInput("h", h, 2));
+  JAXMLP_RETURN_IF_ERROR(CheckQuantizerInput("h", h, 2));
   const DataType t = h.element_type();
   if (t == DataType::F32) return Error::InvalidArgument("jaxmlp: h must be bfloat16 or float16");
   if (act < 0 || act >= int32_t(Act::kCount)) return Error::InvalidArgument("jaxmlp: unknown activation");
@@ -118,31 +103,10 @@ Error Fp8BlockActivation(cudaStream_t stream, int32_t device, AnyBuffer h, AnyBu
                                           DataIfPresent(scales), f, Pointers(o));
 }
 
-// The computation dtype (ffi/codes.h DType: bfloat16 or float16) that the weights are rounded to first.
-Error RoundedType(int32_t dtype, DataType* rounded) {
-  if (dtype != int32_t(DType::kBfloat16) && dtype != int32_t(DType::kFloat16))
-    return Error::InvalidArgument("jaxmlp: FP8 weights are quantized from bfloat16 or float16 (dtype)");
-  *rounded = dtype == int32_t(DType::kBfloat16) ? DataType::BF16 : DataType::F16;
-  return Error::Success();
-}
-
-// The 128 x 128 quantization of weights [E, K, N]: q [E, K, N], qt [E, N, K] e4m3, e int32, K a multiple of
-// 16 (qt's rows are written 8 bytes at a time; N's is checked with the input), and a grid of their tiles that
-// fits.
-Error CheckWeightOutputs(int64_t E, int64_t K, int64_t N, const AnyBuffer& q, const AnyBuffer& qt, const AnyBuffer& e) {
-  if (K % 16) return Error::InvalidArgument("jaxmlp: the weights' second dimension must be a multiple of 16");
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", q, {E, K, N}));
-  JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", qt, {E, N, K}));
-  JAXMLP_RETURN_IF_ERROR(
-      CheckShapeAndType("e", e, {E, ScaleBlocks(K), ScaleBlocks(N)}, DataType::S32, "dtype int32"));
-  if (E > 65535 || ScaleBlocks(K) > 65535) return Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
-  return Error::Success();
-}
-
 Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Result<AnyBuffer> qt,
                       Result<AnyBuffer> e, int32_t dtype) {
   ++handler_host_calls;
-  JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
+  JAXMLP_RETURN_IF_ERROR(CheckQuantizerInput("w", w, 3));
   DataType rounded;
   JAXMLP_RETURN_IF_ERROR(RoundedType(dtype, &rounded));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
@@ -151,36 +115,6 @@ Error Fp8BlockWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Res
   return QuantizeWeightBlocks(stream, w.element_type(), rounded, w.untyped_data(), E, K, N,
                               static_cast<uint8_t*>(q->untyped_data()), static_cast<uint8_t*>(qt->untyped_data()),
                               static_cast<int32_t*>(e->untyped_data()));
-}
-
-// The adam step's operands and results w, g, mu, nu [E, K, N] float32 (g: or in dtype; results: new w, mu,
-// nu), hyper [3], and the quantization of the new weights. w, mu and nu's results are not poisoned: XLA
-// aliases them to the inputs (jaxmlp/fp8/cuda.py), and every element is written.
-Error Fp8BlockAdam(cudaStream_t stream, AnyBuffer w, AnyBuffer g, AnyBuffer mu, AnyBuffer nu, AnyBuffer hyper,
-                   Result<AnyBuffer> w_out, Result<AnyBuffer> mu_out, Result<AnyBuffer> nu_out, Result<AnyBuffer> q,
-                   Result<AnyBuffer> qt, Result<AnyBuffer> e, float b1, float b2, float one_minus_b1,
-                   float one_minus_b2, float eps, float eps_root, float weight_decay, int32_t dtype) {
-  ++handler_host_calls;
-  JAXMLP_RETURN_IF_ERROR(CheckInput("w", w, 3));
-  const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
-  const char* names[] = {"w", "mu", "nu", "new w", "new mu", "new nu"};
-  const AnyBuffer* buffers[] = {&w, &mu, &nu, &*w_out, &*mu_out, &*nu_out};
-  for (int i = 0; i < 6; ++i)
-    JAXMLP_RETURN_IF_ERROR(CheckShapeAndType(names[i], *buffers[i], {E, K, N}, DataType::F32, "float32 [E, K, N]"));
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("hyper", hyper, {3}, DataType::F32, "float32 [3]"));
-  DataType rounded;
-  JAXMLP_RETURN_IF_ERROR(RoundedType(dtype, &rounded));
-  const DataType gt = g.element_type() == DataType::F32 ? DataType::F32 : rounded;
-  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("g", g, {E, K, N}, gt, "float32 or the dtype, [E, K, N]"));
-  JAXMLP_RETURN_IF_ERROR(CheckWeightOutputs(E, K, N, *q, *qt, *e));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*q, &*qt, &*e}));
-  const auto in = [](const AnyBuffer& b) { return static_cast<const float*>(b.untyped_data()); };
-  const auto out = [](AnyBuffer& b) { return static_cast<float*>(b.untyped_data()); };
-  const AdamStep s{in(w),     in(mu),       in(nu),       g.untyped_data(), out(*w_out), out(*mu_out), out(*nu_out),
-                   in(hyper), b1,           b2,           one_minus_b1,     one_minus_b2, eps,          eps_root,
-                   weight_decay};
-  return AdamWeightBlocks(stream, rounded, gt, s, E, K, N, static_cast<uint8_t*>(q->untyped_data()),
-                          static_cast<uint8_t*>(qt->untyped_data()), static_cast<int32_t*>(e->untyped_data()));
 }
 
 }  // namespace
@@ -221,26 +155,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockWeights, jaxmlp::Fp8BlockWeights,
                                   .Attr<int32_t>("dtype"),
                               jaxmlp::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockAdam, jaxmlp::Fp8BlockAdam,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // w
-                                  .Arg<xla::ffi::AnyBuffer>()  // g
-                                  .Arg<xla::ffi::AnyBuffer>()  // mu
-                                  .Arg<xla::ffi::AnyBuffer>()  // nu
-                                  .Arg<xla::ffi::AnyBuffer>()  // hyper
-                                  .Ret<xla::ffi::AnyBuffer>()  // new w
-                                  .Ret<xla::ffi::AnyBuffer>()  // new mu
-                                  .Ret<xla::ffi::AnyBuffer>()  // new nu
-                                  .Ret<xla::ffi::AnyBuffer>()  // q
-                                  .Ret<xla::ffi::AnyBuffer>()  // qt
-                                  .Ret<xla::ffi::AnyBuffer>()  // e
-                                  .Attr<float>("b1")
-                                  .Attr<float>("b2")
-                                  .Attr<float>("one_minus_b1")
-                                  .Attr<float>("one_minus_b2")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("eps_root")
-                                  .Attr<float>("weight_decay")
-                                  .Attr<int32_t>("dtype"),
-                              jaxmlp::kGraphSafe);

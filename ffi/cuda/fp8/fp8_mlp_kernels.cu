@@ -3,12 +3,12 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <type_traits>
 
 #include "activations.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/elements.cuh"
+#include "cuda/fp8/tensor_scale.cuh"
 #include "cuda/group_scan.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/mlp/row_bias.cuh"
@@ -17,7 +17,6 @@ namespace jaxmlp {
 namespace {
 
 using Fp8 = __nv_fp8_e4m3;
-constexpr float kE4m3Max = 448.0f;
 constexpr int kThreads = 128;   // activation kernels: a block walks whole rows
 constexpr int kMaxBlocks = 1024;  // grid-stride kernels: few blocks, so few atomics on one amax
 
@@ -27,24 +26,6 @@ __device__ __forceinline__ float ToFloat(Fp8 v) { return float(v); }
 
 // Round to nearest even, saturating at +-448; NaN stays NaN (jnp.clip then astype in jaxmlp/fp8.py).
 __device__ __forceinline__ uint8_t ToE4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
-
-// 448 / amax (1 where amax is 0 or absent): IEEE division, as the emulation's float32 jnp division. Where it
-// overflows (amax < 448 / FLT_MAX: denormals and the smallest normals), 0 x inf would be NaN: it is clamped
-// to FLT_MAX, as TransformerEngine does, and the dequantization scale is then FLT_MAX's float32 reciprocal
-// 2^-128 (tensorwise.inverse_scale and scale_of; every larger amax gives 448 / a and a / 448 as before).
-constexpr float kScaleAtClamp = 0x1p-128f;
-__device__ __forceinline__ float InverseScale(const float* amax) {
-  const float a = amax ? *amax : 0.0f;
-  return a > 0.0f ? fminf(kE4m3Max / a, FLT_MAX) : 1.0f;
-}
-__device__ __forceinline__ float DequantScale(float a) {
-  return a > 0.0f ? (isinf(kE4m3Max / a) ? kScaleAtClamp : a / kE4m3Max) : 1.0f;
-}
-
-// Non-negative floats order as their bit patterns: one integer atomicMax is a float max.
-__device__ __forceinline__ void AtomicMaxNonNegative(float* amax, float v) {
-  atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
-}
 
 // The block's maximum reaches *amax with one atomic per warp (fmaxf drops NaN: a NaN input quantizes to
 // NaN whatever the scale, as in the emulation).
