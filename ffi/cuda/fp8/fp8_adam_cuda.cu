@@ -7,6 +7,8 @@
 //                weights' q, qt by that amax, and their own amax [1]
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "codes.h"
 #include "cuda/fp8/fp8_adam_kernels.h"
 #include "cuda/fp8/weight_checks.h"
@@ -88,54 +90,50 @@ Error Fp8TensorAdam(cudaStream_t stream, AnyBuffer w, AnyBuffer g, AnyBuffer mu,
                           static_cast<uint8_t*>(qt->untyped_data()), am);
 }
 
+// The operands both steps begin with: the stream, then w, g, mu, nu and hyper.
+auto BindAdamOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<AnyBuffer>()   // w
+      .Arg<AnyBuffer>()   // g
+      .Arg<AnyBuffer>()   // mu
+      .Arg<AnyBuffer>()   // nu
+      .Arg<AnyBuffer>();  // hyper
+}
+
+// adam's constants and the computation dtype, after the results.
+template <typename Binding>
+auto BindAdamAttrs(Binding b) {
+  return std::move(b).template Attr<float>("b1")
+      .template Attr<float>("b2")
+      .template Attr<float>("one_minus_b1")
+      .template Attr<float>("one_minus_b2")
+      .template Attr<float>("eps")
+      .template Attr<float>("eps_root")
+      .template Attr<float>("weight_decay")
+      .template Attr<int32_t>("dtype");
+}
+
 }  // namespace
 }  // namespace jaxmlp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8BlockAdam, jaxmlp::Fp8BlockAdam,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // w
-                                  .Arg<xla::ffi::AnyBuffer>()  // g
-                                  .Arg<xla::ffi::AnyBuffer>()  // mu
-                                  .Arg<xla::ffi::AnyBuffer>()  // nu
-                                  .Arg<xla::ffi::AnyBuffer>()  // hyper
-                                  .Ret<xla::ffi::AnyBuffer>()  // new w
-                                  .Ret<xla::ffi::AnyBuffer>()  // new mu
-                                  .Ret<xla::ffi::AnyBuffer>()  // new nu
-                                  .Ret<xla::ffi::AnyBuffer>()  // q
-                                  .Ret<xla::ffi::AnyBuffer>()  // qt
-                                  .Ret<xla::ffi::AnyBuffer>()  // e
-                                  .Attr<float>("b1")
-                                  .Attr<float>("b2")
-                                  .Attr<float>("one_minus_b1")
-                                  .Attr<float>("one_minus_b2")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("eps_root")
-                                  .Attr<float>("weight_decay")
-                                  .Attr<int32_t>("dtype"),
+                              jaxmlp::BindAdamAttrs(jaxmlp::BindAdamOperands()
+                                                        .Ret<xla::ffi::AnyBuffer>()   // new w
+                                                        .Ret<xla::ffi::AnyBuffer>()   // new mu
+                                                        .Ret<xla::ffi::AnyBuffer>()   // new nu
+                                                        .Ret<xla::ffi::AnyBuffer>()   // q
+                                                        .Ret<xla::ffi::AnyBuffer>()   // qt
+                                                        .Ret<xla::ffi::AnyBuffer>()),  // e
                               jaxmlp::kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8TensorAdam, jaxmlp::Fp8TensorAdam,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // w
-                                  .Arg<xla::ffi::AnyBuffer>()  // g
-                                  .Arg<xla::ffi::AnyBuffer>()  // mu
-                                  .Arg<xla::ffi::AnyBuffer>()  // nu
-                                  .Arg<xla::ffi::AnyBuffer>()  // hyper
-                                  .Arg<xla::ffi::AnyBuffer>()  // delayed
-                                  .Ret<xla::ffi::AnyBuffer>()  // new w
-                                  .Ret<xla::ffi::AnyBuffer>()  // new mu
-                                  .Ret<xla::ffi::AnyBuffer>()  // new nu
-                                  .Ret<xla::ffi::AnyBuffer>()  // q
-                                  .Ret<xla::ffi::AnyBuffer>()  // qt
-                                  .Ret<xla::ffi::AnyBuffer>()  // amax
-                                  .Attr<float>("b1")
-                                  .Attr<float>("b2")
-                                  .Attr<float>("one_minus_b1")
-                                  .Attr<float>("one_minus_b2")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("eps_root")
-                                  .Attr<float>("weight_decay")
-                                  .Attr<int32_t>("dtype"),
+                              jaxmlp::BindAdamAttrs(jaxmlp::BindAdamOperands()
+                                                        .Arg<xla::ffi::AnyBuffer>()   // delayed
+                                                        .Ret<xla::ffi::AnyBuffer>()   // new w
+                                                        .Ret<xla::ffi::AnyBuffer>()   // new mu
+                                                        .Ret<xla::ffi::AnyBuffer>()   // new nu
+                                                        .Ret<xla::ffi::AnyBuffer>()   // q
+                                                        .Ret<xla::ffi::AnyBuffer>()   // qt
+                                                        .Ret<xla::ffi::AnyBuffer>()),  // amax
                               jaxmlp::kGraphSafe);
