@@ -60,12 +60,12 @@ def _scale(amax):
   return float(np.float32(amax) / np.float32(E4M3_MAX))
 
 
-def _bias_grads(grads, off, s, dh, dy, value, da, valid, b1, b2, rnd):
+def _bias_grads(grads, off, s, dh, dy, value, da, valid, b1, b2, rnd, nudge):
   """The 16-bit path's bias gradients (sums of unquantized dh, rounded, and of s * dy) and the scales' (with
   b2's term), into grads: the same in both recipes."""
   E = len(off) - 1
   if b1 is not None:
-    grads["b1"] = np.stack([rnd(rnd(dh[off[g]:off[g + 1]]).sum(axis=0)) for g in range(E)])
+    grads["b1"] = np.stack([rnd(rnd(_nudged_f32(dh[off[g]:off[g + 1]], nudge)).sum(axis=0)) for g in range(E)])
   if b2 is not None:
     grads["b2"] = np.stack([rnd((s * dy)[off[g]:off[g + 1]].sum(axis=0)) for g in range(E)])
   ds = (da * value).sum(axis=1)
@@ -127,7 +127,7 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_
     else:
       grads["w2"][g] = rnd(rnd(_nudged_f32(a[r], nudge)).T @ dyv[r])
       grads["w1"][g] = rnd(x[r].T @ rnd(_nudged_f32(dh[r], nudge)))
-  dscales = _bias_grads(grads, off, s, dh, dyv, value, da, valid, b1, b2, rnd)
+  dscales = _bias_grads(grads, off, s, dh, dyv, value, da, valid, b1, b2, rnd, nudge)
   if scales is not None:
     grads["scales"] = dscales
   return y, grads
@@ -225,7 +225,7 @@ def blockwise_grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=
     else:
       grads["w2"][g] = rnd(rnd(_nudged_f32(a[r], nudge)).T @ dy[r])
       grads["w1"][g] = rnd(x[r].T @ rnd(_nudged_f32(dh[r], nudge)))
-  dscales = _bias_grads(grads, off, s, dh, dy, value, da, valid[:, 0], b1, b2, rnd)
+  dscales = _bias_grads(grads, off, s, dh, dy, value, da, valid[:, 0], b1, b2, rnd, nudge)
   if scales is not None:
     grads["scales"] = dscales
   return y, grads

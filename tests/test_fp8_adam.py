@@ -120,7 +120,8 @@ def tensorwise_before(w, dtype, fraction=1.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("grad", ["float32", "16-bit"])
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
-def test_fp8_adam_step_is_adam_then_the_fp8_weights(platform, rng, shape, hyper, dtype, grad, recipe):  # noqa: F811
+def test_fp8_adam_step_is_adam_then_the_fp8_weights(platform, rng, shape, hyper, dtype, grad,  # noqa: F811
+                                                     recipe):
   """The new weights and moments equal NumPy's float32 adam up to a few roundings (fused multiply-adds, XLA's
   power against NumPy's); the FP8 weights are the NumPy quantization of the new weights as returned, in the
   computation dtype, bit for bit (check_fp8_weights): tensorwise by a delayed maximum half the last weights',
@@ -143,6 +144,26 @@ def test_fp8_adam_step_is_adam_then_the_fp8_weights(platform, rng, shape, hyper,
   check_fp8_weights(fp8, new_w, dtype, None if recipe == "blockwise" else np.float32(before.amax))
   if recipe == "tensorwise":  # the test reaches the saturation
     assert np.any(np.abs(np.asarray(fp8.q, np.float32)) == 448)
+
+
+@pytest.mark.parametrize("case", ["zero weights", "all zeros"])
+def test_fp8_adam_step_tensorwise_from_a_zero_maximum(platform, rng, case):  # noqa: F811
+  """Weights initialised to zeros: their maximum, 0, quantizes the first step's new weights by scale 1 (as
+  a zero amax does in tensorwise.quantize_e4m3; most round to e4m3's subnormals or 0), NumPy's quantization
+  bit for bit, and the result's maximum is that of the new weights. With a zero gradient and moments as well
+  nothing moves: every output 0, the new maximum 0 (the kernel's zeroed maximum, no tile's atomic)."""
+  shape = (2, 144, 272)
+  w = jnp.zeros(shape, jnp.float32)
+  g = jnp.zeros(shape, jnp.float32) if case == "all zeros" else jnp.float32(rng.standard_normal(shape) * 1e-2)
+  before = jaxmlp.fp8_weights(w, "tensorwise", jnp.bfloat16)
+  assert np.asarray(before.amax) == 0
+  new_w, _, fp8 = jax.jit(lambda w, g, s, f: jaxmlp.fp8_adam_step(w, g, s, learning_rate=1e-3, fp8=f))(
+      w, g, optax.scale_by_adam().init(w), before)
+  check_fp8_weights(fp8, new_w, "bfloat16", np.float32(0))
+  if case == "all zeros":
+    assert not np.any(np.asarray(new_w)) and not np.any(np.asarray(fp8.q, np.float32)) and np.asarray(fp8.amax) == 0
+  else:
+    assert np.any(np.asarray(fp8.q, np.float32)) and np.asarray(fp8.amax) > 0
 
 
 @pytest.mark.parametrize("hyper", HYPER)
@@ -180,8 +201,8 @@ def test_fp8_adam_step_equals_optax_over_steps(platform, rng, hyper, recipe):  #
 def test_fp8_adam_step_feeds_grouped_mlp(rng, recipe):
   """A training step as docs/fp8.md gives it: the loss reads the last step's FP8 weights (Fp8Weights carried
   without their weights) with the master weights differentiated in their `weights` field; its gradient
-  reaches the master weights, and the results equal those of the call given the same quantized weights
-  whole (blockwise: those of quantizing the master weights in the call)."""
+  reaches the master weights, and the results equal those of the call given NumPy's quantization of the
+  weights by the same maximum (blockwise: those of quantizing the master weights in the call)."""
   E, d, f, M = 2, 128, 128, 256
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
   w1 = jnp.float32(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
@@ -198,10 +219,13 @@ def test_fp8_adam_step_feeds_grouped_mlp(rng, recipe):
   for _ in range(2):
     grads = jax.grad(jax.jit(loss), argnums=(0, 1))(w1, w2, q1, q2)
     if recipe == "blockwise":
-      quantize = lambda w, q: jaxmlp.fp8_weights(w, recipe, jnp.bfloat16)
-    else:  # the same quantized weights, given whole
-      quantize = lambda w, q: jaxmlp.Fp8Weights(w, q.q, q.scales, q.qt, recipe=recipe)
-    want = jax.grad(jax.jit(lambda a, b: loss(a, b, quantize(a, q1), quantize(b, q2))), argnums=(0, 1))(w1, w2)
+      given = lambda a, b: tuple(jaxmlp.fp8_weights(v, recipe, jnp.bfloat16) for v in (a, b))
+    else:  # NumPy's quantization of the weights by the maximum the step's were (the first step: their own)
+      e4m3 = [jnp.asarray(fp8_ref._quantize(np.asarray(w.astype(jnp.bfloat16), np.float64), np.float32(q.scales)),
+                          jnp.float8_e4m3fn) for w, q in ((w1, q1), (w2, q2))]
+      given = lambda a, b: tuple(jaxmlp.Fp8Weights(v, e, q.scales, jnp.swapaxes(e, 1, 2), recipe=recipe)
+                                 for v, e, q in zip((a, b), e4m3, (q1, q2)))
+    want = jax.grad(jax.jit(lambda a, b: loss(a, b, *given(a, b))), argnums=(0, 1))(w1, w2)
     for got, expected in zip(grads, want):
       assert got.dtype == jnp.float32 and np.any(np.asarray(got) != 0)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
@@ -316,7 +340,9 @@ STATE = optax.ScaleByAdamState(count=jnp.int32(0), mu=W, nu=W)
     ((W, W, STATE), dict(fp8=jaxmlp.fp8_weights(W[:, :, :16], "tensorwise", jnp.bfloat16)), ValueError,
      r"fp8: Fp8Weights of shape \[2, 16, 16\], expected w's \[2, 16, 32\]"),
     ((W, W, STATE), dict(fp8=dataclasses.replace(jaxmlp.fp8_weights(W, "tensorwise", jnp.bfloat16),
-                                                 amax=jnp.zeros(1))), TypeError, r"fp8.amax must be a float32 scalar"),
+                                                 amax=jnp.zeros(1))), ValueError, r"fp8.amax must be a scalar"),
+    ((W, W, STATE), dict(fp8=dataclasses.replace(jaxmlp.fp8_weights(W, "tensorwise", jnp.bfloat16),
+                                                 amax=jnp.int32(1))), TypeError, r"fp8.amax must be float32"),
 ])
 def test_fp8_adam_step_bad_arguments(args, kwargs, error, match):
   kwargs = dict(dict(learning_rate=1e-3), **kwargs)

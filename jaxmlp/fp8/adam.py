@@ -24,6 +24,9 @@ saturating at the count's maximum as optax.safe_increment):
 which is optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root) (with weight_decay, optax.adamw without a
 mask) applied to w. Under delayed scaling an element past the last weights' maximum saturates: it is off by
 at most what this step moved it past that maximum (a step of adam moves a weight by about the learning rate).
+A last maximum of 0 (weights initialised to zeros) quantizes by scale 1, as tensorwise.quantize_e4m3 does:
+the first step's small weights then lie among e4m3's subnormals or round to 0, for that one step. A NaN
+weight makes the JAX code's maximum NaN (scale 1 the next step); the kernel's passes NaN over.
 On the CPU this module's JAX code computes it, as optax does; on a GPU the kernels
 (ffi/cuda/fp8/fp8_adam_kernels.cu) round the same operations in the same order (no fused multiply-adds).
 """
@@ -177,10 +180,11 @@ def _delayed_amax(fp8, shape):
     if np.shape(fp8.q) != shape:
       raise ValueError(f"fp8_adam_step: fp8: Fp8Weights of shape {list(np.shape(fp8.q))}, expected w's "
                        f"{list(shape)}")
-    if np.shape(fp8.amax) != () or jnp.result_type(fp8.amax) != jnp.float32:
-      raise TypeError(f"fp8_adam_step: fp8.amax must be a float32 scalar, got {jnp.result_type(fp8.amax)} "
-                      f"{list(np.shape(fp8.amax))}")
-    return fp8.amax
+    if np.shape(fp8.amax) != ():
+      raise ValueError(f"fp8_adam_step: fp8.amax must be a scalar, got shape {list(np.shape(fp8.amax))}")
+    if jnp.result_type(fp8.amax) != jnp.float32:
+      raise TypeError(f"fp8_adam_step: fp8.amax must be float32, got {jnp.result_type(fp8.amax)}")
+    return jnp.asarray(fp8.amax, jnp.float32)
   name = fp8.name if isinstance(fp8, Fp8Recipe) else fp8
   if name == "blockwise":
     return None

@@ -105,14 +105,16 @@ class Fp8Weights:
     weights too): grouped_mlp's gradient of w1 or w2 flows to this field, in its dtype (so gradients of
     micro-batches add up in float32 there); the quantized fields take none (constants of the step).
   q: [E, K, N] float8_e4m3fn.
-  scales: the recipe's scales: tensorwise, the float32 absolute maximum of the weights (a scalar);
+  scales: the recipe's scales: tensorwise, the float32 absolute maximum q was quantized by (a scalar: the
+    weights' own, or for jaxmlp.fp8_adam_step's the last weights');
     blockwise, the int32 exponents [E, ceil(K / 128), ceil(N / 128)] of the 128 x 128 blocks.
   qt: q transposed, [E, N, K]: the layout FP8 tensor cores read in the forward.
   recipe: the recipe's name.
   amax: tensorwise, the float32 absolute maximum of the weights in the computation dtype, which the next
     optimizer step's quantization scales by (jaxmlp.fp8_adam_step: delayed scaling). It equals `scales`
     where the weights were quantized by their own maximum (jaxmlp.fp8_weights); fp8_adam_step's weights were
-    quantized by the last step's. None for blockwise (each block's scale is its own).
+    quantized by the last step's. None for blockwise (each block's scale is its own) and where unknown
+    (Fp8Weights built from their quantized fields alone, as the Flax modules' fp8_weights(quantized)).
   """
 
   weights: jax.Array

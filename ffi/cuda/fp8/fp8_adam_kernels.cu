@@ -53,7 +53,7 @@ __device__ __forceinline__ float AdamTile(const AdamStep& s, const G* grad, cons
 
 // A block per 128 x 128 tile of one expert: AdamTile, then QuantizeWeightTile of the held weights (the tile's
 // own scale). Three blocks an SM at least: ptxas fits the held tile in 80 registers (84, two blocks,
-// unbounded).
+// unbounded; nvcc 13.0 spills a few bytes in the float32-gradient instantiations).
 template <typename R, typename G>
 __global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
                                                               uint8_t* q, uint8_t* qt, int32_t* e) {

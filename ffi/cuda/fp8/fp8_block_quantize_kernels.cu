@@ -21,8 +21,8 @@ namespace {
 // 16-bit vectors, cost occupancy and was slower; unbounded, ptxas gives it 56-70 registers (three or four
 // blocks an SM), 3% faster than bounded to 42 (five blocks). A wider w is held in registers (HeldTile):
 // its second read missed L2. Three blocks an SM at least there: ptxas fits the held tile in 80 registers
-// (84, two blocks, unbounded), as it does AdamWeightBlocksKernel's. (docs/performance.md, "Kernel
-// measurements".)
+// (84, two blocks, unbounded; a few bytes of spills from float32), as it does the adam steps'
+// (fp8_adam_kernels.cu). (docs/performance.md, "Kernel measurements".)
 template <typename T, typename R>
 __global__ void __launch_bounds__(256, sizeof(T) > sizeof(R) ? 3 : 1)
     WeightBlocksKernel(const T* w, int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {

@@ -120,7 +120,8 @@ struct HeldTile {
   }
 };
 
-// The tile's largest magnitude, on every thread, from each thread's own (amax).
+// The tile's largest magnitude, on every thread, from each thread's own (amax). Once per block: it ends
+// without a barrier after its reads of shared memory (as WriteWeightTile does).
 __device__ __forceinline__ float TileMax(float amax) {
   __shared__ float warp_max[8];
   amax = WarpMax(amax);
@@ -131,7 +132,8 @@ __device__ __forceinline__ float TileMax(float amax) {
 }
 
 // The tile's values quantized by quantize2 (two floats to two e4m3 bytes, little-endian), where values(p, v)
-// gives pass p's eight values: written as they lie (q) and, through shared memory, transposed (qt).
+// gives pass p's eight values: written as they lie (q) and, through shared memory, transposed (qt). Once per
+// block.
 template <typename Values, typename Quantize2>
 __device__ __forceinline__ void WriteWeightTile(const WeightTile& t, const Values& values, const Quantize2& quantize2,
                                                 uint8_t* q, uint8_t* qt) {
