@@ -1,6 +1,6 @@
 """Probe (not a benchmark): where a training step's time goes, kernel by kernel. Each variant of
 fp8_train_step.py (its step with the optimizer) runs three steps, then two under JAX's profiler; the kernels'
-time of one step is summed by kernel name, largest first (docs/performance.md, "The weights' quantization and
+time of one step is summed by kernel name, largest first (docs/fp8-performance.md, "The weights' quantization and
 the optimizer"). On a GPU with jaxmlp installed:
 
   python benchmarks/probes/train_step_kernels.py [--shapes gptoss,dsv3] [--variants bf16,blockwise_adam_default]
