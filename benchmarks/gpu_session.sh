@@ -75,6 +75,16 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
       biased = jax.grad(lambda x, w1, w2, s, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, b1=b1, b2=b2, fp8=recipe)
                         .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4, 5))(x, w1, w2, x[:, 0], b1, b2)
       jax.block_until_ready((g, biased))
+  # The optimizer steps that write the FP8 weights (fp8_adam_step, both recipes), tiles cut short by K and N.
+  from typing import NamedTuple
+  class State(NamedTuple):
+    count: jax.Array
+    mu: jax.Array
+    nu: jax.Array
+  w = jnp.asarray(rng.standard_normal((3, 144, 272)), jnp.float32)
+  state = State(jnp.int32(0), jnp.zeros_like(w), jnp.zeros_like(w))
+  for fp8 in ("blockwise", jaxmlp.fp8_weights(w, "tensorwise", jnp.bfloat16)):
+    jax.block_until_ready(jaxmlp.fp8_adam_step(w, w.astype(jnp.bfloat16), state, learning_rate=1e-3, fp8=fp8))
   print("memcheck run done")
   raise SystemExit
 # The fourth case spans two passes of the block scans (256 groups each); the fifth and sixth take the CUTLASS
