@@ -33,9 +33,10 @@ struct AdamOperands {
   DataType rounded, g;
 };
 
-Error CheckAdam(const AnyBuffer& w, const AnyBuffer& g, const AnyBuffer& mu, const AnyBuffer& nu, const AnyBuffer& hyper,
-                AnyBuffer& w_out, AnyBuffer& mu_out, AnyBuffer& nu_out, float b1, float b2, float one_minus_b1,
-                float one_minus_b2, float eps, float eps_root, float weight_decay, int32_t dtype, AdamOperands* o) {
+Error CheckAdam(const AnyBuffer& w, const AnyBuffer& g, const AnyBuffer& mu, const AnyBuffer& nu,
+                const AnyBuffer& hyper, AnyBuffer& w_out, AnyBuffer& mu_out, AnyBuffer& nu_out, float b1, float b2,
+                float one_minus_b1, float one_minus_b2, float eps, float eps_root, float weight_decay, int32_t dtype,
+                AdamOperands* o) {
   JAXMLP_RETURN_IF_ERROR(CheckQuantizerInput("w", w, 3));
   const int64_t E = w.dimensions()[0], K = w.dimensions()[1], N = w.dimensions()[2];
   const char* names[] = {"w", "mu", "nu", "new w", "new mu", "new nu"};

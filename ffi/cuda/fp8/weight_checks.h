@@ -41,7 +41,8 @@ inline ffi::Error CheckWeightLayouts(int64_t E, int64_t K, int64_t N, const ffi:
   if (K % 16) return ffi::Error::InvalidArgument("jaxmlp: the weights' second dimension must be a multiple of 16");
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("q", q, {E, K, N}));
   JAXMLP_RETURN_IF_ERROR(CheckFp8Buffer("qt", qt, {E, N, K}));
-  if (E > 65535 || ScaleBlocks(K) > 65535) return ffi::Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
+  if (E > 65535 || ScaleBlocks(K) > 65535)
+    return ffi::Error::InvalidArgument("jaxmlp: too many weight blocks for one grid");
   return ffi::Error::Success();
 }
 
