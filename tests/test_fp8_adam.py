@@ -201,8 +201,10 @@ def test_fp8_adam_step_equals_optax_over_steps(platform, rng, hyper, recipe):  #
 def test_fp8_adam_step_feeds_grouped_mlp(rng, recipe):
   """A training step as docs/fp8.md gives it: the loss reads the last step's FP8 weights (Fp8Weights carried
   without their weights) with the master weights differentiated in their `weights` field; its gradient
-  reaches the master weights, and the results equal those of the call given NumPy's quantization of the
-  weights by the same maximum (blockwise: those of quantizing the master weights in the call)."""
+  reaches the master weights, and the results equal those of the same jitted program given NumPy's
+  quantization of the weights by the same maximum (blockwise: those of quantizing the master weights in the
+  call). A program that differs (the quantization as constants) may round h's scaling otherwise: CI's
+  seed 3249744517 moved 2% of a gradient's elements by a bfloat16 ulp."""
   E, d, f, M = 2, 128, 128, 256
   x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
   w1 = jnp.float32(rng.standard_normal((E, d, 2 * f)) / np.sqrt(d))
@@ -217,15 +219,16 @@ def test_fp8_adam_step_feeds_grouped_mlp(rng, recipe):
   states = [optax.scale_by_adam().init(w) for w in (w1, w2)]
   q1, q2 = (dataclasses.replace(jaxmlp.fp8_weights(w, recipe, jnp.bfloat16), weights=None) for w in (w1, w2))
   for _ in range(2):
-    grads = jax.grad(jax.jit(loss), argnums=(0, 1))(w1, w2, q1, q2)
+    step_loss = jax.jit(loss)
+    grads = jax.grad(step_loss, argnums=(0, 1))(w1, w2, q1, q2)
     if recipe == "blockwise":
       given = lambda a, b: tuple(jaxmlp.fp8_weights(v, recipe, jnp.bfloat16) for v in (a, b))
-    else:  # NumPy's quantization of the weights by the maximum the step's were (the first step: their own)
+      want = jax.grad(jax.jit(lambda a, b: loss(a, b, *given(a, b))), argnums=(0, 1))(w1, w2)
+    else:  # the same program given NumPy's quantization of the weights by the maximum the step's were
       e4m3 = [jnp.asarray(fp8_ref._quantize(np.asarray(w.astype(jnp.bfloat16), np.float64), np.float32(q.scales)),
                           jnp.float8_e4m3fn) for w, q in ((w1, q1), (w2, q2))]
-      given = lambda a, b: tuple(jaxmlp.Fp8Weights(v, e, q.scales, jnp.swapaxes(e, 1, 2), recipe=recipe)
-                                 for v, e, q in zip((a, b), e4m3, (q1, q2)))
-    want = jax.grad(jax.jit(lambda a, b: loss(a, b, *given(a, b))), argnums=(0, 1))(w1, w2)
+      given = [dataclasses.replace(q, q=e, qt=jnp.swapaxes(e, 1, 2)) for e, q in zip(e4m3, (q1, q2))]
+      want = jax.grad(step_loss, argnums=(0, 1))(w1, w2, *given)
     for got, expected in zip(grads, want):
       assert got.dtype == jnp.float32 and np.any(np.asarray(got) != 0)
       np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
