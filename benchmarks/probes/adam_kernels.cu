@@ -1,12 +1,14 @@
-// Probe (not a benchmark): variants of the blockwise recipe's fused adam + 128 x 128 quantization kernel
-// (AdamWeightBlocksKernel) and streaming kernels of the same adam arithmetic, timed in turn at dsv3's w1
-// (E 32, K 7168, N 4096, bfloat16 gradient) with cudaEvents, back to back; each fused variant's outputs (w,
-// mu, nu, q, qt, exponents) are first compared bit for bit with the kernel's on a shape of cut tiles.
-// docs/performance.md ("Kernel measurements": adam's kernel) has what it measured: the kernel moves its 28
-// bytes a weight at 3.8 TB/s on an H200, as fast as a persistent streaming loop of the same arithmetic,
-// while a streaming kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s,
-// the rate of XLA's adam in a training step. The cluster variants (a tile's rows split over 2, 4 or 8
-// blocks that meet its maximum in distributed shared memory: shorter-lived blocks) are the next candidates.
+// Probe (not a benchmark): variants of the fused adam + FP8 quantization kernels (the blockwise recipe's
+// AdamWeightBlocksKernel, the tensorwise recipe's AdamWeightTensorKernel) and streaming kernels of the same
+// adam arithmetic, timed in turn at dsv3's w1 (E 32, K 7168, N 4096, bfloat16 gradient) with cudaEvents,
+// back to back; each fused variant's outputs (w, mu, nu, q, qt, exponents, the new maximum) are first
+// compared bit for bit with the first of its recipe's on a shape of cut tiles. docs/performance.md ("Kernel
+// measurements": adam's kernel) has what it measured: the blockwise kernel moves its 28 bytes a weight at
+// 3.8 TB/s on an H200, as fast as a persistent streaming loop of the same arithmetic, while a streaming
+// kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
+// adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
+// maximum in distributed shared memory) gain 2-3%. The tensorwise kernel, whose delayed scale needs no
+// tile's maximum first, streams in strips; the 128 x 128 tile design it replaced is a variant.
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -222,6 +224,22 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
+// ---- tensorwise as the blockwise step is built (the kernel of 2026-12-03 morning): a block per 128 x 128
+// tile held in registers until the tile's maximum is known, though the delayed scale does not need it ----
+template <typename R, typename G>
+__global__ void __launch_bounds__(256, 3) AdamTensorTileKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
+                                                              const float* delayed, uint8_t* q, uint8_t* qt,
+                                                              float* amax) {
+  const WeightTile t(K, N);
+  const float inverse = InverseScale(delayed);
+  HeldTile<R> held;
+  const float tile_max = BlockMax<8>(AdamTile(s, grad, t, held));
+  if (threadIdx.x == 0 && tile_max > 0.0f) AtomicMaxNonNegative(amax, tile_max);
+  WriteWeightTile(t, held, [inverse](float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a * inverse, b * inverse), __NV_SATFINITE, __NV_E4M3);
+  }, q, qt);
+}
+
 // ---- the persistent loop's traffic with an add in place of adam's arithmetic ----
 template <typename G>
 __global__ void __launch_bounds__(256) CopyStreamKernel(AdamStep s, const G* grad, int64_t n) {
@@ -247,12 +265,16 @@ struct Buffers {
   R* g;
   uint8_t *q, *qt;
   int32_t* e;
+  float *delayed, *amax;  // tensorwise: the last weights' maximum (below the new ones': saturation), the new
   Buffers(int64_t E, int64_t K, int64_t N) : E(E), K(K), N(N), n(E * K * N) {
     for (float** p : {&w, &mu, &nu, &w0, &mu0, &nu0}) CK(cudaMalloc(p, n * 4));
     CK(cudaMalloc(&g, n * 2));
     CK(cudaMalloc(&q, n)), CK(cudaMalloc(&qt, n));
     CK(cudaMalloc(&e, E * ScaleBlocks(K) * ScaleBlocks(N) * 4));
     CK(cudaMalloc(&hyper, 12));
+    CK(cudaMalloc(&delayed, 4)), CK(cudaMalloc(&amax, 4));
+    const float last_max = 0.9f;
+    CK(cudaMemcpy(delayed, &last_max, 4, cudaMemcpyHostToDevice));
     std::vector<float> h(n);
     uint32_t x = 12345;
     auto rnd = [&] { x = x * 1664525u + 1013904223u; return (int32_t(x >> 8) - (1 << 23)) / float(1 << 23); };
@@ -276,22 +298,24 @@ struct Buffers {
     // Poisoned (0xFF: an e4m3 NaN, exponent -1): a variant that leaves an element unwritten differs.
     CK(cudaMemset(q, 0xFF, n)), CK(cudaMemset(qt, 0xFF, n));
     CK(cudaMemset(e, 0xFF, E * ScaleBlocks(K) * ScaleBlocks(N) * 4));
+    CK(cudaMemset(amax, 0, 4));
   }
   AdamStep Step() const { return AdamStep{w, mu, nu, g, w, mu, nu, hyper, 0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 0.0f}; }
   std::vector<uint8_t> Outputs() const {
-    std::vector<uint8_t> out(n * 14 + E * ScaleBlocks(K) * ScaleBlocks(N) * 4);
+    std::vector<uint8_t> out(n * 14 + E * ScaleBlocks(K) * ScaleBlocks(N) * 4 + 4);
     uint8_t* o = out.data();
     for (float* p : {w, mu, nu}) CK(cudaMemcpy(o, p, n * 4, cudaMemcpyDeviceToHost)), o += n * 4;
     CK(cudaMemcpy(o, q, n, cudaMemcpyDeviceToHost)), o += n;
     CK(cudaMemcpy(o, qt, n, cudaMemcpyDeviceToHost)), o += n;
     CK(cudaMemcpy(o, e, E * ScaleBlocks(K) * ScaleBlocks(N) * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(o + E * ScaleBlocks(K) * ScaleBlocks(N) * 4, amax, 4, cudaMemcpyDeviceToHost));
     return out;
   }
 };
 
 struct Variant {
   const char* name;
-  bool fused;  // adam and the quantization (28 bytes a weight), else adam alone (26)
+  char recipe;  // 'b' blockwise or 't' tensorwise: adam and the quantization (28 bytes a weight); 0 adam alone (26)
   std::function<void(Buffers&)> run;
 };
 
@@ -306,46 +330,58 @@ std::vector<Variant> Variants() {
   const int chunk = kChunks<R> * 256 * 16;  // a row's shared stage of AdamStagedKernel
   AllowSmem(AdamStagedKernel<R, R, 3, 2>, 3 * chunk);
   // Fused: adam and the quantization, 28 bytes a weight.
-  v.push_back({"kernel (three blocks an SM)", true, [=](Buffers& b) {
+  v.push_back({"kernel (three blocks an SM)", 'b', [=](Buffers& b) {
     AdamWeightBlocksKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"next row's loads first", true, [=](Buffers& b) {
+  v.push_back({"next row's loads first", 'b', [=](Buffers& b) {
     AdamAheadKernel<R, R, 2><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"3 rows staged by cp.async", true, [=](Buffers& b) {
+  v.push_back({"3 rows staged by cp.async", 'b', [=](Buffers& b) {
     AdamStagedKernel<R, R, 3, 2><<<tiles(b, 1), 256, 3 * chunk>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"cluster of 2 a tile", true, [=](Buffers& b) {
+  v.push_back({"cluster of 2 a tile", 'b', [=](Buffers& b) {
     AdamClusterKernel<R, R, 2><<<tiles(b, 2), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"cluster of 4 a tile", true, [=](Buffers& b) {
+  v.push_back({"cluster of 4 a tile", 'b', [=](Buffers& b) {
     AdamClusterKernel<R, R, 4><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"cluster of 8 a tile", true, [=](Buffers& b) {
+  v.push_back({"cluster of 8 a tile", 'b', [=](Buffers& b) {
     AdamClusterKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  // Tensorwise, fused: the kernel's strips (production: kTensorAdamRows), the 128 x 128 tile design.
+  auto strips = [](Buffers& b, int rows) { return unsigned(b.E * (b.K / rows) * ScaleBlocks(b.N)); };
+  v.push_back({"tensorwise: strips of 16 rows", 't', [=](Buffers& b) {
+    AdamWeightTensorKernel<R, 16><<<strips(b, 16), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+  v.push_back({"tensorwise: strips of 8 rows", 't', [=](Buffers& b) {
+    AdamWeightTensorKernel<R, 8><<<strips(b, 8), 128>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+  v.push_back({"tensorwise: strips of 32 rows", 't', [=](Buffers& b) {
+    AdamWeightTensorKernel<R, 32><<<strips(b, 32), 512>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+  v.push_back({"tensorwise: a block per tile", 't', [=](Buffers& b) {
+    AdamTensorTileKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
   // adam alone, 26 bytes a weight.
-  v.push_back({"stream, persistent", false, [=](Buffers& b) {
+  v.push_back({"stream, persistent", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});
-  v.push_back({"stream, a block per 1024", false, [=](Buffers& b) {
+  v.push_back({"stream, a block per 1024", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<unsigned(b.n / 1024), 256>>>(b.Step(), b.g, b.n); }});
-  v.push_back({"stream, a block per tile", false, [=](Buffers& b) {
+  v.push_back({"stream, a block per tile", 0, [=](Buffers& b) {
     AdamTileStreamKernel<R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N); }});
-  v.push_back({"stream, a block per 16 rows", false, [=](Buffers& b) {
+  v.push_back({"stream, a block per 16 rows", 0, [=](Buffers& b) {
     AdamStripStreamKernel<R><<<dim3(unsigned(ScaleBlocks(b.N)), unsigned((b.K + 15) / 16), unsigned(b.E)), 256>>>(
         b.Step(), b.g, b.K, b.N); }});
-  v.push_back({"stream, an add for adam", false, [=](Buffers& b) {
+  v.push_back({"stream, an add for adam", 0, [=](Buffers& b) {
     CopyStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});
   return v;
 }
 
 int main(int argc, char** argv) {
   auto variants = Variants();
-  {  // the fused variants bit for bit against the kernel, on a shape of cut tiles
-    Buffers b(3, 400, 272);
-    std::vector<uint8_t> want;
+  {  // the fused variants bit for bit against the first of their recipe, on a shape of cut tiles (K a multiple
+     // of 32, not of 128)
+    Buffers b(3, 416, 272);
+    std::vector<uint8_t> want[2];
     for (auto& v : variants) {
-      if (!v.fused) continue;
+      if (!v.recipe) continue;
       b.Reset();
       v.run(b);
       CK(cudaDeviceSynchronize());
       auto got = b.Outputs();
-      if (want.empty()) want = got;
-      printf("check %-30s %s\n", v.name, got == want ? "same bits" : "DIFFERENT");
+      auto& w = want[v.recipe == 't'];
+      if (w.empty()) w = got;
+      printf("check %-30s %s\n", v.name, got == w ? "same bits" : "DIFFERENT");
     }
   }
   Buffers b(32, 7168, 4096);  // dsv3's w1
@@ -373,7 +409,7 @@ int main(int argc, char** argv) {
   for (size_t k = 0; k < variants.size(); ++k) {
     auto t = ms[k];
     std::sort(t.begin(), t.end());
-    const double med = t[t.size() / 2], bytes = variants[k].fused ? 28 : 26;
+    const double med = t[t.size() / 2], bytes = variants[k].recipe ? 28 : 26;
     printf("%-32s %9.3f %8.2f\n", variants[k].name, med, bytes * double(b.n) / med / 1e9);
   }
 }

@@ -1,5 +1,5 @@
 // The block-wide float sum of the kernels whose sums must be the same bits on every run (no atomics), and
-// the warp-wide maximum of the FP8 kernels' absolute maxima.
+// the warp- and block-wide maxima of the FP8 kernels' absolute maxima.
 #pragma once
 
 namespace jaxmlp {
@@ -7,6 +7,19 @@ namespace jaxmlp {
 // The maximum of v over the 32 lanes of a full warp, on every lane (fmaxf: a NaN lane is passed over).
 __device__ __forceinline__ float WarpMax(float v) {
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
+  return v;
+}
+
+// The maximum of v over the threads of a block of kWarps full warps, on every thread. Once per block: it
+// ends without a barrier after its reads of shared memory.
+template <int kWarps>
+__device__ __forceinline__ float BlockMax(float v) {
+  __shared__ float warp_max[kWarps];
+  v = WarpMax(v);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) v = fmaxf(v, warp_max[w]);
   return v;
 }
 

@@ -120,17 +120,6 @@ struct HeldTile {
   }
 };
 
-// The tile's largest magnitude, on every thread, from each thread's own (amax). Once per block: it ends
-// without a barrier after its reads of shared memory (as WriteWeightTile does).
-__device__ __forceinline__ float TileMax(float amax) {
-  __shared__ float warp_max[8];
-  amax = WarpMax(amax);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  return amax;
-}
-
 // The tile's values quantized by quantize2 (two floats to two e4m3 bytes, little-endian), where values(p, v)
 // gives pass p's eight values: written as they lie (q) and, through shared memory, transposed (qt). Once per
 // block.
@@ -164,7 +153,7 @@ __device__ __forceinline__ void WriteWeightTile(const WeightTile& t, const Value
 template <typename Values>
 __device__ __forceinline__ void QuantizeWeightTile(const WeightTile& t, float amax, const Values& values, uint8_t* q,
                                                    uint8_t* qt, int32_t* e) {
-  const int exp = Exponent(TileMax(amax));
+  const int exp = Exponent(BlockMax<8>(amax));  // the tile's maximum (256 threads)
   const Unscale unscale(exp);
   if (threadIdx.x == 0) e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = exp;
   WriteWeightTile(t, values, [&](float a, float b) { return Quantize2(a, b, unscale); }, q, qt);
