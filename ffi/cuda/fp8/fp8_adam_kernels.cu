@@ -100,7 +100,6 @@ __global__ void __launch_bounds__(kRows * 16) AdamWeightTensorKernel(AdamStep s,
     *reinterpret_cast<uint64_t*>(&strip[row][j]) = packed;
   }
   m = BlockMax<kRows / 2>(m);  // its barrier also orders the strip's shared writes before the reads below
-  if (threadIdx.x == 0 && m > 0.0f && m > *static_cast<volatile float*>(amax)) AtomicMaxNonNegative(amax, m);
   const int n = threadIdx.x;  // qt row n0 + n: the strip's column n, kRows bytes from column k0
   if (n < kScaleBlock && n0 + n < N) {
     Vec<uint64_t, kRows / 8> column;
@@ -113,6 +112,8 @@ __global__ void __launch_bounds__(kRows * 16) AdamWeightTensorKernel(AdamStep s,
     }
     Store<uint64_t, kRows / 8>(reinterpret_cast<uint64_t*>(qt + (expert * N + n0 + n) * K + k0), column);
   }
+  // After the stores: the read of *amax waits for L2.
+  if (threadIdx.x == 0 && m > 0.0f && m > *static_cast<volatile float*>(amax)) AtomicMaxNonNegative(amax, m);
 }
 
 // launch(R(), grad) with the computation dtype R and the gradient as its type: float32 or R.
