@@ -7,8 +7,8 @@
 // 3.8 TB/s on an H200, as fast as a persistent streaming loop of the same arithmetic, while a streaming
 // kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
 // adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
-// maximum in distributed shared memory) gain 2-3%. The tensorwise kernel, whose delayed scale needs no
-// tile's maximum first, streams in strips; the 128 x 128 tile design it replaced is a variant.
+// maximum in distributed shared memory) gain 2-3%. The tensorwise kernel's delayed scale needs no tile's
+// maximum first: its variants stream in strips.
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -224,22 +224,57 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
-// ---- tensorwise as the blockwise step is built (the kernel of 2026-12-03 morning): a block per 128 x 128
-// tile held in registers until the tile's maximum is known, though the delayed scale does not need it (its
-// atomic as the kernel's) ----
-template <typename R, typename G>
-__global__ void __launch_bounds__(256, 3) AdamTensorTileKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
-                                                              const float* delayed, uint8_t* q, uint8_t* qt,
-                                                              float* amax) {
-  const WeightTile t(K, N);
-  const float inverse = InverseScale(delayed);
-  HeldTile<R> held;
-  const float tile_max = BlockMax<8>(AdamTile(s, grad, t, held));
-  if (threadIdx.x == 0 && tile_max > 0.0f && tile_max > *static_cast<volatile float*>(amax))
-    AtomicMaxNonNegative(amax, tile_max);
-  WriteWeightTile(t, held, [inverse](float a, float b) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(a * inverse, b * inverse), __NV_SATFINITE, __NV_E4M3);
-  }, q, qt);
+// ---- tensorwise in strips, the candidate for AdamWeightTensorKernel (written 2026-12-03, not yet run): the
+// delayed scale is known before the step, so no block need wait for a tile's maximum before it writes, and
+// the step can stream as XLA's adam does, in short-lived blocks. A block per strip of kRows rows x 128
+// columns of one expert (K a multiple of kRows), 16 threads a row, each eight consecutive columns: adam's step (AdamEight), the new
+// weights rounded to R and quantized by the delayed maximum, as tensorwise.quantize_e4m3 (v * 448 / amax in
+// float32, to nearest even, saturating at +-448), written as they lie (q) and, through shared memory,
+// transposed (qt: kRows bytes a column). The strips of a column tile are consecutive blocks (a 1-D grid,
+// strips down K first), so the pieces of a qt sector are written by blocks that run together. The block's
+// maximum reaches *amax with one atomic, and none where *amax already holds as much: it only grows. ----
+template <typename R, int kRows, typename G>
+__global__ void __launch_bounds__(kRows * 16) AdamTensorStripKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
+                                                                    const float* delayed, uint8_t* q, uint8_t* qt,
+                                                                    float* amax) {
+  static_assert(kRows % 8 == 0 && kRows <= 64, "qt is written 8 bytes at a time, one warp's strip at most");
+  __shared__ alignas(8) uint8_t strip[kRows][kScaleBlock];
+  const int64_t strips = K / kRows, col_tiles = ScaleBlocks(N);
+  const int64_t k0 = blockIdx.x % strips * kRows, n0 = blockIdx.x / strips % col_tiles * kScaleBlock;
+  const int64_t expert = blockIdx.x / strips / col_tiles;
+  const int row = threadIdx.x / 16, j = threadIdx.x % 16 * 8;
+  float m = 0.0f;
+  if (n0 + j < N) {  // N is a multiple of 16: the eight columns all lie in the tensor or all past it
+    const int64_t o = (expert * K + k0 + row) * N + n0 + j;
+    const Vec<float, 8> w = AdamEight(s, s.hyper[0], s.hyper[1], s.hyper[2], grad, o);
+    const float inverse = InverseScale(delayed);
+    uint64_t packed = 0;
+#pragma unroll
+    for (int u = 0; u < 8; u += 2) {
+      const float2 r = RoundedPair<R>::To(RoundedPair<R>::From(w.v[u], w.v[u + 1]));
+      m = fmaxf(m, fmaxf(fabsf(r.x), fabsf(r.y)));
+      const uint16_t e4m3 = __nv_cvt_float2_to_fp8x2(make_float2(r.x * inverse, r.y * inverse), __NV_SATFINITE,
+                                                     __NV_E4M3);
+      packed |= uint64_t(e4m3) << (8 * u);
+    }
+    *reinterpret_cast<uint64_t*>(q + o) = packed;
+    *reinterpret_cast<uint64_t*>(&strip[row][j]) = packed;
+  }
+  m = BlockMax<kRows / 2>(m);  // its barrier also orders the strip's shared writes before the reads below
+  const int n = threadIdx.x;  // qt row n0 + n: the strip's column n, kRows bytes from column k0
+  if (n < kScaleBlock && n0 + n < N) {
+    Vec<uint64_t, kRows / 8> column;
+#pragma unroll
+    for (int i = 0; i < kRows; i += 8) {
+      uint64_t packed = 0;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) packed |= uint64_t(strip[i + u][n]) << (8 * u);
+      column.v[i / 8] = packed;
+    }
+    Store<uint64_t, kRows / 8>(reinterpret_cast<uint64_t*>(qt + (expert * N + n0 + n) * K + k0), column);
+  }
+  // After the stores: the read of *amax waits for L2.
+  if (threadIdx.x == 0 && m > 0.0f && m > *static_cast<volatile float*>(amax)) AtomicMaxNonNegative(amax, m);
 }
 
 // ---- the persistent loop's traffic with an add in place of adam's arithmetic ----
@@ -345,22 +380,22 @@ std::vector<Variant> Variants() {
     AdamClusterKernel<R, R, 4><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
   v.push_back({"cluster of 8 a tile", 'b', [=](Buffers& b) {
     AdamClusterKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  // Tensorwise, fused: the kernel's strips (production: kTensorAdamRows), the 128 x 128 tile design.
+  // Tensorwise, fused: the kernel, and strips of 16, 8 and 32 rows.
   // amax zeroed before each launch, as the handler does (else later launches skip their atomics).
   auto strips = [](Buffers& b, int rows) {
     CK(cudaMemsetAsync(b.amax, 0, 4));
     return unsigned(b.E * (b.K / rows) * ScaleBlocks(b.N));
   };
-  v.push_back({"tensorwise: strips of 16 rows", 't', [=](Buffers& b) {
-    AdamWeightTensorKernel<R, 16><<<strips(b, 16), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
-  v.push_back({"tensorwise: strips of 8 rows", 't', [=](Buffers& b) {
-    AdamWeightTensorKernel<R, 8><<<strips(b, 8), 128>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
-  v.push_back({"tensorwise: strips of 32 rows", 't', [=](Buffers& b) {
-    AdamWeightTensorKernel<R, 32><<<strips(b, 32), 512>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
-  }, 32});
-  v.push_back({"tensorwise: a block per tile", 't', [=](Buffers& b) {
+  v.push_back({"tensorwise: kernel (a block a tile)", 't', [=](Buffers& b) {
     CK(cudaMemsetAsync(b.amax, 0, 4));
-    AdamTensorTileKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+    AdamWeightTensorKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+  v.push_back({"tensorwise: strips of 16 rows", 't', [=](Buffers& b) {
+    AdamTensorStripKernel<R, 16><<<strips(b, 16), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+  v.push_back({"tensorwise: strips of 8 rows", 't', [=](Buffers& b) {
+    AdamTensorStripKernel<R, 8><<<strips(b, 8), 128>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
+  v.push_back({"tensorwise: strips of 32 rows", 't', [=](Buffers& b) {
+    AdamTensorStripKernel<R, 32><<<strips(b, 32), 512>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
+  }, 32});
   // adam alone, 26 bytes a weight.
   v.push_back({"stream, persistent", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});

@@ -63,57 +63,21 @@ __global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, con
   QuantizeWeightTile(t, amax, held, q, qt, e);
 }
 
-// Tensorwise: the delayed scale is known before the step, so no block waits for a tile's maximum before
-// it writes, and the step streams as XLA's adam does, in short-lived blocks (a block per 128 x 128 tile, as
-// the blockwise step needs, moved 3.8 TB/s; docs/fp8-performance.md). A block per strip of kRows rows x 128
-// columns of one expert (K a multiple of kRows), 16 threads a row, each eight consecutive columns: adam's step (AdamEight), the new
-// weights rounded to R and quantized by the delayed maximum, as tensorwise.quantize_e4m3 (v * 448 / amax in
-// float32, to nearest even, saturating at +-448), written as they lie (q) and, through shared memory,
-// transposed (qt: kRows bytes a column). The strips of a column tile are consecutive blocks (a 1-D grid,
-// strips down K first), so the pieces of a qt sector are written by blocks that run together. The block's
-// maximum reaches *amax with one atomic, and none where *amax already holds as much: it only grows.
-template <typename R, int kRows, typename G>
-__global__ void __launch_bounds__(kRows * 16) AdamWeightTensorKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
-                                                                    const float* delayed, uint8_t* q, uint8_t* qt,
-                                                                    float* amax) {
-  static_assert(kRows % 8 == 0 && kRows <= 64, "qt is written 8 bytes at a time, one warp's strip at most");
-  __shared__ alignas(8) uint8_t strip[kRows][kScaleBlock];
-  const int64_t strips = K / kRows, col_tiles = ScaleBlocks(N);
-  const int64_t k0 = blockIdx.x % strips * kRows, n0 = blockIdx.x / strips % col_tiles * kScaleBlock;
-  const int64_t expert = blockIdx.x / strips / col_tiles;
-  const int row = threadIdx.x / 16, j = threadIdx.x % 16 * 8;
-  float m = 0.0f;
-  if (n0 + j < N) {  // N is a multiple of 16: the eight columns all lie in the tensor or all past it
-    const int64_t o = (expert * K + k0 + row) * N + n0 + j;
-    const Vec<float, 8> w = AdamEight(s, s.hyper[0], s.hyper[1], s.hyper[2], grad, o);
-    const float inverse = InverseScale(delayed);
-    uint64_t packed = 0;
-#pragma unroll
-    for (int u = 0; u < 8; u += 2) {
-      const float2 r = RoundedPair<R>::To(RoundedPair<R>::From(w.v[u], w.v[u + 1]));
-      m = fmaxf(m, fmaxf(fabsf(r.x), fabsf(r.y)));
-      const uint16_t e4m3 = __nv_cvt_float2_to_fp8x2(make_float2(r.x * inverse, r.y * inverse), __NV_SATFINITE,
-                                                     __NV_E4M3);
-      packed |= uint64_t(e4m3) << (8 * u);
-    }
-    *reinterpret_cast<uint64_t*>(q + o) = packed;
-    *reinterpret_cast<uint64_t*>(&strip[row][j]) = packed;
-  }
-  m = BlockMax<kRows / 2>(m);  // its barrier also orders the strip's shared writes before the reads below
-  const int n = threadIdx.x;  // qt row n0 + n: the strip's column n, kRows bytes from column k0
-  if (n < kScaleBlock && n0 + n < N) {
-    Vec<uint64_t, kRows / 8> column;
-#pragma unroll
-    for (int i = 0; i < kRows; i += 8) {
-      uint64_t packed = 0;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) packed |= uint64_t(strip[i + u][n]) << (8 * u);
-      column.v[i / 8] = packed;
-    }
-    Store<uint64_t, kRows / 8>(reinterpret_cast<uint64_t*>(qt + (expert * N + n0 + n) * K + k0), column);
-  }
-  // After the stores: the read of *amax waits for L2.
-  if (threadIdx.x == 0 && m > 0.0f && m > *static_cast<volatile float*>(amax)) AtomicMaxNonNegative(amax, m);
+// A block per tile: AdamTile, the tile's maximum into *amax (one atomic a tile), and the held weights
+// quantized by the delayed maximum, as tensorwise.quantize_e4m3 (v * 448 / amax in float32, to nearest
+// even, saturating at +-448).
+template <typename R, typename G>
+__global__ void __launch_bounds__(256, 3) AdamWeightTensorKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
+                                                              const float* delayed, uint8_t* q, uint8_t* qt,
+                                                              float* amax) {
+  const WeightTile t(K, N);
+  const float inverse = InverseScale(delayed);
+  HeldTile<R> held;
+  const float tile_max = BlockMax<8>(AdamTile(s, grad, t, held));
+  if (threadIdx.x == 0 && tile_max > 0.0f) AtomicMaxNonNegative(amax, tile_max);
+  WriteWeightTile(t, held, [inverse](float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a * inverse, b * inverse), __NV_SATFINITE, __NV_E4M3);
+  }, q, qt);
 }
 
 // launch(R(), grad) with the computation dtype R and the gradient as its type: float32 or R.
@@ -141,8 +105,8 @@ ffi::Error AdamWeightTensor(cudaStream_t stream, ffi::DataType r, ffi::DataType 
                             int64_t K, int64_t N, const float* delayed, uint8_t* q, uint8_t* qt, float* amax) {
   if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
   ByGradient(r, g, s, [&](auto rounded, auto grad) {
-    AdamWeightTensorKernel<decltype(rounded), kTensorAdamRows>
-        <<<unsigned(TensorAdamStrips(E, K, N)), kTensorAdamRows * 16, 0, stream>>>(s, grad, K, N, delayed, q, qt, amax);
+    AdamWeightTensorKernel<decltype(rounded)><<<WeightTiles(E, K, N), 256, 0, stream>>>(s, grad, K, N, delayed, q,
+                                                                                       qt, amax);
   });
   return CheckCuda(cudaGetLastError(), "launching the adam step's tensorwise quantizer");
 }

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 
-#include "cuda/gemm/grouped_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxmlp {
@@ -32,11 +31,6 @@ struct AdamStep {
 // qt [E, N, K], e [E, ceil(K / 128), ceil(N / 128)].
 ffi::Error AdamWeightBlocks(cudaStream_t stream, ffi::DataType r, ffi::DataType g, const AdamStep& s, int64_t E,
                             int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e);
-
-// The tensorwise step's blocks: a strip of kTensorAdamRows rows x 128 columns of one expert each (K is a
-// multiple of 16), in one dimension of the grid: the handler checks that their count fits it (2^31 - 1).
-constexpr int kTensorAdamRows = 16;
-inline int64_t TensorAdamStrips(int64_t E, int64_t K, int64_t N) { return E * (K / kTensorAdamRows) * ScaleBlocks(N); }
 
 // Tensorwise with a delayed scale: the new weights quantized by the absolute maximum *delayed (the last
 // weights', on the device): q [E, K, N], qt [E, N, K]; *amax (zeroed by the caller) becomes the new weights'
