@@ -19,8 +19,8 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
            writes in place, as a training loop's would
   RECIPE_adam_default  what a user who turns FP8 on gets (docs/fp8.md, "Weights written by the
            optimizer"): the recipe's default rule (when="faster", products in FP8 only at the rows per expert
-           where they measured faster), and RECIPE_adam's step where the rule runs the calls in FP8
-           (Fp8Recipe.runs_fp8 with the weights given), else bf16's (the call, fp8= the recipe, runs in bf16)
+           where they measured faster), and RECIPE_adam's step where Fp8Recipe.optimizer_writes_fp8, else
+           bf16's (the call, fp8= the recipe, runs in FP8 only where the per-call rule says)
 
 RECIPE: tensorwise, blockwise, blockwise_wgrad16 (16-bit weight gradients), all six products in FP8
 (when="always"). The calls of the steps that donate their state (carries_state) carry the state their last
@@ -57,9 +57,9 @@ def _recipe(name: str):
 
 def carries_state(variant: str, M: int, E: int) -> bool:
   """Whether the variant's step carries its state from call to call, donated: bf16_donated's, and those whose
-  FP8 weights fp8_adam_step writes (RECIPE_adam_default's where the rule runs the calls in FP8)."""
+  FP8 weights fp8_adam_step writes (RECIPE_adam_default's where Fp8Recipe.optimizer_writes_fp8)."""
   if variant.endswith("_adam_default"):
-    return _recipe(variant).runs_fp8(M, E, cached=True)
+    return _recipe(variant).optimizer_writes_fp8(M, E)
   return variant.endswith("_adam") or variant == "bf16_donated"
 
 

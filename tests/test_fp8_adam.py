@@ -356,6 +356,24 @@ def test_fp8_adam_step_bad_arguments(args, kwargs, error, match):
     jax.eval_shape(lambda: jaxmlp.fp8_adam_step(*args, **kwargs))
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_optimizer_writes_fp8_from_the_steps_measured_rows(monkeypatch, recipe):
+  """Fp8Recipe.optimizer_writes_fp8 (the step a user picks, docs/fp8.md): by default from
+  MIN_ROWS_OPTIMIZER_WRITES_FP8 rows per expert, above the calls' own threshold with the weights given (the
+  optimizer's kernel gives part of their gain back); JAXMLP_FP8_WHEN=always or when="always": always."""
+  monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
+  faster, E = jaxmlp.Fp8Recipe(recipe), 8
+  need = jaxmlp.fp8.recipe.MIN_ROWS_OPTIMIZER_WRITES_FP8[recipe]
+  assert not faster.optimizer_writes_fp8(need * E - 1, E) and faster.optimizer_writes_fp8(need * E, E)
+  calls_need = jaxmlp.fp8.recipe.MIN_ROWS_PER_EXPERT[recipe, True]
+  assert calls_need < need and faster.runs_fp8(calls_need * E, E, cached=True)
+  assert not faster.optimizer_writes_fp8(calls_need * E, E)
+  assert f"{recipe} {need}" in jaxmlp.backend_info()["fp8_when"].split("optimizer_writes_fp8")[1]
+  assert jaxmlp.Fp8Recipe(recipe, when="always").optimizer_writes_fp8(E, E)
+  monkeypatch.setenv("JAXMLP_FP8_WHEN", "always")
+  assert faster.optimizer_writes_fp8(E, E)
+
+
 def test_numpy_adam_is_adam():
   """The model itself: float32 NumPy adam against float64 adam (textbook form) within float32's error."""
   rng = np.random.default_rng(0)

@@ -227,12 +227,13 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
 // ---- tensorwise in strips, the candidate for AdamWeightTensorKernel (written 2026-12-03, not yet run): the
 // delayed scale is known before the step, so no block need wait for a tile's maximum before it writes, and
 // the step can stream as XLA's adam does, in short-lived blocks. A block per strip of kRows rows x 128
-// columns of one expert (K a multiple of kRows), 16 threads a row, each eight consecutive columns: adam's step (AdamEight), the new
-// weights rounded to R and quantized by the delayed maximum, as tensorwise.quantize_e4m3 (v * 448 / amax in
-// float32, to nearest even, saturating at +-448), written as they lie (q) and, through shared memory,
-// transposed (qt: kRows bytes a column). The strips of a column tile are consecutive blocks (a 1-D grid,
-// strips down K first), so the pieces of a qt sector are written by blocks that run together. The block's
-// maximum reaches *amax with one atomic, and none where *amax already holds as much: it only grows. ----
+// columns of one expert (K a multiple of kRows), 16 threads a row, each eight consecutive columns: adam's
+// step (AdamEight), the new weights rounded to R and quantized by the delayed maximum, as
+// tensorwise.quantize_e4m3 (v * 448 / amax in float32, to nearest even, saturating at +-448), written as they
+// lie (q) and, through shared memory, transposed (qt: kRows bytes a column). The strips of a column tile are
+// consecutive blocks (a 1-D grid, strips down K first), so the pieces of a qt sector are written by blocks
+// that run together. The block's maximum reaches *amax with one atomic, and none where *amax already holds
+// as much: it only grows. ----
 template <typename R, int kRows, typename G>
 __global__ void __launch_bounds__(kRows * 16) AdamTensorStripKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
                                                                     const float* delayed, uint8_t* q, uint8_t* qt,

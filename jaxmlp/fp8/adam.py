@@ -68,9 +68,9 @@ def fp8_adam_step(w, g, state, *, learning_rate, b1: float = 0.9, b2: float = 0.
   weights' maximum (delayed scaling: `fp8`). Pass them to the next step's grouped_mlp calls in place of w, with their
   `weights` field the master weights being differentiated (dataclasses.replace(w_fp8, weights=w); the
   Flax modules: fp8_weights(quantized)), so that the step quantizes nothing: see docs/fp8.md, "Weights
-  written by the optimizer". Only where the calls run in FP8 (Fp8Recipe.runs_fp8(M, E, cached=True)): below
-  the rule's rows they run in x's dtype, read the weights cast in the step and leave the FP8 copy unread,
-  where optax's step writing a 16-bit copy is faster (docs/fp8.md).
+  written by the optimizer". Only where the step gains (Fp8Recipe.optimizer_writes_fp8(M, E)): below, the
+  calls run in x's dtype and leave the FP8 copy unread, or gain less than this step's kernel gives back
+  against optax's step writing a 16-bit copy (docs/fp8.md).
 
   Args:
     w: [E, K, N] float32 master weights (w1 [E, d, F1] or w2 [E, f, d]); K and N multiples of 16.

@@ -26,6 +26,11 @@ MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 256,
 # no faster, and their operands' transposed or 128 x 1 quantizations cost passes); below, a call that runs in
 # FP8 runs its weight gradients in x's dtype.
 MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"tensorwise": 512, "blockwise": 1024}
+# when="faster", a training step of one micro-batch: the rows per expert of its calls from which the step with
+# jaxmlp.fp8_adam_step writing the weights' FP8 copy measured at least as fast as bf16's, optax's update
+# writing their 16-bit copy (docs/fp8.md, "Weights written by the optimizer": below, the optimizer's kernel
+# gives back more than the calls gain).
+MIN_ROWS_OPTIMIZER_WRITES_FP8 = {"tensorwise": 1024, "blockwise": 1024}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,15 @@ class Fp8Recipe:
   def runs_fp8(self, M: int, E: int, cached: bool) -> bool:
     """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights)."""
     return self._by_rows(M, E, MIN_ROWS_PER_EXPERT[self.name, cached])
+
+  def optimizer_writes_fp8(self, M: int, E: int) -> bool:
+    """Whether a training step of one micro-batch, over calls of M rows and E experts, should take its FP8
+    weights from jaxmlp.fp8_adam_step (the calls given them run in FP8) rather than take optax's step, whose
+    update writes the weights' 16-bit copy for calls in x's dtype: by default where such a step measured at
+    least as fast as bf16's (MIN_ROWS_OPTIMIZER_WRITES_FP8 rows per expert and the calls' own rule,
+    runs_fp8 with the weights given). With several micro-batches a step the calls' gain repeats over one
+    optimizer pass, and runs_fp8(M, E, cached=True) is the bound."""
+    return self.runs_fp8(M, E, cached=True) and self._by_rows(M, E, MIN_ROWS_OPTIMIZER_WRITES_FP8[self.name])
 
   def as_run(self, M: int, E: int, cached: bool) -> Fp8Recipe | None:
     """The recipe as a call over M rows and E experts runs it: None where it runs in x's dtype (runs_fp8),
@@ -166,9 +180,11 @@ def fp8_when() -> str:
   rows = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
                    for (name, cached), need in MIN_ROWS_PER_EXPERT.items())
   wgrad = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_FP8_WEIGHT_GRADIENTS.items())
+  step = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_OPTIMIZER_WRITES_FP8.items())
   return (f"{when}: a call with an FP8 recipe runs in FP8 from these rows per expert on ({rows}), in x's dtype "
           f"below them; its weight gradients are FP8 products from these on ({wgrad}), "
-          "products of x's dtype below; unless its Fp8Recipe says when='always' or fp8_weight_gradients")
+          "products of x's dtype below; unless its Fp8Recipe says when='always' or fp8_weight_gradients. "
+          f"Fp8Recipe.optimizer_writes_fp8, a step of one micro-batch with fp8_adam_step: from ({step})")
 
 
 def as_run(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> Fp8Recipe | None:
