@@ -303,7 +303,7 @@ struct Buffers {
   R* g;
   uint8_t *q, *qt;
   int32_t* e;
-  float *delayed, *amax;  // tensorwise: the last weights' maximum (below the new ones': saturation), the new
+  float *delayed, *amax;  // tensorwise: the last weights' maximum (below the new ones': saturation), the new one
   Buffers(int64_t E, int64_t K, int64_t N) : E(E), K(K), N(N), n(E * K * N) {
     for (float** p : {&w, &mu, &nu, &w0, &mu0, &nu0}) CK(cudaMalloc(p, n * 4));
     CK(cudaMalloc(&g, n * 2));
