@@ -8,7 +8,7 @@
 // kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
 // adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
 // maximum in distributed shared memory) gain 2-3%. The tensorwise kernel's delayed scale needs no tile's
-// maximum first: its variants stream in strips.
+// maximum first: its variants stream in strips, and lose (7.2-8.1 ms against 6.9: qt's short pieces).
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -224,7 +224,9 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
-// ---- tensorwise in strips, the candidate for AdamWeightTensorKernel (written 2026-12-03, not yet run): the
+// ---- tensorwise in strips, a candidate for AdamWeightTensorKernel that lost (H200, 2026-12-03: 7.44 ms at
+// dsv3's w1 in strips of 16 rows, 8.14 in 8, 7.18 in 32, against the tile kernel's 6.90, the same bits; qt's
+// pieces of kRows bytes a column are partial 32-byte sectors, which a tile's 128-byte rows are not): the
 // delayed scale is known before the step, so no block need wait for a tile's maximum before it writes, and
 // the step can stream as XLA's adam does, in short-lived blocks. A block per strip of kRows rows x 128
 // columns of one expert (K a multiple of kRows), 16 threads a row, each eight consecutive columns: adam's
