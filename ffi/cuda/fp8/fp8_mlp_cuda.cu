@@ -28,16 +28,18 @@ using ffi::Error;
 using ffi::Result;
 
 // Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them); xq and aq:
-// FC1's and FC2's e4m3 operands.
+// FC1's and FC2's e4m3 operands. xq [M, d] lives in y's buffer (M d elements of 2 or 4 bytes): it is dead
+// once FC1's product has read it, and y is written after that (the activation's pass: b2's share and the
+// rows past the groups; FC2's product).
 struct ForwardScratch {
   float* scale;  // [4]
-  uint8_t* xq;   // [M, d]
+  uint8_t* xq;   // [M, d], in y
   uint8_t* aq;   // [M, f]
 };
-ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
+ForwardScratch CarveForward(Carver& c, const MlpDims& m, void* y) {
   ForwardScratch s;
   s.scale = c.Take<float>(4);
-  s.xq = c.Take<uint8_t>(m.M * m.d);
+  s.xq = static_cast<uint8_t*>(y);
   s.aq = c.Take<uint8_t>(m.M * m.f);
   return s;
 }
@@ -45,7 +47,13 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m) {
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
 // operands in row layout (dyq, dhq) and da; with FP8 weight gradients aq and the transposed copies (dyt, at,
 // dht: [width, L]; x's came from the forward), else a16, a in x.dtype; dh in x.dtype with b1 or 16-bit weight
-// gradients, and BiasGradients' partial sums with biases.
+// gradients, and BiasGradients' partial sums with biases. Three of them live in results that are written
+// only after they are dead, where they fit (null here, placed by PlaceInResults): dyq in dx's buffer (dead
+// once da's product has read it; dx is written by the activation's pass, rows past the groups, and dx's
+// product after it), da in dw1's (dead after the activation's passes, before the products), aq in dw2's
+// (dead once its transposed copy is written, before the products). None of them is a product's input next
+// to a product that writes its buffer, so RunIndependent's promise holds (bf16's backward cannot do that
+// with da: dw2's product reads a_s from it). That spares up to M (d + f + f esize) bytes of the workspace.
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
   uint8_t *dyq, *dhq;
@@ -55,25 +63,36 @@ struct BackwardScratch {
   void* dh = nullptr;  // [M, F1] in x.dtype
   float* bias_partials = nullptr;
 };
+// Whether da [M, f] fits dw1 [E, d, F1] and aq [M, f] e4m3 fits dw2 [E, f, d] (dyq [M, d] e4m3 always fits
+// dx [M, d] of 2 or 4 bytes an element).
+bool DaInDw1(const MlpDims& m) { return m.M * m.f <= m.E * m.d * m.F1; }
+bool AqInDw2(const MlpDims& m, int esize) { return m.M <= m.E * m.d * esize; }
 BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_wgrad) {
   const int64_t L = PaddedRows(m.M, m.E);
   BackwardScratch s;
   s.amax = c.Take<float>(2);
   s.scale = c.Take<float>(6);
-  s.dyq = c.Take<uint8_t>(m.M * m.d);
+  s.dyq = nullptr;
   s.dhq = c.Take<uint8_t>(m.M * m.F1);
   if (fp8_wgrad) {
-    s.aq = c.Take<uint8_t>(m.M * m.f);
+    s.aq = AqInDw2(m, esize) ? nullptr : c.Take<uint8_t>(m.M * m.f);
     s.dyt = c.Take<uint8_t>(m.d * L);
     s.at = c.Take<uint8_t>(m.f * L);
     s.dht = c.Take<uint8_t>(m.F1 * L);
   } else {
     s.a16 = c.Take<char>(m.M * m.f * esize);
   }
-  s.da = c.Take<char>(m.M * m.f * esize);
+  s.da = DaInDw1(m) ? nullptr : c.Take<char>(m.M * m.f * esize);
   if (m.has_b1 || !fp8_wgrad) s.dh = c.Take<char>(m.M * m.F1 * esize);
   if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(BiasGradientsScratch(m));
   return s;
+}
+// The scratch CarveBackward left to the results.
+void PlaceInResults(const MlpDims& m, int esize, bool fp8_wgrad, AnyBuffer& dx, AnyBuffer& dw1, AnyBuffer& dw2,
+                    BackwardScratch& s) {
+  s.dyq = static_cast<uint8_t*>(dx.untyped_data());
+  if (DaInDw1(m)) s.da = dw1.untyped_data();
+  if (fp8_wgrad && AqInDw2(m, esize)) s.aq = static_cast<uint8_t*>(dw2.untyped_data());
 }
 
 // The e4m3 weights and x's copy that the backward takes from the forward: w1q, w2q as they lie, and xt, x
@@ -177,7 +196,7 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(Fp8Path(engine), stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
-  const ForwardScratch s = CarveForward(ws, m);
+  const ForwardScratch s = CarveForward(ws, m, y->untyped_data());
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xt, &*workspace}));
   float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
@@ -233,8 +252,10 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(Fp8Path(engine), stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
-  const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)), fp8_wgrad);
+  const int esize = int(ffi::ByteWidth(t));
+  BackwardScratch s = CarveBackward(ws, m, esize, fp8_wgrad);
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
+  PlaceInResults(m, esize, fp8_wgrad, *dx, *dw1, *dw2, s);
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
   // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
@@ -278,9 +299,8 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
         QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
   }
   // RunIndependent's promise: none of its products reads another's output. dx (2), dw2 (1) and dw1 (3) read
-  // dhq, w1, at or a16, dyt or dy, x or xt and dht or dh, all scratch or operands, and write dx, dw2 and dw1;
-  // da has its own scratch here (CarveBackward), unlike the 16-bit backward's cuBLAS paths, which put it in
-  // dw1's buffer.
+  // dhq, w1, at or a16, dyt or dy, x or xt and dht or dh, all in the workspace or operands, and write dx, dw2
+  // and dw1 (what lives in those results, dyq, da and aq, is dead by now: CarveBackward).
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   return BiasGradients(stream, t, gemms.offsets(), m, s.dh, dy.untyped_data(), DataIfPresent(scales), s.bias_partials,
@@ -292,7 +312,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
 size_t MlpFp8WorkspaceBytes(bool forward, bool engine, bool fp8_wgrad, const MlpDims& m, int esize) {
   Carver c(nullptr);
   GroupedGemms counted(Fp8Path(engine), nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
-  if (forward) CarveForward(c, m);
+  if (forward) CarveForward(c, m, nullptr);
   else CarveBackward(c, m, esize, fp8_wgrad);
   return c.used();
 }
