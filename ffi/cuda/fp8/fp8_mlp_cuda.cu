@@ -28,7 +28,7 @@ using ffi::Error;
 using ffi::Result;
 
 // Scratch of the forward. scale: the dequantization scales of x, w1, w2, a (cuBLAS reads them); xq and aq:
-// FC1's and FC2's e4m3 operands. xq [M, d] lives in y's buffer (M d elements of 2 or 4 bytes): it is dead
+// FC1's and FC2's e4m3 operands. xq [M, d] lives in y's buffer (M d elements of 2 bytes): it is dead
 // once FC1's product has read it, and y is written after that (the activation's pass: b2's share and the
 // rows past the groups; FC2's product).
 struct ForwardScratch {
@@ -64,7 +64,7 @@ struct BackwardScratch {
   float* bias_partials = nullptr;
 };
 // Whether da [M, f] fits dw1 [E, d, F1] and aq [M, f] e4m3 fits dw2 [E, f, d] (dyq [M, d] e4m3 always fits
-// dx [M, d] of 2 or 4 bytes an element).
+// dx [M, d] of 2 bytes an element).
 bool DaInDw1(const MlpDims& m) { return m.M * m.f <= m.E * m.d * m.F1; }
 bool AqInDw2(const MlpDims& m, int esize) { return m.M <= m.E * m.d * esize; }
 BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_wgrad) {
