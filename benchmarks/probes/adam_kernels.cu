@@ -8,7 +8,9 @@
 // kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
 // adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
 // maximum in distributed shared memory) gain 2-3%. The tensorwise kernel's delayed scale needs no tile's
-// maximum first: its variants stream in strips, and lose (7.2-8.1 ms against 6.9: qt's short pieces).
+// maximum first: its variants stream in strips, and lose (7.2-8.1 ms against 6.9: qt's short pieces); the
+strips launched in clusters of a tile's rows (so that a qt segment's pieces are written together) are
+written, not yet run.
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -360,6 +362,20 @@ struct Variant {
   int k_multiple = 16;  // the K it takes a multiple of
 };
 
+// kernel<<<grid, block>>>(args...) in clusters of `cluster` consecutive blocks (grid a multiple of it): the
+// strips of one 128-row tile then run together, and the pieces of each 128-byte qt segment reach L2 at
+// about the same time.
+template <typename... Params, typename... Args>
+void LaunchClustered(void (*kernel)(Params...), unsigned grid, unsigned block, unsigned cluster, Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid), config.blockDim = dim3(block);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster, attribute[0].val.clusterDim.y = 1, attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute, config.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
 template <typename Kernel>
 void AllowSmem(Kernel k, int bytes) { CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)); }
 
@@ -399,6 +415,13 @@ std::vector<Variant> Variants() {
   v.push_back({"tensorwise: strips of 32 rows", 't', [=](Buffers& b) {
     AdamTensorStripKernel<R, 32><<<strips(b, 32), 512>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
   }, 32});
+  // Strips in clusters of a tile's rows (written 2026-12-03, not yet run): K a multiple of 128.
+  v.push_back({"tensorwise: 16-row strips, cluster 8", 't', [=](Buffers& b) {
+    LaunchClustered(AdamTensorStripKernel<R, 16, R>, strips(b, 16), 256, 8, b.Step(), (const R*)b.g, b.K, b.N,
+                    (const float*)b.delayed, b.q, b.qt, b.amax); }, 128});
+  v.push_back({"tensorwise: 32-row strips, cluster 4", 't', [=](Buffers& b) {
+    LaunchClustered(AdamTensorStripKernel<R, 32, R>, strips(b, 32), 512, 4, b.Step(), (const R*)b.g, b.K, b.N,
+                    (const float*)b.delayed, b.q, b.qt, b.amax); }, 128});
   // adam alone, 26 bytes a weight.
   v.push_back({"stream, persistent", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});
@@ -417,8 +440,8 @@ std::vector<Variant> Variants() {
 int main(int argc, char** argv) {
   auto variants = Variants();
   // The fused variants bit for bit against the first of their recipe, on shapes of cut tiles (K a multiple of
-  // 16 and of 32, not of 128).
-  for (int64_t K : {400, 416}) {
+  // 16 and of 32, not of 128; then of 128, for the clustered strips, N still cut).
+  for (int64_t K : {400, 416, 512}) {
     Buffers b(3, K, 272);
     std::vector<uint8_t> want[2];
     for (auto& v : variants) {
