@@ -9,8 +9,8 @@
 // adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
 // maximum in distributed shared memory) gain 2-3%. The tensorwise kernel's delayed scale needs no tile's
 // maximum first: its variants stream in strips, and lose (7.2-8.1 ms against 6.9: qt's short pieces); the
-strips launched in clusters of a tile's rows (so that a qt segment's pieces are written together) are
-written, not yet run.
+// strips launched in clusters of a tile's rows (so that a qt segment's pieces are written together) are
+// written, not yet run.
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
