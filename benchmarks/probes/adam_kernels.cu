@@ -256,11 +256,8 @@ __global__ void __launch_bounds__(kRows * 16) AdamTensorStripKernel(AdamStep s, 
     uint64_t packed = 0;
 #pragma unroll
     for (int u = 0; u < 8; u += 2) {
-      const float2 r = RoundedPair<R>::To(RoundedPair<R>::From(w.v[u], w.v[u + 1]));
-      m = fmaxf(m, fmaxf(fabsf(r.x), fabsf(r.y)));
-      const uint16_t e4m3 = __nv_cvt_float2_to_fp8x2(make_float2(r.x * inverse, r.y * inverse), __NV_SATFINITE,
-                                                     __NV_E4M3);
-      packed |= uint64_t(e4m3) << (8 * u);
+      const float2 r = RoundedPair<R>::To(RoundPair<R>(w.v[u], w.v[u + 1], m));
+      packed |= uint64_t(QuantizeByInverse(r.x, r.y, inverse)) << (8 * u);
     }
     *reinterpret_cast<uint64_t*>(q + o) = packed;
     *reinterpret_cast<uint64_t*>(&strip[row][j]) = packed;

@@ -1,7 +1,5 @@
 #include "cuda/fp8/fp8_adam_kernels.h"
 
-#include <cuda_fp8.h>
-
 #include "cuda/elements.cuh"
 #include "cuda/fp8/tensor_scale.cuh"
 #include "cuda/fp8/weight_tile.cuh"
@@ -75,9 +73,7 @@ __global__ void __launch_bounds__(256, 3) AdamWeightTensorKernel(AdamStep s, con
   HeldTile<R> held;
   const float tile_max = BlockMax<8>(AdamTile(s, grad, t, held));
   if (threadIdx.x == 0 && tile_max > 0.0f) AtomicMaxNonNegative(amax, tile_max);
-  WriteWeightTile(t, held, [inverse](float a, float b) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(a * inverse, b * inverse), __NV_SATFINITE, __NV_E4M3);
-  }, q, qt);
+  WriteWeightTile(t, held, [inverse](float a, float b) { return QuantizeByInverse(a, b, inverse); }, q, qt);
 }
 
 // launch(R(), grad) with the computation dtype R and the gradient as its type: float32 or R.

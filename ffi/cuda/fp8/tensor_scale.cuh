@@ -1,8 +1,11 @@
 // The tensorwise recipe's scale of a tensor with absolute maximum amax (jaxmlp/fp8/tensorwise.py,
-// inverse_scale and scale_of), and the float maximum its kernels reduce amax with.
+// inverse_scale and scale_of), the quantization by it, and the float maximum its kernels reduce amax with.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include <cfloat>
+#include <cstdint>
 
 namespace jaxmlp {
 
@@ -19,6 +22,12 @@ __device__ __forceinline__ float InverseScale(const float* amax) {
 }
 __device__ __forceinline__ float DequantScale(float a) {
   return a > 0.0f ? (isinf(kE4m3Max / a) ? kScaleAtClamp : a / kE4m3Max) : 1.0f;
+}
+
+// e4m3 of a and b by the inverse scale (tensorwise.quantize_e4m3: v * 448 / amax in float32, to nearest
+// even, saturating at +-448), little-endian as the bytes lie in memory.
+__device__ __forceinline__ uint16_t QuantizeByInverse(float a, float b, float inverse) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a * inverse, b * inverse), __NV_SATFINITE, __NV_E4M3);
 }
 
 // Non-negative floats order as their bit patterns: one integer atomicMax is a float max.

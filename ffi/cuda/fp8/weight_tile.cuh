@@ -71,6 +71,15 @@ struct RoundedPair<__half> {
   static __device__ __forceinline__ float2 To(Type p) { return __half22float2(p); }
 };
 
+// a and b rounded to R by one packed conversion; amax raised to the larger magnitude of the rounded values.
+template <typename R>
+__device__ __forceinline__ typename RoundedPair<R>::Type RoundPair(float a, float b, float& amax) {
+  const typename RoundedPair<R>::Type pair = RoundedPair<R>::From(a, b);
+  const float2 r = RoundedPair<R>::To(pair);
+  amax = fmaxf(amax, fmaxf(fabsf(r.x), fabsf(r.y)));
+  return pair;
+}
+
 // A thread's part of a 128 x 128 tile of one expert's weights [K, N] (the grid: 128-column blocks, 128-row
 // blocks, experts): eight consecutive columns j .. j + 7 of the rows first_row + 16 p, p < kPasses. K and N
 // are multiples of 16: a thread's eight columns all lie in the tensor or all past it.
@@ -104,11 +113,7 @@ struct HeldTile {
   __device__ float Hold(int p, const float (&v)[8]) {
     float amax = 0.0f;
 #pragma unroll
-    for (int u = 0; u < 8; u += 2) {
-      pairs[p][u / 2] = RoundedPair<R>::From(v[u], v[u + 1]);
-      const float2 r = RoundedPair<R>::To(pairs[p][u / 2]);
-      amax = fmaxf(amax, fmaxf(fabsf(r.x), fabsf(r.y)));
-    }
+    for (int u = 0; u < 8; u += 2) pairs[p][u / 2] = RoundPair<R>(v[u], v[u + 1], amax);
     return amax;
   }
   __device__ void operator()(int p, float (&v)[8]) const {
