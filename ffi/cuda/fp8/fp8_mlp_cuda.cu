@@ -9,6 +9,8 @@
 // dh in x.dtype instead. Group sizes stay on the device: no host sync, command-buffer compatible.
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <type_traits>
 
 #include "mlp_checks.h"
 #include "cuda/fp8/fp8_mlp_kernels.h"
@@ -47,52 +49,69 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, void* y) {
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
 // operands in row layout (dyq, dhq) and da; with FP8 weight gradients aq and the transposed copies (dyt, at,
 // dht: [width, L]; x's came from the forward), else a16, a in x.dtype; dh in x.dtype with b1 or 16-bit weight
-// gradients, and BiasGradients' partial sums with biases. Three of them live in results that are written
-// only after they are dead, where they fit (null here, placed by PlaceInResults): dyq in dx's buffer (dead
-// once da's product has read it; dx is written by the activation's pass, rows past the groups, and dx's
-// product after it), da in dw1's (dead after the activation's passes, before the products), aq in dw2's
-// (dead once its transposed copy is written, before the products). None of them is a product's input next
-// to a product that writes its buffer, so RunIndependent's promise holds (bf16's backward cannot do that
-// with da: dw2's product reads a_s from it). That spares up to M (d + f + f esize) bytes of the workspace.
+// gradients, and BiasGradients' partial sums with biases.
+//
+// Most of it lives in results that are written only after it is dead, where it fits (InResult), so that
+// the backward holds little more than bf16's does (docs/fp8.md, "Memory"):
+//   dx's buffer:  dyq, dead once da's product has read it (then the activation's pass writes dx's rows past
+//                 the groups, and dx's product the rest);
+//   dw2's buffer: aq, dead once its transposed copy is written, before the products;
+//   dw1's buffer: da, dead after the activation's passes; then dhq, and at and dyt (FP8 weight gradients)
+//                 or a16: the inputs of dx's and dw2's products, which run before dw1's (MlpFp8Backward).
+// dht and the 16-bit dh stay in the workspace: dw1's product reads them (and BiasGradients, dh).
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
   uint8_t *dyq, *dhq;
   uint8_t *aq = nullptr, *dyt = nullptr, *at = nullptr, *dht = nullptr;
-  void* da;  // [M, f] in x.dtype
-  void* a16 = nullptr;  // [M, f] in x.dtype
-  void* dh = nullptr;  // [M, F1] in x.dtype
+  char* da;  // [M, f] in x.dtype
+  char* a16 = nullptr;  // [M, f] in x.dtype
+  char* dh = nullptr;  // [M, F1] in x.dtype
   float* bias_partials = nullptr;
 };
-// Whether da [M, f] fits dw1 [E, d, F1] and aq [M, f] e4m3 fits dw2 [E, f, d] (dyq [M, d] e4m3 always fits
-// dx [M, d] of 2 bytes an element).
-bool DaInDw1(const MlpDims& m) { return m.M * m.f <= m.E * m.d * m.F1; }
-bool AqInDw2(const MlpDims& m, int esize) { return m.M <= m.E * m.d * esize; }
-BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_wgrad) {
+
+// A result's buffer of `size` bytes as scratch: Take places count Ts after what it placed before (at
+// 256-byte boundaries, as Carver's), or says that they do not fit. By sizes alone: the size query (base
+// null) places what the call does.
+struct InResult {
+  char* base;
+  size_t size, used = 0;
+  template <typename T>
+  bool Take(size_t count, T*& p) {
+    const size_t offset = (used + 255) / 256 * 256;
+    if (offset + count * sizeof(T) > size) return false;
+    used = offset + count * sizeof(T);
+    p = base ? reinterpret_cast<T*>(base + offset) : nullptr;
+    return true;
+  }
+};
+
+// dx, dw1, dw2: the results' buffers (null in the size query).
+BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_wgrad, void* dx, void* dw1,
+                              void* dw2) {
   const int64_t L = PaddedRows(m.M, m.E);
+  InResult in_dx{static_cast<char*>(dx), size_t(m.M * m.d * esize)},
+      in_dw1{static_cast<char*>(dw1), size_t(m.E * m.d * m.F1 * esize)},
+      in_dw2{static_cast<char*>(dw2), size_t(m.E * m.f * m.d * esize)};
+  const auto place = [&c](InResult& r, size_t count, auto*& p) {
+    if (!r.Take(count, p)) p = c.Take<std::remove_reference_t<decltype(*p)>>(count);
+  };
   BackwardScratch s;
   s.amax = c.Take<float>(2);
   s.scale = c.Take<float>(6);
-  s.dyq = nullptr;
-  s.dhq = c.Take<uint8_t>(m.M * m.F1);
+  place(in_dx, m.M * m.d, s.dyq);
+  place(in_dw1, m.M * m.f * esize, s.da);
+  place(in_dw1, m.M * m.F1, s.dhq);
   if (fp8_wgrad) {
-    s.aq = AqInDw2(m, esize) ? nullptr : c.Take<uint8_t>(m.M * m.f);
-    s.dyt = c.Take<uint8_t>(m.d * L);
-    s.at = c.Take<uint8_t>(m.f * L);
+    place(in_dw2, m.M * m.f, s.aq);
+    place(in_dw1, m.f * L, s.at);
+    place(in_dw1, m.d * L, s.dyt);
     s.dht = c.Take<uint8_t>(m.F1 * L);
   } else {
-    s.a16 = c.Take<char>(m.M * m.f * esize);
+    place(in_dw1, m.M * m.f * esize, s.a16);
   }
-  s.da = DaInDw1(m) ? nullptr : c.Take<char>(m.M * m.f * esize);
   if (m.has_b1 || !fp8_wgrad) s.dh = c.Take<char>(m.M * m.F1 * esize);
   if (m.has_b1 || m.has_b2) s.bias_partials = c.Take<float>(BiasGradientsScratch(m));
   return s;
-}
-// The scratch CarveBackward left to the results.
-void PlaceInResults(const MlpDims& m, int esize, bool fp8_wgrad, AnyBuffer& dx, AnyBuffer& dw1, AnyBuffer& dw2,
-                    BackwardScratch& s) {
-  s.dyq = static_cast<uint8_t*>(dx.untyped_data());
-  if (DaInDw1(m)) s.da = dw1.untyped_data();
-  if (fp8_wgrad && AqInDw2(m, esize)) s.aq = static_cast<uint8_t*>(dw2.untyped_data());
 }
 
 // The e4m3 weights and x's copy that the backward takes from the forward: w1q, w2q as they lie, and xt, x
@@ -252,10 +271,9 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   Carver ws(workspace->untyped_data());
   GroupedGemms gemms(Fp8Path(engine), stream, device, static_cast<const int32_t*>(group_sizes.untyped_data()), m.E,
                      m.M, /*split_k=*/false, ws);
-  const int esize = int(ffi::ByteWidth(t));
-  BackwardScratch s = CarveBackward(ws, m, esize, fp8_wgrad);
+  const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)), fp8_wgrad, dx->untyped_data(),
+                                         dw1->untyped_data(), dw2->untyped_data());
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  PlaceInResults(m, esize, fp8_wgrad, *dx, *dw1, *dw2, s);
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
   // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
@@ -298,10 +316,12 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
     JAXMLP_RETURN_IF_ERROR(
         QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
   }
-  // RunIndependent's promise: none of its products reads another's output. dx (2), dw2 (1) and dw1 (3) read
-  // dhq, w1, at or a16, dyt or dy, x or xt and dht or dh, all in the workspace or operands, and write dx, dw2
-  // and dw1 (what lives in those results, dyq, da and aq, is dead by now: CarveBackward).
-  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1, 3}));
+  // RunIndependent's promise: none of its products reads another's output. dx (2) and dw2 (1) read dhq, w1,
+  // at or a16 and dyt or dy, and write dx and dw2 (what lives there, dyq and aq, is dead by now). dw1's
+  // product (3) comes after them, on its own: it overwrites what they read (CarveBackward). That costs
+  // nothing: the FP8 paths enqueue a list's products one by one, in order, anyway.
+  JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1}));
+  JAXMLP_RETURN_IF_ERROR(gemms.Run(3));  // dw1 = x^T dh, reading xt or x and dht or dh
   JAXMLP_RETURN_IF_ERROR(gemms.ZeroEmptyGroups({1, 3}));
   return BiasGradients(stream, t, gemms.offsets(), m, s.dh, dy.untyped_data(), DataIfPresent(scales), s.bias_partials,
                        db1->untyped_data(), db2->untyped_data());
@@ -313,7 +333,7 @@ size_t MlpFp8WorkspaceBytes(bool forward, bool engine, bool fp8_wgrad, const Mlp
   Carver c(nullptr);
   GroupedGemms counted(Fp8Path(engine), nullptr, 0, nullptr, m.E, m.M, /*split_k=*/false, c);
   if (forward) CarveForward(c, m, nullptr);
-  else CarveBackward(c, m, esize, fp8_wgrad);
+  else CarveBackward(c, m, esize, fp8_wgrad, nullptr, nullptr, nullptr);
   return c.used();
 }
 
