@@ -8,9 +8,10 @@
 // kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
 // adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
 // maximum in distributed shared memory) gain 2-3%. The tensorwise kernel's delayed scale needs no tile's
-// maximum first: its variants stream in strips, and lose (7.2-8.1 ms against 6.9: qt's short pieces); the
-// strips launched in clusters of a tile's rows (so that a qt segment's pieces are written together) are
-// written, not yet run.
+// maximum first. Streamed in strips of 8-32 rows it lost, launched in clusters of a tile or not (7.1-8.1 ms
+// against 6.9: benchmarks/RESULTS-fp8.md); Nsight Compute found no DRAM write amplification in the tile
+// kernel, but 80 registers a thread (the held tile) and 37% of the warps active, against streaming's 64%.
+// The tile variants that quantize as they go hold no tile in registers (written, not yet run).
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -226,57 +227,29 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
-// ---- tensorwise in strips, a candidate for AdamWeightTensorKernel that lost (H200, 2026-12-03: 7.44 ms at
-// dsv3's w1 in strips of 16 rows, 8.14 in 8, 7.18 in 32, against the tile kernel's 6.90, the same bits; qt's
-// pieces of kRows bytes a column are partial 32-byte sectors, which a tile's 128-byte rows are not): the
-// delayed scale is known before the step, so no block need wait for a tile's maximum before it writes, and
-// the step can stream as XLA's adam does, in short-lived blocks. A block per strip of kRows rows x 128
-// columns of one expert (K a multiple of kRows), 16 threads a row, each eight consecutive columns: adam's
-// step (AdamEight), the new weights rounded to R and quantized by the delayed maximum, as
-// tensorwise.quantize_e4m3 (v * 448 / amax in float32, to nearest even, saturating at +-448), written as they
-// lie (q) and, through shared memory, transposed (qt: kRows bytes a column). The strips of a column tile are
-// consecutive blocks (a 1-D grid, strips down K first), so the pieces of a qt sector are written by blocks
-// that run together. The block's maximum reaches *amax with one atomic, and none where *amax already holds
-// as much: it only grows. ----
-template <typename R, int kRows, typename G>
-__global__ void __launch_bounds__(kRows * 16) AdamTensorStripKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
-                                                                    const float* delayed, uint8_t* q, uint8_t* qt,
-                                                                    float* amax) {
-  static_assert(kRows % 8 == 0 && kRows <= 64, "qt is written 8 bytes at a time, one warp's strip at most");
-  __shared__ alignas(8) uint8_t strip[kRows][kScaleBlock];
-  const int64_t strips = K / kRows, col_tiles = ScaleBlocks(N);
-  const int64_t k0 = blockIdx.x % strips * kRows, n0 = blockIdx.x / strips % col_tiles * kScaleBlock;
-  const int64_t expert = blockIdx.x / strips / col_tiles;
-  const int row = threadIdx.x / 16, j = threadIdx.x % 16 * 8;
+// ---- tensorwise, a block a tile, quantized as it goes: a candidate for AdamWeightTensorKernel. The delayed
+// scale is known before the step, so each pass's new weights are rounded to R and quantized at once
+// (WriteWeightTile's values are AdamEight's, no HeldTile): the 32 registers of the held tile are free, for
+// more blocks an SM (kMinBlocks) and more loads in flight. The same bits as AdamWeightTensorKernel: the
+// same rounding, quantization and block maximum, q and qt through the same shared tile. ----
+template <typename R, int kMinBlocks, typename G>
+__global__ void __launch_bounds__(256, kMinBlocks) AdamTensorAsItGoesKernel(AdamStep s, const G* grad, int64_t K,
+                                                                           int64_t N, const float* delayed,
+                                                                           uint8_t* q, uint8_t* qt, float* amax) {
+  const WeightTile t(K, N);
+  const float inverse = InverseScale(delayed), neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
   float m = 0.0f;
-  if (n0 + j < N) {  // N is a multiple of 16: the eight columns all lie in the tensor or all past it
-    const int64_t o = (expert * K + k0 + row) * N + n0 + j;
-    const Vec<float, 8> w = AdamEight(s, s.hyper[0], s.hyper[1], s.hyper[2], grad, o);
-    const float inverse = InverseScale(delayed);
-    uint64_t packed = 0;
+  const auto values = [&](int p, float (&v)[8]) {
+    const Vec<float, 8> w = AdamEight(s, neg_lr, c1, c2, grad, t.Offset(p));
 #pragma unroll
     for (int u = 0; u < 8; u += 2) {
       const float2 r = RoundedPair<R>::To(RoundPair<R>(w.v[u], w.v[u + 1], m));
-      packed |= uint64_t(QuantizeByInverse(r.x, r.y, inverse)) << (8 * u);
+      v[u] = r.x, v[u + 1] = r.y;
     }
-    *reinterpret_cast<uint64_t*>(q + o) = packed;
-    *reinterpret_cast<uint64_t*>(&strip[row][j]) = packed;
-  }
-  m = BlockMax<kRows / 2>(m);  // its barrier also orders the strip's shared writes before the reads below
-  const int n = threadIdx.x;  // qt row n0 + n: the strip's column n, kRows bytes from column k0
-  if (n < kScaleBlock && n0 + n < N) {
-    Vec<uint64_t, kRows / 8> column;
-#pragma unroll
-    for (int i = 0; i < kRows; i += 8) {
-      uint64_t packed = 0;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) packed |= uint64_t(strip[i + u][n]) << (8 * u);
-      column.v[i / 8] = packed;
-    }
-    Store<uint64_t, kRows / 8>(reinterpret_cast<uint64_t*>(qt + (expert * N + n0 + n) * K + k0), column);
-  }
-  // After the stores: the read of *amax waits for L2.
-  if (threadIdx.x == 0 && m > 0.0f && m > *static_cast<volatile float*>(amax)) AtomicMaxNonNegative(amax, m);
+  };
+  WriteWeightTile(t, values, [inverse](float a, float b) { return QuantizeByInverse(a, b, inverse); }, q, qt);
+  m = BlockMax<8>(m);
+  if (threadIdx.x == 0 && m > 0.0f) AtomicMaxNonNegative(amax, m);
 }
 
 // ---- the persistent loop's traffic with an add in place of adam's arithmetic ----
@@ -356,22 +329,7 @@ struct Variant {
   const char* name;
   char recipe;  // 'b' blockwise or 't' tensorwise: adam and the quantization (28 bytes a weight); 0 adam alone (26)
   std::function<void(Buffers&)> run;
-  int k_multiple = 16;  // the K it takes a multiple of
 };
-
-// kernel<<<grid, block>>>(args...) in clusters of `cluster` consecutive blocks (grid a multiple of it): the
-// strips of one 128-row tile then run together, and the pieces of each 128-byte qt segment reach L2 at
-// about the same time.
-template <typename... Params, typename... Args>
-void LaunchClustered(void (*kernel)(Params...), unsigned grid, unsigned block, unsigned cluster, Args... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid), config.blockDim = dim3(block);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster, attribute[0].val.clusterDim.y = 1, attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute, config.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&config, kernel, args...));
-}
 
 template <typename Kernel>
 void AllowSmem(Kernel k, int bytes) { CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)); }
@@ -396,29 +354,18 @@ std::vector<Variant> Variants() {
     AdamClusterKernel<R, R, 4><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
   v.push_back({"cluster of 8 a tile", 'b', [=](Buffers& b) {
     AdamClusterKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  // Tensorwise, fused: the kernel, and strips of 16, 8 and 32 rows.
+  // Tensorwise, fused: the kernel, and the tile quantized as it goes, at least 4 and 5 blocks an SM (54
+  // registers unbounded, four an SM; 48 and a few spilled bytes for five: ptxas of nvcc 13.0).
   // amax zeroed before each launch, as the handler does (else later launches skip their atomics).
-  auto strips = [](Buffers& b, int rows) {
-    CK(cudaMemsetAsync(b.amax, 0, 4));
-    return unsigned(b.E * (b.K / rows) * ScaleBlocks(b.N));
+  auto tensor = [=](auto kernel) {
+    return [=](Buffers& b) {
+      CK(cudaMemsetAsync(b.amax, 0, 4));
+      kernel<<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
+    };
   };
-  v.push_back({"tensorwise: kernel (a block a tile)", 't', [=](Buffers& b) {
-    CK(cudaMemsetAsync(b.amax, 0, 4));
-    AdamWeightTensorKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
-  v.push_back({"tensorwise: strips of 16 rows", 't', [=](Buffers& b) {
-    AdamTensorStripKernel<R, 16><<<strips(b, 16), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
-  v.push_back({"tensorwise: strips of 8 rows", 't', [=](Buffers& b) {
-    AdamTensorStripKernel<R, 8><<<strips(b, 8), 128>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax); }});
-  v.push_back({"tensorwise: strips of 32 rows", 't', [=](Buffers& b) {
-    AdamTensorStripKernel<R, 32><<<strips(b, 32), 512>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
-  }, 32});
-  // Strips in clusters of a tile's rows (written 2026-12-03, not yet run): K a multiple of 128.
-  v.push_back({"tensorwise: 16-row strips, cluster 8", 't', [=](Buffers& b) {
-    LaunchClustered(AdamTensorStripKernel<R, 16, R>, strips(b, 16), 256, 8, b.Step(), (const R*)b.g, b.K, b.N,
-                    (const float*)b.delayed, b.q, b.qt, b.amax); }, 128});
-  v.push_back({"tensorwise: 32-row strips, cluster 4", 't', [=](Buffers& b) {
-    LaunchClustered(AdamTensorStripKernel<R, 32, R>, strips(b, 32), 512, 4, b.Step(), (const R*)b.g, b.K, b.N,
-                    (const float*)b.delayed, b.q, b.qt, b.amax); }, 128});
+  v.push_back({"tensorwise: kernel (a block a tile)", 't', tensor(AdamWeightTensorKernel<R, R>)});
+  v.push_back({"tensorwise: as it goes, 4 an SM", 't', tensor(AdamTensorAsItGoesKernel<R, 4, R>)});
+  v.push_back({"tensorwise: as it goes, 5 an SM", 't', tensor(AdamTensorAsItGoesKernel<R, 5, R>)});
   // adam alone, 26 bytes a weight.
   v.push_back({"stream, persistent", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});
@@ -437,12 +384,12 @@ std::vector<Variant> Variants() {
 int main(int argc, char** argv) {
   auto variants = Variants();
   // The fused variants bit for bit against the first of their recipe, on shapes of cut tiles (K a multiple of
-  // 16 and of 32, not of 128; then of 128, for the clustered strips, N still cut).
+  // 16 and of 32, not of 128; then of 128, N still cut).
   for (int64_t K : {400, 416, 512}) {
     Buffers b(3, K, 272);
     std::vector<uint8_t> want[2];
     for (auto& v : variants) {
-      if (!v.recipe || K % v.k_multiple) continue;
+      if (!v.recipe) continue;
       b.Reset();
       v.run(b);
       CK(cudaDeviceSynchronize());
