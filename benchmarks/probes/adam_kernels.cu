@@ -11,7 +11,8 @@
 // maximum first. Streamed in strips of 8-32 rows it lost, launched in clusters of a tile or not (7.1-8.1 ms
 // against 6.9: benchmarks/RESULTS-fp8.md); Nsight Compute found no DRAM write amplification in the tile
 // kernel, but 80 registers a thread (the held tile) and 37% of the warps active, against streaming's 64%.
-// The tile variants that quantize as they go hold no tile in registers (written, not yet run).
+// The variants that quantize as they go hold no tile in registers, in blocks of 128, 64 or 32 rows (written,
+// not yet run).
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -227,28 +228,48 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
-// ---- tensorwise, a block a tile, quantized as it goes: a candidate for AdamWeightTensorKernel. The delayed
-// scale is known before the step, so each pass's new weights are rounded to R and quantized at once
-// (WriteWeightTile's values are AdamEight's, no HeldTile): the 32 registers of the held tile are free, for
-// more blocks an SM (kMinBlocks) and more loads in flight. The same bits as AdamWeightTensorKernel: the
-// same rounding, quantization and block maximum, q and qt through the same shared tile. ----
-template <typename R, int kMinBlocks, typename G>
+// ---- tensorwise, quantized as it goes: a candidate for AdamWeightTensorKernel. The delayed scale is known
+// before the step, so each pass's new weights are rounded to R and quantized at once, with no tile held in
+// registers (the production kernel's HeldTile: 32 of its 80), for more blocks an SM (kMinBlocks) and more
+// loads in flight. A block per kRows rows x 128 columns of one expert (kScaleBlock / kRows blocks a tile,
+// consecutive in x, as AdamClusterKernel's but with no cluster: no tile maximum to meet), 256 threads, each
+// eight consecutive columns of every 16th row; q written as it lies, qt through shared memory in pieces of
+// kRows bytes a column (whole 32-byte sectors from 32 rows). The same bits as AdamWeightTensorKernel: the
+// same rounding, quantization and block maximum. ----
+template <typename R, int kRows, int kMinBlocks, typename G>
 __global__ void __launch_bounds__(256, kMinBlocks) AdamTensorAsItGoesKernel(AdamStep s, const G* grad, int64_t K,
                                                                            int64_t N, const float* delayed,
                                                                            uint8_t* q, uint8_t* qt, float* amax) {
-  const WeightTile t(K, N);
+  constexpr int kSplit = kScaleBlock / kRows, kPasses = kRows / 16;
+  __shared__ uint8_t tile[kRows][kScaleBlock + 4];
+  const int64_t n0 = int64_t(blockIdx.x / kSplit) * kScaleBlock;
+  const int64_t k0 = int64_t(blockIdx.y) * kScaleBlock + blockIdx.x % kSplit * kRows;
+  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;
   const float inverse = InverseScale(delayed), neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
   float m = 0.0f;
-  const auto values = [&](int p, float (&v)[8]) {
-    const Vec<float, 8> w = AdamEight(s, neg_lr, c1, c2, grad, t.Offset(p));
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int row = first_row + 16 * p;
+    if (k0 + row >= K || n0 + j >= N) continue;  // K, N multiples of 16: all eight columns in or all past
+    const int64_t o = (int64_t(blockIdx.z) * K + k0 + row) * N + n0 + j;
+    const Vec<float, 8> w = AdamEight(s, neg_lr, c1, c2, grad, o);
+    uint64_t packed = 0;
 #pragma unroll
     for (int u = 0; u < 8; u += 2) {
       const float2 r = RoundedPair<R>::To(RoundPair<R>(w.v[u], w.v[u + 1], m));
-      v[u] = r.x, v[u + 1] = r.y;
+      packed |= uint64_t(QuantizeByInverse(r.x, r.y, inverse)) << (8 * u);
     }
-  };
-  WriteWeightTile(t, values, [inverse](float a, float b) { return QuantizeByInverse(a, b, inverse); }, q, qt);
-  m = BlockMax<8>(m);
+    for (int u = 0; u < 8; ++u) tile[row][j + u] = uint8_t(packed >> (8 * u));
+    *reinterpret_cast<uint64_t*>(q + o) = packed;
+  }
+  m = BlockMax<8>(m);  // its barrier also orders the tile's shared writes before the reads below
+  for (int idx = threadIdx.x; idx < kScaleBlock * (kRows / 8); idx += blockDim.x) {  // qt row n0 + n, from k0 + i
+    const int n = idx / (kRows / 8), i = idx % (kRows / 8) * 8;
+    if (n0 + n >= N || k0 + i >= K) continue;
+    uint64_t packed = 0;
+    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
+    *reinterpret_cast<uint64_t*>(qt + (int64_t(blockIdx.z) * N + n0 + n) * K + k0 + i) = packed;
+  }
   if (threadIdx.x == 0 && m > 0.0f) AtomicMaxNonNegative(amax, m);
 }
 
@@ -354,18 +375,19 @@ std::vector<Variant> Variants() {
     AdamClusterKernel<R, R, 4><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
   v.push_back({"cluster of 8 a tile", 'b', [=](Buffers& b) {
     AdamClusterKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  // Tensorwise, fused: the kernel, and the tile quantized as it goes, at least 4 and 5 blocks an SM (54
-  // registers unbounded, four an SM; 48 and a few spilled bytes for five: ptxas of nvcc 13.0).
+  // Tensorwise, fused: the kernel, and quantized as it goes in blocks of 128, 64 and 32 rows.
   // amax zeroed before each launch, as the handler does (else later launches skip their atomics).
-  auto tensor = [=](auto kernel) {
+  auto tensor = [=](auto kernel, int split) {
     return [=](Buffers& b) {
       CK(cudaMemsetAsync(b.amax, 0, 4));
-      kernel<<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
+      kernel<<<tiles(b, split), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
     };
   };
-  v.push_back({"tensorwise: kernel (a block a tile)", 't', tensor(AdamWeightTensorKernel<R, R>)});
-  v.push_back({"tensorwise: as it goes, 4 an SM", 't', tensor(AdamTensorAsItGoesKernel<R, 4, R>)});
-  v.push_back({"tensorwise: as it goes, 5 an SM", 't', tensor(AdamTensorAsItGoesKernel<R, 5, R>)});
+  v.push_back({"tensorwise: kernel (a block a tile)", 't', tensor(AdamWeightTensorKernel<R, R>, 1)});
+  v.push_back({"tensorwise: as it goes, 128 rows, 4/SM", 't', tensor(AdamTensorAsItGoesKernel<R, 128, 4, R>, 1)});
+  v.push_back({"tensorwise: as it goes, 128 rows, 5/SM", 't', tensor(AdamTensorAsItGoesKernel<R, 128, 5, R>, 1)});
+  v.push_back({"tensorwise: as it goes, 64 rows", 't', tensor(AdamTensorAsItGoesKernel<R, 64, 4, R>, 2)});
+  v.push_back({"tensorwise: as it goes, 32 rows", 't', tensor(AdamTensorAsItGoesKernel<R, 32, 4, R>, 4)});
   // adam alone, 26 bytes a weight.
   v.push_back({"stream, persistent", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});
