@@ -97,13 +97,14 @@ def forward_backward(fwd):
   def fwd_bwd(x, w1, w2, dy, gs):
     # Quantized weights (jaxmlp.Fp8Weights) are differentiated in their weights alone, as in training.
     def f(x, a, b):
-      return fwd(x, _with_weights(w1, a), _with_weights(w2, b), gs)
+      return fwd(x, with_weights(w1, a), with_weights(w2, b), gs)
     y, vjp = jax.vjp(f, x, jaxmlp.fp8.weights_of(w1), jaxmlp.fp8.weights_of(w2))
     return (y, *vjp(dy))
   return fwd_bwd
 
 
-def _with_weights(w, weights):
+def with_weights(w, weights):
+  """w with `weights` in place of its 16-bit weights where w is a jaxmlp.Fp8Weights, else `weights`."""
   return dataclasses.replace(w, weights=weights) if isinstance(w, jaxmlp.Fp8Weights) else weights
 
 
