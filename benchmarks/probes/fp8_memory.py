@@ -2,8 +2,9 @@
 FP8's excess over bf16 in bytes per expert weight (the FP8 issue asks for at most 1). XLA's memory analysis
 of the compiled step (jax_impls.peak_bytes: arguments, outputs and temporaries), compiled for abstract
 inputs: nothing is allocated, so the issue's 256-expert DeepSeek-V3 layer (256x7168x2048x16384) fits any
-GPU. The cached implementations' arguments hold both e4m3 layouts of the weights beside the weights
-themselves (jaxmlp.Fp8Weights), as a training step that quantizes once per optimizer step holds them.
+GPU. The cached implementations take jaxmlp.Fp8Weights: the step reads their two e4m3 layouts and not their
+16-bit weights, which jit then leaves out of the arguments, so the layouts stand where bf16's step holds its
+16-bit weights (as with fp8_adam_step, which writes the layouts in place of a 16-bit copy).
 On a GPU that runs FP8 (the FP8 implementations lower to the CUDA custom calls).
 
 --top-k K measures the whole MoE layer instead (jaxmlp.moe.moe: router, dispatch, the expert MLP with the
