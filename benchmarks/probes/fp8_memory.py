@@ -21,8 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-import jaxmlp  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+import jaxmlp  # noqa: E402
 from jaxmlp import moe as moe_lib  # noqa: E402
 
 import cases  # noqa: E402
@@ -41,7 +42,7 @@ def planned_bytes(impl: str, s: cases.Shape) -> int | None:
   return jax_impls.peak_bytes(step.lower(*inputs, sizes).compile(compiler_options=jax_impls.NO_AUTOTUNING))
 
 
-def planned_layer_bytes(impl: str, s: cases.Shape, top_k: int) -> int:
+def planned_layer_bytes(impl: str, s: cases.Shape, top_k: int) -> int | None:
   """peak_bytes of the MoE layer's fwd+bwd step (jaxmlp.moe.moe over impl's grouped_mlp, M / top_k tokens,
   the experts' weights differentiated), compiled without autotuning for abstract inputs."""
   mlp = jax_impls.forward(impl)  # jaxmlp.grouped_mlp, with its recipe for the FP8 implementations
@@ -57,7 +58,7 @@ def planned_layer_bytes(impl: str, s: cases.Shape, top_k: int) -> int:
   def inputs():
     x, w1, w2, _ = jax_impls.impl_inputs(impl, jax_impls.make_inputs(s.E, s.d, s.f, s.M, jnp.bfloat16, 0))
     tokens = x[:s.M // top_k]
-    return tokens, jnp.zeros((s.d, s.E), jnp.float32), w1, w2, tokens
+    return tokens, jnp.zeros((s.d, s.E), jnp.float32), w1, w2, tokens  # the last: y's cotangent, [T, d]
   compiled = jax.jit(step).lower(*jax.eval_shape(inputs)).compile(compiler_options=jax_impls.NO_AUTOTUNING)
   return jax_impls.peak_bytes(compiled)
 
