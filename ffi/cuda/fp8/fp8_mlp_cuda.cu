@@ -69,18 +69,18 @@ struct BackwardScratch {
   float* bias_partials = nullptr;
 };
 
-// A result's buffer of `size` bytes as scratch: Take places count Ts after what it placed before (at
-// 256-byte boundaries, as Carver's), or says that they do not fit. By sizes alone: the size query (base
-// null) places what the call does.
+// A result's buffer of `size` bytes as scratch: Take places count Ts after what it placed before (a Carver
+// over the buffer), or says that they do not fit. By sizes alone: the size query (base null) places what
+// the call does.
 struct InResult {
-  char* base;
-  size_t size, used = 0;
+  Carver carver;
+  size_t size;
   template <typename T>
   bool Take(size_t count, T*& p) {
-    const size_t offset = (used + 255) / 256 * 256;
-    if (offset + count * sizeof(T) > size) return false;
-    used = offset + count * sizeof(T);
-    p = base ? reinterpret_cast<T*>(base + offset) : nullptr;
+    Carver trial = carver;
+    T* placed = trial.Take<T>(count);
+    if (trial.used() > size) return false;
+    carver = trial, p = placed;
     return true;
   }
 };
@@ -89,9 +89,8 @@ struct InResult {
 BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_wgrad, void* dx, void* dw1,
                               void* dw2) {
   const int64_t L = PaddedRows(m.M, m.E);
-  InResult in_dx{static_cast<char*>(dx), size_t(m.M * m.d * esize)},
-      in_dw1{static_cast<char*>(dw1), size_t(m.E * m.d * m.F1 * esize)},
-      in_dw2{static_cast<char*>(dw2), size_t(m.E * m.f * m.d * esize)};
+  InResult in_dx{Carver(dx), size_t(m.M * m.d * esize)}, in_dw1{Carver(dw1), size_t(m.E * m.d * m.F1 * esize)},
+      in_dw2{Carver(dw2), size_t(m.E * m.f * m.d * esize)};
   const auto place = [&c](InResult& r, size_t count, auto*& p) {
     if (!r.Take(count, p)) p = c.Take<std::remove_reference_t<decltype(*p)>>(count);
   };
