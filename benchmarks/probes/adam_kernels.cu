@@ -147,6 +147,21 @@ __global__ void __launch_bounds__(256) AdamStripStreamKernel(AdamStep s, const G
   AdamEight(s, neg_lr, c1, c2, grad, (blockIdx.z * K + row) * N + col);
 }
 
+// A block's kRows x 128 e4m3 values in shared memory (rows k0 .., columns n0 ..) into qt [E, N, K], expert
+// blockIdx.z: 8 rows of a column a thread's store, kRows bytes a column; the cut rows and columns skipped.
+// After a barrier over the tile's writes.
+template <int kRows>
+__device__ __forceinline__ void StoreTransposed(const uint8_t (&tile)[kRows][kScaleBlock + 4], int64_t n0, int64_t k0,
+                                                int64_t K, int64_t N, uint8_t* qt) {
+  for (int idx = threadIdx.x; idx < kScaleBlock * (kRows / 8); idx += blockDim.x) {  // qt row n0 + n, from k0 + i
+    const int n = idx / (kRows / 8), i = idx % (kRows / 8) * 8;
+    if (n0 + n >= N || k0 + i >= K) continue;
+    uint64_t packed = 0;
+    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
+    *reinterpret_cast<uint64_t*>(qt + (int64_t(blockIdx.z) * N + n0 + n) * K + k0 + i) = packed;
+  }
+}
+
 // ---- the fused kernel over a cluster of kC blocks per 128 x 128 tile: each block 128 / kC rows (8 / kC
 // passes), the tile's maximum met through distributed shared memory. cluster.sync() waits for the block's
 // global stores (a membar): with one pass a block (kC 8) the new w, mu and nu are held until after it;
@@ -218,13 +233,7 @@ __global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
     *reinterpret_cast<uint64_t*>(q + offset(p)) = packed;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < kScaleBlock * (kRows / 8); idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
-    const int n = idx / (kRows / 8), i = idx % (kRows / 8) * 8;
-    if (n0 + n >= N || k0 + i >= K) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
-    *reinterpret_cast<uint64_t*>(qt + (blockIdx.z * N + n0 + n) * K + k0 + i) = packed;
-  }
+  StoreTransposed(tile, n0, k0, K, N, qt);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
 }
 
@@ -263,13 +272,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) AdamTensorAsItGoesKernel(Adam
     *reinterpret_cast<uint64_t*>(q + o) = packed;
   }
   m = BlockMax<8>(m);  // its barrier also orders the tile's shared writes before the reads below
-  for (int idx = threadIdx.x; idx < kScaleBlock * (kRows / 8); idx += blockDim.x) {  // qt row n0 + n, from k0 + i
-    const int n = idx / (kRows / 8), i = idx % (kRows / 8) * 8;
-    if (n0 + n >= N || k0 + i >= K) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
-    *reinterpret_cast<uint64_t*>(qt + (int64_t(blockIdx.z) * N + n0 + n) * K + k0 + i) = packed;
-  }
+  StoreTransposed(tile, n0, k0, K, N, qt);
   if (threadIdx.x == 0 && m > 0.0f) AtomicMaxNonNegative(amax, m);
 }
 
