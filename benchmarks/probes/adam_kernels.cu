@@ -2,17 +2,18 @@
 // AdamWeightBlocksKernel, the tensorwise recipe's AdamWeightTensorKernel) and streaming kernels of the same
 // adam arithmetic, timed in turn at dsv3's w1 (E 32, K 7168, N 4096, bfloat16 gradient) with cudaEvents,
 // back to back; each fused variant's outputs (w, mu, nu, q, qt, exponents, the new maximum) are first
-// compared bit for bit with the first of its recipe's on a shape of cut tiles. docs/performance.md ("Kernel
-// measurements": adam's kernel) has what it measured: the blockwise kernel moves its 28 bytes a weight at
-// 3.8 TB/s on an H200, as fast as a persistent streaming loop of the same arithmetic, while a streaming
-// kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
-// adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
-// maximum in distributed shared memory) gain 2-3%. The tensorwise kernel's delayed scale needs no tile's
-// maximum first. Streamed in strips of 8-32 rows it lost, launched in clusters of a tile or not (7.1-8.1 ms
-// against 6.9: benchmarks/RESULTS-fp8.md); Nsight Compute found no DRAM write amplification in the tile
-// kernel, but 80 registers a thread (the held tile) and 37% of the warps active, against streaming's 64%.
-// The variants that quantize as they go hold no tile in registers, in blocks of 128, 64 or 32 rows (written,
-// not yet run).
+// compared bit for bit with the first of its recipe's (the production kernel) on shapes of cut tiles.
+// What it measured (benchmarks/RESULTS-fp8.md, docs/performance.md "Kernel measurements"): a block per 128 x
+// 128 tile, holding the tile's rounded weights in registers (80 a thread, 37% of the warps active against
+// streaming adam's 64%, by Nsight Compute; no DRAM write amplification), moved its 28 bytes a weight at 3.8
+// TB/s on an H200 (6.91 ms), where a streaming kernel of short-lived blocks (one 16-byte access per array a
+// thread) reaches 4.2 TB/s for adam's 26, the rate of XLA's adam in a training step. Blockwise: a tile's
+// rows over a cluster of 2, 4 or 8 blocks that meet its maximum in distributed shared memory gained 2-3% at 2
+// and 4, which AdamWeightBlocksKernel now runs (4); the tile kernel with its next row's loads first or rows
+// staged by cp.async lost. Tensorwise, whose delayed scale needs no tile maximum first: strips of 8-32 rows
+// of a held tile lost (7.1-8.1 ms), quantizing each pass as it goes, nothing held, gained 3% in blocks of 32
+// rows (6.72 ms), which AdamWeightTensorKernel now runs; the probe times it beside other row counts and
+// occupancies.
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -22,7 +23,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <cooperative_groups.h>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -147,135 +147,6 @@ __global__ void __launch_bounds__(256) AdamStripStreamKernel(AdamStep s, const G
   AdamEight(s, neg_lr, c1, c2, grad, (blockIdx.z * K + row) * N + col);
 }
 
-// A block's kRows x 128 e4m3 values in shared memory (rows k0 .., columns n0 ..) into qt [E, N, K], expert
-// blockIdx.z: 8 rows of a column a thread's store, kRows bytes a column; the cut rows and columns skipped.
-// After a barrier over the tile's writes.
-template <int kRows>
-__device__ __forceinline__ void StoreTransposed(const uint8_t (&tile)[kRows][kScaleBlock + 4], int64_t n0, int64_t k0,
-                                                int64_t K, int64_t N, uint8_t* qt) {
-  for (int idx = threadIdx.x; idx < kScaleBlock * (kRows / 8); idx += blockDim.x) {  // qt row n0 + n, from k0 + i
-    const int n = idx / (kRows / 8), i = idx % (kRows / 8) * 8;
-    if (n0 + n >= N || k0 + i >= K) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
-    *reinterpret_cast<uint64_t*>(qt + (int64_t(blockIdx.z) * N + n0 + n) * K + k0 + i) = packed;
-  }
-}
-
-// ---- the fused kernel over a cluster of kC blocks per 128 x 128 tile: each block 128 / kC rows (8 / kC
-// passes), the tile's maximum met through distributed shared memory. cluster.sync() waits for the block's
-// global stores (a membar): with one pass a block (kC 8) the new w, mu and nu are held until after it;
-// the second barrier (no block leaves while a peer may read its maximum) arrives once the maxima are read
-// and used, relaxed, and waits at the end. ----
-template <typename R, typename G, int kC>
-__global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
-    AdamClusterKernel(AdamStep s, const G* grad, int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
-  namespace cg = cooperative_groups;
-  constexpr int kRows = 128 / kC, kPasses = kRows / 16;
-  constexpr bool kHoldUpdate = kPasses == 1;
-  __shared__ uint8_t tile[kRows][kScaleBlock + 4];
-  __shared__ float warp_max[8];
-  __shared__ float block_max;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank());
-  const int64_t n0 = int64_t(blockIdx.x / kC) * kScaleBlock, k0 = int64_t(blockIdx.y) * kScaleBlock + rank * kRows;
-  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;
-  const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
-  auto holds = [&](int p) { return k0 + first_row + 16 * p < K && n0 + j < N; };
-  auto offset = [&](int p) { return (int64_t(blockIdx.z) * K + k0 + first_row + 16 * p) * N + n0 + j; };
-  typename RoundedPair<R>::Type held[kPasses][4];
-  Vec<float, 8> w, mu, nu;
-  float amax = 0.0f;
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    if (!holds(p)) continue;
-    const int64_t o = offset(p);
-    w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
-    const Vec<G, 8> g = Load<G, 8>(grad + o);
-    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
-    if (!kHoldUpdate) Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
-#pragma unroll
-    for (int u = 0; u < 8; u += 2) {
-      held[p][u / 2] = RoundedPair<R>::From(w.v[u], w.v[u + 1]);
-      const float2 r = RoundedPair<R>::To(held[p][u / 2]);
-      amax = fmaxf(amax, fmaxf(fabsf(r.x), fabsf(r.y)));
-    }
-  }
-  amax = WarpMax(amax);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float m = 0.0f;
-    for (int i = 0; i < 8; ++i) m = fmaxf(m, warp_max[i]);
-    block_max = m;
-  }
-  cluster.sync();  // every block's maximum written
-  amax = 0.0f;
-  for (int c = 0; c < kC; ++c) amax = fmaxf(amax, *cluster.map_shared_rank(&block_max, c));
-  const int exp = Exponent(amax);  // uses the peers' maxima: their reads are done
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-  if (kHoldUpdate && holds(0)) {
-    const int64_t o = offset(0);
-    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
-  }
-  const Unscale unscale(exp);
-  if (threadIdx.x == 0 && rank == 0)
-    e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * (gridDim.x / kC) + blockIdx.x / kC] = exp;
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    if (!holds(p)) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; u += 2) {
-      const float2 r = RoundedPair<R>::To(held[p][u / 2]);
-      packed |= uint64_t(Quantize2(r.x, r.y, unscale)) << (8 * u);
-    }
-    for (int u = 0; u < 8; ++u) tile[first_row + 16 * p][j + u] = uint8_t(packed >> (8 * u));
-    *reinterpret_cast<uint64_t*>(q + offset(p)) = packed;
-  }
-  __syncthreads();
-  StoreTransposed(tile, n0, k0, K, N, qt);
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
-}
-
-// ---- tensorwise, quantized as it goes: a candidate for AdamWeightTensorKernel. The delayed scale is known
-// before the step, so each pass's new weights are rounded to R and quantized at once, with no tile held in
-// registers (the production kernel's HeldTile: 32 of its 80), for more blocks an SM (kMinBlocks) and more
-// loads in flight. A block per kRows rows x 128 columns of one expert (kScaleBlock / kRows blocks a tile,
-// consecutive in x, as AdamClusterKernel's but with no cluster: no tile maximum to meet), 256 threads, each
-// eight consecutive columns of every 16th row; q written as it lies, qt through shared memory in pieces of
-// kRows bytes a column (whole 32-byte sectors from 32 rows). The same bits as AdamWeightTensorKernel: the
-// same rounding, quantization and block maximum. ----
-template <typename R, int kRows, int kMinBlocks, typename G>
-__global__ void __launch_bounds__(256, kMinBlocks) AdamTensorAsItGoesKernel(AdamStep s, const G* grad, int64_t K,
-                                                                           int64_t N, const float* delayed,
-                                                                           uint8_t* q, uint8_t* qt, float* amax) {
-  constexpr int kSplit = kScaleBlock / kRows, kPasses = kRows / 16;
-  __shared__ uint8_t tile[kRows][kScaleBlock + 4];
-  const int64_t n0 = int64_t(blockIdx.x / kSplit) * kScaleBlock;
-  const int64_t k0 = int64_t(blockIdx.y) * kScaleBlock + blockIdx.x % kSplit * kRows;
-  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;
-  const float inverse = InverseScale(delayed), neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
-  float m = 0.0f;
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int row = first_row + 16 * p;
-    if (k0 + row >= K || n0 + j >= N) continue;  // K, N multiples of 16: all eight columns in or all past
-    const int64_t o = (int64_t(blockIdx.z) * K + k0 + row) * N + n0 + j;
-    const Vec<float, 8> w = AdamEight(s, neg_lr, c1, c2, grad, o);
-    uint64_t packed = 0;
-#pragma unroll
-    for (int u = 0; u < 8; u += 2) {
-      const float2 r = RoundedPair<R>::To(RoundPair<R>(w.v[u], w.v[u + 1], m));
-      packed |= uint64_t(QuantizeByInverse(r.x, r.y, inverse)) << (8 * u);
-    }
-    for (int u = 0; u < 8; ++u) tile[row][j + u] = uint8_t(packed >> (8 * u));
-    *reinterpret_cast<uint64_t*>(q + o) = packed;
-  }
-  m = BlockMax<8>(m);  // its barrier also orders the tile's shared writes before the reads below
-  StoreTransposed(tile, n0, k0, K, N, qt);
-  if (threadIdx.x == 0 && m > 0.0f) AtomicMaxNonNegative(amax, m);
-}
-
 // ---- the persistent loop's traffic with an add in place of adam's arithmetic ----
 template <typename G>
 __global__ void __launch_bounds__(256) CopyStreamKernel(AdamStep s, const G* grad, int64_t n) {
@@ -366,19 +237,17 @@ std::vector<Variant> Variants() {
   const int chunk = kChunks<R> * 256 * 16;  // a row's shared stage of AdamStagedKernel
   AllowSmem(AdamStagedKernel<R, R, 3, 2>, 3 * chunk);
   // Fused: adam and the quantization, 28 bytes a weight.
-  v.push_back({"kernel (three blocks an SM)", 'b', [=](Buffers& b) {
-    AdamWeightBlocksKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"next row's loads first", 'b', [=](Buffers& b) {
+  v.push_back({"kernel (clusters of 4 a tile)", 'b', [=](Buffers& b) {
+    AdamWeightBlocksKernel<R, R><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"clusters of 2 a tile", 'b', [=](Buffers& b) {
+    AdamWeightBlocksKernel<R, R, 2><<<tiles(b, 2), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"clusters of 8 a tile", 'b', [=](Buffers& b) {
+    AdamWeightBlocksKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"a tile, next row's loads first", 'b', [=](Buffers& b) {
     AdamAheadKernel<R, R, 2><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"3 rows staged by cp.async", 'b', [=](Buffers& b) {
+  v.push_back({"a tile, 3 rows staged by cp.async", 'b', [=](Buffers& b) {
     AdamStagedKernel<R, R, 3, 2><<<tiles(b, 1), 256, 3 * chunk>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"cluster of 2 a tile", 'b', [=](Buffers& b) {
-    AdamClusterKernel<R, R, 2><<<tiles(b, 2), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"cluster of 4 a tile", 'b', [=](Buffers& b) {
-    AdamClusterKernel<R, R, 4><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"cluster of 8 a tile", 'b', [=](Buffers& b) {
-    AdamClusterKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  // Tensorwise, fused: the kernel, and quantized as it goes in blocks of 128, 64 and 32 rows.
+  // Tensorwise, fused: the kernel (32 rows a block), and blocks of other rows and occupancies.
   // amax zeroed before each launch, as the handler does (else later launches skip their atomics).
   auto tensor = [=](auto kernel, int split) {
     return [=](Buffers& b) {
@@ -386,11 +255,11 @@ std::vector<Variant> Variants() {
       kernel<<<tiles(b, split), 256>>>(b.Step(), b.g, b.K, b.N, b.delayed, b.q, b.qt, b.amax);
     };
   };
-  v.push_back({"tensorwise: kernel (a block a tile)", 't', tensor(AdamWeightTensorKernel<R, R>, 1)});
-  v.push_back({"tensorwise: as it goes, 128 rows, 4/SM", 't', tensor(AdamTensorAsItGoesKernel<R, 128, 4, R>, 1)});
-  v.push_back({"tensorwise: as it goes, 128 rows, 5/SM", 't', tensor(AdamTensorAsItGoesKernel<R, 128, 5, R>, 1)});
-  v.push_back({"tensorwise: as it goes, 64 rows", 't', tensor(AdamTensorAsItGoesKernel<R, 64, 4, R>, 2)});
-  v.push_back({"tensorwise: as it goes, 32 rows", 't', tensor(AdamTensorAsItGoesKernel<R, 32, 4, R>, 4)});
+  v.push_back({"tensorwise: 32 rows, 4/SM (kernel)", 't', tensor(AdamWeightTensorKernel<R, R>, 4)});
+  v.push_back({"tensorwise: 32 rows, 5/SM", 't', tensor(AdamWeightTensorKernel<R, R, 32, 5>, 4)});
+  v.push_back({"tensorwise: 32 rows, 6/SM", 't', tensor(AdamWeightTensorKernel<R, R, 32, 6>, 4)});
+  v.push_back({"tensorwise: 64 rows, 4/SM", 't', tensor(AdamWeightTensorKernel<R, R, 64, 4>, 2)});
+  v.push_back({"tensorwise: 128 rows, 4/SM", 't', tensor(AdamWeightTensorKernel<R, R, 128, 4>, 1)});
   // adam alone, 26 bytes a weight.
   v.push_back({"stream, persistent", 0, [=](Buffers& b) {
     AdamStreamKernel<R><<<132 * 8, 256>>>(b.Step(), b.g, b.n); }});

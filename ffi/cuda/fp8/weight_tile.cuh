@@ -125,6 +125,21 @@ struct HeldTile {
   }
 };
 
+// A block's kRows x 128 e4m3 values in shared memory (rows k0 .., columns n0 .. of expert blockIdx.z's
+// [K, N]) into qt [E, N, K]: eight rows of a column a thread's store, kRows bytes a column; the rows and
+// columns past K and N skipped. After a barrier over the shared writes.
+template <int kRows>
+__device__ __forceinline__ void StoreTransposed(const uint8_t (&tile)[kRows][kScaleBlock + 4], int64_t n0, int64_t k0,
+                                                int64_t K, int64_t N, uint8_t* qt) {
+  for (int idx = threadIdx.x; idx < kScaleBlock * (kRows / 8); idx += blockDim.x) {  // qt row n0 + n, from k0 + i
+    const int n = idx / (kRows / 8), i = idx % (kRows / 8) * 8;
+    if (n0 + n >= N || k0 + i >= K) continue;
+    uint64_t packed = 0;
+    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
+    *reinterpret_cast<uint64_t*>(qt + (int64_t(blockIdx.z) * N + n0 + n) * K + k0 + i) = packed;
+  }
+}
+
 // The tile's values quantized by quantize2 (two floats to two e4m3 bytes, little-endian), where values(p, v)
 // gives pass p's eight values: written as they lie (q) and, through shared memory, transposed (qt). Once per
 // block.
@@ -143,13 +158,7 @@ __device__ __forceinline__ void WriteWeightTile(const WeightTile& t, const Value
     *reinterpret_cast<uint64_t*>(q + t.Offset(p)) = packed;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < kScaleBlock * 16; idx += blockDim.x) {  // qt row n0 + n, columns k0 + i ..
-    const int n = idx / 16, i = idx % 16 * 8;
-    if (t.n0() + n >= t.N || t.k0() + i >= t.K) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; ++u) packed |= uint64_t(tile[i + u][n]) << (8 * u);
-    *reinterpret_cast<uint64_t*>(qt + (blockIdx.z * t.N + t.n0() + n) * t.K + t.k0() + i) = packed;
-  }
+  StoreTransposed(tile, t.n0(), t.k0(), t.K, t.N, qt);
 }
 
 // The blockwise quantization of the tile, once each thread has the largest magnitude of its values (amax)
