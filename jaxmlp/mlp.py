@@ -4,7 +4,8 @@
   (ffi/cpu/mlp_cpu.cc; on CUDA one handler per GEMM path, ffi/cuda/mlp/). With an FP8 recipe the call
 goes to jaxmlp.fp8.mlp instead. jaxmlp.reference.grouped_mlp defines what both compute. With `gather` (rows
 taken from tokens by a dispatch plan) _gathered_mlp instead of _mlp: the engine's FC1 reads the rows from
-the tokens ("jaxmlp_mlp_fwd_gathered") where _gemm_path.gathers_in_fc1, elsewhere XLA gathers them first.
+the tokens ("jaxmlp_mlp_fwd_gathered") where _gemm_path.gathers_in_fc1, elsewhere XLA gathers them first;
+with an FP8 recipe jaxmlp.fp8.mlp takes the plan.
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       are not kept for the backward, which gathers them again: one [M, d] less of activation memory for
       one more gather. With JAXMLP_GEMM_PATH=cutlass or fused on Hopper, for a gated activation (f a
       multiple of 64, 16-bit operands), the engine's FC1 reads the rows from x in its loads, no copy of
-      them written (today slower than the copy: backend_info()["cuda"]["gather_in_fc1"]); elsewhere XLA
-      gathers them first.
+      them written (today slower than the copy: backend_info()["cuda"]["gather_in_fc1"]); with
+      fp8="tensorwise" (FP8 weight gradients) on a GPU the forward's quantization passes read them from x,
+      and the backward needs only their e4m3 copy; elsewhere XLA gathers them first.
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
@@ -82,8 +84,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     rows = jax.ShapeDtypeStruct((gather.slot_of_row.shape[0], x.shape[1]), dtype)
   shape = _checks.check_mlp(rows, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes,
                             act, b1, b2, scales)
-  if gather is not None and (recipe is not None or 0 in (shape.M, shape.d, shape.f, x.shape[0])):
-    # FP8 quantizes the rows themselves, and an empty problem runs the reference below: the rows first.
+  if gather is not None and 0 in (shape.M, shape.d, shape.f, *gather.row_of_slot.shape):
+    # An empty problem runs the reference below, and a plan of no choices (k 0) holds padding rows alone:
+    # the rows first.
     x, gather = dispatch.gather(x, gather), None
   if recipe is not None:
     fp8_recipe.check_call(x, recipe, shape, w1, w2)
@@ -99,13 +102,13 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   refuse_forward_mode(x, w1, w2, b1, b2, scales)
   x, b1, b2, scales = gathered(x, b1, b2, scales)
   run = fp8_recipe.as_run(recipe, shape, w1, w2)  # the recipe, with its products' precisions decided
+  gather = None if gather is None else Plan(*gathered(*gather))
   if run is not None:
-    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, run, shape, zero_padding)
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, run, shape, zero_padding, gather)
   if recipe is not None:  # not in FP8 at this shape: Fp8Weights' weights, whose gradient they take
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
   if gather is not None:
-    return _gathered_mlp(x, Plan(*gathered(*gather)), *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape,
-                         zero_padding)
+    return _gathered_mlp(x, gather, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding)
   return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding)
 
 

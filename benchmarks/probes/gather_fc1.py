@@ -4,9 +4,10 @@ forward and its fwd+bwd over rows made beforehand ("given"), over rows copied fr
 ("copied", what the layer pays with dispatch's copy) and over rows read from the tokens in FC1's loads
 (grouped_mlp(x, ..., gather=plan) traced with JAXMLP_GEMM_PATH=cutlass: "gathered"; "gathered in order" with
 an identity plan over the given rows), for balanced and skewed routing. GPU only; `auto` picks the GEMM path
-of the others, as the layer would (the engine at this shape).
+of the others, as the layer would (the engine at this shape). --fp8: the same with the tensorwise recipe,
+whose forward reads the rows from the tokens in its quantization passes on any GEMM path ("gathered").
 
-  python benchmarks/probes/gather_fc1.py [--rounds 5]
+  python benchmarks/probes/gather_fc1.py [--rounds 5] [--fp8]
   ncu --clock-control none --kernel-name-base demangled --kernel-name regex:device_kernel -c 4 \
       python benchmarks/probes/gather_fc1.py --once   # FC1 and FC2 given, then gathered: the engine's kernels
 """
@@ -39,12 +40,14 @@ def main():
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--once", action="store_true",
                  help="run the balanced forwards given and gathered once each, untimed (for a profiler)")
+  p.add_argument("--fp8", action="store_true", help="the tensorwise FP8 recipe (when='always')")
   a = p.parse_args()
+  fp8 = jaxmlp.Fp8Recipe("tensorwise", when="always") if a.fp8 else None
   keys = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(keys[0], (T, d), jnp.bfloat16)
   w1 = (jax.random.normal(keys[1], (E, d, 2 * f)) * d ** -0.5).astype(jnp.bfloat16)
   w2 = (jax.random.normal(keys[2], (E, f, d)) * f ** -0.5).astype(jnp.bfloat16)
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; T {T}, k {k}, E {E}, d {d}, f {f}; "
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; T {T}, k {k}, E {E}, d {d}, f {f}, fp8 {a.fp8}; "
         f"mlp_forward_path {jaxmlp.backend_info().get('cuda', {}).get('mlp_forward_path')}")
   for routing, skew in (("balanced", 0.0), ("skewed", 1.0)):
     rows, gs, plan = dispatch.dispatch(x, routed(skew), E)
@@ -52,19 +55,19 @@ def main():
     dy = jax.random.normal(keys[3], rows.shape, jnp.bfloat16)
 
     def given(rows, w1, w2):  # the MLP alone, over rows made beforehand
-      return jaxmlp.grouped_mlp(rows, w1, w2, gs, scales=s)
+      return jaxmlp.grouped_mlp(rows, w1, w2, gs, scales=s, fp8=fp8)
 
     def copied(x, w1, w2):  # the rows copied from the tokens (XLA's gather; its gradient a combine)
-      return jaxmlp.grouped_mlp(dispatch.gather(x, plan), w1, w2, gs, scales=s)
+      return jaxmlp.grouped_mlp(dispatch.gather(x, plan), w1, w2, gs, scales=s, fp8=fp8)
 
     def gathered(x, w1, w2):  # the rows read from the tokens in FC1's loads
-      return jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, gather=plan)
+      return jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, fp8=fp8, gather=plan)
 
     M = rows.shape[0]
     in_order = dispatch.Plan(jnp.arange(M, dtype=jnp.int32)[:, None], jnp.arange(M, dtype=jnp.int32), plan.counts)
 
     def gathered_in_order(rows, w1, w2):  # the rows themselves, read by the gathered loads (the identity plan)
-      return jaxmlp.grouped_mlp(rows, w1, w2, gs, scales=s, gather=in_order)
+      return jaxmlp.grouped_mlp(rows, w1, w2, gs, scales=s, fp8=fp8, gather=in_order)
 
     def step(fn):
       return jax.jit(lambda a, w1, w2: jax.vjp(fn, a, w1, w2)[1](dy))
@@ -77,8 +80,9 @@ def main():
     calls = {}
     for name, fn, a0 in (("given", given, rows), ("copied", copied, x), ("gathered", gathered, x),
                          ("gathered in order", gathered_in_order, rows)):
-      # Only a forced engine path reads the rows in FC1's loads (`_gemm_path.gathers_in_fc1`).
-      path = "cutlass" if name.startswith("gathered") else "auto"
+      # Only a forced engine path reads the rows in FC1's loads (`_gemm_path.gathers_in_fc1`); FP8's quantizer
+      # reads them on any.
+      path = "cutlass" if name.startswith("gathered") and fp8 is None else "auto"
       for part, jitted in (("fwd", jax.jit(fn)), ("step", step(fn))):
         calls[f"{part} {name}"] = (traced_on(path, lambda jitted=jitted, a0=a0: (jitted, (a0, w1, w2)))[0], a0)
     timed = measure_alternating({n: (lambda i, fn=fn, a0=a0: fn(a0, w1, w2)) for n, (fn, a0) in calls.items()},

@@ -60,23 +60,33 @@ def tensor_weights(w, dtype):
   return q, amax[0], qt
 
 
+def reads_tokens(recipe, residuals: bool) -> bool:
+  """Whether the recipe's forward on CUDA reads a dispatch plan's rows from the tokens (_mlp_forward's
+  `gather`): tensorwise, whose backward then needs x's e4m3 copy alone (with FP8 weight gradients, or none)."""
+  return recipe.name == tensorwise.SCHEME.name and (fp8_weight_gradients(recipe) or not residuals)
+
+
 def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape,
-                 residuals: bool, zero_padding: bool):
+                 residuals: bool, zero_padding: bool, gather=None):
   """The forward's custom call: (y [M, d], with `residuals` what the backward takes: h [M, F1], amax [4]
   float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout; with 16-bit weight
-  gradients x itself), q(w1), q(w2)). y's rows past the groups are zeros, whatever zero_padding says."""
+  gradients x itself), q(w1), q(w2)). y's rows past the groups are zeros, whatever zero_padding says.
+  gather: (slot_of_row [M] int32, k) where x holds the tokens a plan takes the rows from (reads_tokens), which
+  the quantization passes read in place."""
   cuda = _module_or_raise()
   dt = x.dtype
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
   engine, fp8_wgrad = _gemm_path.fp8_on_engine(dt, s.d, s.f), fp8_weight_gradients(recipe)
+  assert gather is None or reads_tokens(recipe, residuals), "the backward would need the rows"
   ws = cuda.mlp_fp8_workspace_bytes(True, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
                                     False, False)
   xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals and fp8_wgrad else ABSENT
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3)]
+  slot_of_row, top_k = (optional(None, jnp.int32), 1) if gather is None else gather
   y, h, amax, xt = _library.call(
       "jaxmlp_mlp_fp8_fwd", outs, x, w1, w2, groups.given, optional(b1, dt), optional(b2, dt), optional(scales, dt),
-      w1t, w2t, jnp.stack([aw1, aw2]), workspace=ws, **_library.activation_attrs(act),
-      fast_accumulation=bool(recipe.fast_accumulation), engine=engine)
+      w1t, w2t, jnp.stack([aw1, aw2]), slot_of_row, workspace=ws, **_library.activation_attrs(act),
+      fast_accumulation=bool(recipe.fast_accumulation), engine=engine, top_k=np.int32(top_k))
   return y, (h, amax, xt if fp8_wgrad else x, w1, w2) if residuals else None
 
 

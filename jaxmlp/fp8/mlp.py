@@ -6,7 +6,10 @@
 
 Both platforms carry the same residuals (see each recipe). The weights are quantized in the call, or once
 by the caller (jaxmlp.fp8_weights, Fp8Weights) and reused over several calls. The group sizes are clamped
-once per call (Groups) and travel to the backward with the residuals.
+once per call (Groups) and travel to the backward with the residuals. Over a dispatch plan (`gather`) x
+holds the tokens: the tensorwise recipe's CUDA forward with FP8 weight gradients reads the rows from them in
+its quantization passes (jaxmlp.fp8.cuda.reads_tokens), every other implementation takes the rows first
+(jaxmlp.plan.take_rows); the rows' gradients are combined into the tokens'.
 """
 from __future__ import annotations
 
@@ -15,23 +18,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import _checks
+from .. import _checks, dispatch
 from .._autodiff import gathered, integer_cotangent
 from .._groups import Groups
 from .._library import on_platforms
 from ..activations import Activation
 from ..gemm import grouped_gemm
+from ..plan import Plan, take_rows
 from . import cuda
 from .quantize import Implementation
 from .recipe import Fp8Recipe, Fp8Weights, check_weights_args, split_weights
 
 
 def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: Fp8Recipe,
-                shape: _checks.MlpShape, zero_padding: bool = True):
+                shape: _checks.MlpShape, zero_padding: bool = True, gather: Plan | None = None):
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp). w1 and w2: arrays, or Fp8Weights
-  of this recipe."""
+  of this recipe. gather: a plan of k >= 1 choices a token, x then the tokens it takes its M rows from."""
   (w1, w1q), (w2, w2q) = split_weights(w1, x.dtype), split_weights(w2, x.dtype)
-  return _mlp(x, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding)
+  return _mlp(x, gather, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding)
 
 
 def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weights:
@@ -81,34 +85,45 @@ def _quantize_weights(w, recipe: Fp8Recipe, dtype):
 
 
 # w1q and w2q: the weights quantized by the caller (Fp8Weights), or None to quantize them here; they take no
-# gradient (the weights w1 and w2 do). b1, b2 and scales may be None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
-  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
+# gradient (the weights w1 and w2 do). gather, b1, b2 and scales may be None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _mlp(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
+  return _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
                   residuals=False)[0]
 
 
-def _mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
-  return _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
+def _mlp_fwd(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
+  return _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
                   residuals=True)
 
 
-def _forward(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding, residuals: bool):
+def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
+             residuals: bool):
   """(y, what the backward takes: the recipe's residuals, or None without `residuals`, and the operands it
   reads again)."""
   w1q = _quantize_weights(w1, recipe, x.dtype) if w1q is None else w1q
   w2q = _quantize_weights(w2, recipe, x.dtype) if w2q is None else w2q
   groups = Groups.of(group_sizes, shape.M)
+  slots = () if gather is None else (gather.slot_of_row,)
 
-  def on(implementation):
-    return lambda *a: implementation.forward(*a, act, recipe, shape, residuals, zero_padding)
+  def on(implementation, reads_tokens: bool):
+    def run(x, *a):
+      rows = {}
+      if slots and reads_tokens:
+        rows = dict(gather=(a[0], gather.row_of_slot.shape[1]))
+      elif slots:
+        x = take_rows(x, a[0], gather.row_of_slot.shape[1])
+      return implementation.forward(x, *a[len(slots):], act, recipe, shape, residuals, zero_padding, **rows)
+    return run
 
-  y, res = on_platforms(x, w1q, w2q, groups, b1, b2, scales, **{p: on(i) for p, i in _platforms(recipe).items()})
-  return y, (res, groups, b1, b2, scales)
+  platforms = _platforms(recipe)
+  y, res = on_platforms(x, *slots, w1q, w2q, groups, b1, b2, scales, cpu=on(platforms["cpu"], False),
+                        cuda=on(platforms["cuda"], cuda.reads_tokens(recipe, residuals)))
+  return y, (res, groups, b1, b2, scales, gather)
 
 
 def _mlp_bwd(act, recipe, shape, zero_padding, saved, dy):
-  residuals, groups, b1, b2, scales = saved
+  residuals, groups, b1, b2, scales, gather = saved
 
   def on(implementation):
     return lambda residuals, groups, b1, b2, scales, dy: implementation.backward(
@@ -117,7 +132,9 @@ def _mlp_bwd(act, recipe, shape, zero_padding, saved, dy):
   dy = dy.astype(residuals[0].dtype)
   dx, dw1, dw2, db1, db2, dscales = on_platforms(
       residuals, groups, b1, b2, scales, dy, **{p: on(i) for p, i in _platforms(recipe).items()})
-  return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
+  if gather is not None:  # each token's rows' gradients summed
+    dx, gather = dispatch.combine(dx, gather), Plan(None, None, None)
+  return dx, gather, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -192,14 +192,23 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
 // them), w1t and w2t the same transposed, weight_amax [2] their absolute maxima. xt: x's e4m3 copy in the
 // weight gradients' layout, written by the pass that quantizes x for FC1 (its transposed tile besides its
 // rows), the backward's residual; absent (ABSENT, a scalar) where the call is not differentiated or the
-// backward's weight gradients are 16-bit (it then takes x itself).
+// backward's weight gradients are 16-bit (it then takes x itself). slot_of_row: absent, or int32 [M]: x then
+// holds T tokens, and the rows are those a dispatch plan takes from them (Fp8Rows: token slot_of_row[r] /
+// top_k, zeros where it names none), read by the passes that quantize x, so no 16-bit copy of the rows is
+// written; the backward takes xt alone (16-bit weight gradients would need the rows themselves).
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
-                    int32_t act, float alpha, float limit, bool fast_accumulation, bool engine, Result<AnyBuffer> y,
-                    Result<AnyBuffer> h, Result<AnyBuffer> amax, Result<AnyBuffer> xt, Result<AnyBuffer> workspace) {
+                    AnyBuffer slot_of_row, int32_t act, float alpha, float limit, bool fast_accumulation, bool engine,
+                    int32_t top_k, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax,
+                    Result<AnyBuffer> xt, Result<AnyBuffer> workspace) {
   ++handler_host_calls;
+  const bool gathered = Present(slot_of_row);
+  if (gathered && (slot_of_row.dimensions().size() != 1 || slot_of_row.element_type() != DataType::S32))
+    return Error::InvalidArgument("jaxmlp: slot_of_row must be int32 [M], got " + Dims(slot_of_row.dimensions()));
+  if (gathered && top_k < 1) return Error::InvalidArgument("jaxmlp: top_k must be at least 1");
   MlpDims m;
-  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m));
+  JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(x, w1, w2, group_sizes, b1, b2, scales, act, &m,
+                                        gathered ? slot_of_row.dimensions()[0] : -1));
   const DataType t = x.element_type();
   JAXMLP_RETURN_IF_ERROR(CheckFp8(m, t));
   for (const AnyBuffer* b : {&b1, &b2, &scales})
@@ -230,9 +239,11 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
       Fp8Product(GemmOp::kNT, m.d, m.f, s.aq, s.scale + 3, w2t.untyped_data(), s.scale + 2, y->untyped_data(), t,
                  fast_accumulation, m.has_b2 ? 1.0f : 0.0f),  // onto y = s * b2[g] where b2 is given
   }, /*padded_layout=*/residual));
-  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0));
+  Fp8Rows rows;
+  if (gathered) rows = {static_cast<const int32_t*>(slot_of_row.untyped_data()), top_k, x.dimensions()[0]};
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0, rows));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
-                                      Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m)));
+                                      Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m), rows));
   if (residual)
     JAXMLP_RETURN_IF_ERROR(
         ZeroPaddedTail(stream, xt->untyped_data(), m.d, PaddedRows(m.M, m.E), gemms.padded_starts() + m.E));
@@ -352,9 +363,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                                               // (w1, w2: the e4m3 weights as they lie)
                                                               .Arg<xla::ffi::AnyBuffer>()   // w1t
                                                               .Arg<xla::ffi::AnyBuffer>()   // w2t
-                                                              .Arg<xla::ffi::AnyBuffer>())  // weight_amax
+                                                              .Arg<xla::ffi::AnyBuffer>()   // weight_amax
+                                                              .Arg<xla::ffi::AnyBuffer>())  // slot_of_row, or absent
                                   .Attr<bool>("fast_accumulation")
                                   .Attr<bool>("engine")
+                                  .Attr<int32_t>("top_k")
                                   .Ret<xla::ffi::AnyBuffer>()   // y
                                   .Ret<xla::ffi::AnyBuffer>()   // h
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a

@@ -44,22 +44,39 @@ __device__ void ZeroRow(T* row, int64_t n) {
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) row[j] = T(0.0f);
 }
 
+// Where row r of a quantizer's input [.., n] starts (Fp8Rows), null for a gathered row of zeros.
+template <typename T>
+__device__ __forceinline__ const T* RowStart(const T* v, int64_t r, int64_t n, const Fp8Rows& from) {
+  if (!from.gather) return v + r * n;
+  const int32_t slot = from.gather[r];
+  return slot >= 0 && slot / from.top_k < from.tokens ? v + int64_t(slot / from.top_k) * n : nullptr;
+}
+
 // Four independent 16-byte loads in flight per thread and iteration: one at a time left the kernel
-// latency-bound at a third of the memory bandwidth.
-template <typename T, int V>
-__global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int64_t rows, int64_t n, float* amax) {
+// latency-bound at a third of the memory bandwidth. kGathered: the rows as `from` places them (n % V == 0),
+// a zero row skipped.
+template <typename T, int V, bool kGathered>
+__global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int64_t rows, int64_t n, float* amax,
+                             Fp8Rows from) {
   constexpr int kUnroll = 4;
   const int64_t count = (offsets ? offsets[E] : rows) * n;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x * V;
   float m = 0.0f;
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count; i += kUnroll * stride) {
+    const T* at[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = i + u * stride;
+      const T* row = e < count && kGathered ? RowStart(v, e / n, n, from) : nullptr;
+      at[u] = e >= count ? nullptr : kGathered ? (row ? row + e % n : nullptr) : v + e;
+    }
     Vec<T, V> x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (i + u * stride < count) x[u] = Load<T, V>(v + i + u * stride);
+      if (at[u]) x[u] = Load<T, V>(at[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (i + u * stride < count)
+      if (at[u])
 #pragma unroll
         for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(ToFloat(x[u].v[k])));
   }
@@ -105,7 +122,7 @@ constexpr int kTile = 128, kTileThreads = 256;
 __device__ __forceinline__ int Swizzled(int row, int col) { return row * kTile + (col ^ (row / 16 % 8 * 16)); }
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
-                                                                   float* scale_out, Fp8Outputs o) {
+                                                                   float* scale_out, Fp8Outputs o, Fp8Rows from) {
   constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
   constexpr int kPasses = kTile / kRowsPerPass;
   __shared__ alignas(16) uint8_t tile[kTile * kTile];  // [row][column], swizzled
@@ -121,9 +138,12 @@ __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = r0 + first_row + i * kRowsPerPass;
-    if (r < valid && c0 + cc < C) x[i] = *reinterpret_cast<const uint4*>(v + r * C + c0 + cc);
+    if (r < valid && c0 + cc < C) {
+      const T* row = RowStart(v, r, C, from);
+      x[i] = row ? *reinterpret_cast<const uint4*>(row + c0 + cc) : make_uint4(0, 0, 0, 0);  // e4m3 zeros
+    }
   }
-  if (threadIdx.x < kTile) {  // the group lookups while the loads are in flight
+  if (o.cols_out && threadIdx.x < kTile) {  // the group lookups while the loads are in flight
     const int64_t r = r0 + threadIdx.x;
     int64_t base = -1;
     int pad = 0;
@@ -156,6 +176,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v
     }
     *reinterpret_cast<Bytes<V>*>(&tile[Swizzled(rr, cc)]) = q;  // V <= 16: within one chunk
   }
+  if (!o.cols_out) return;  // the rows alone: gathered ones, which QuantizeElementwiseKernel does not read
   __syncthreads();
   // kTile columns x kTile / 16 chunks of 16 rows = 4 kTileThreads chunks: four per thread, a column each.
   constexpr int kChunks = kTile / 16;
@@ -340,22 +361,26 @@ unsigned Blocks(int64_t work, int64_t per_block) {
 }  // namespace
 
 ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
-                  int64_t rows, int64_t n, float* amax) {
+                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from) {
+  if (from.gather && (n % 8 || from.top_k < 1))
+    return ffi::Error::InvalidArgument("jaxmlp: a gathered FP8 amax needs rows of a multiple of 8, top_k >= 1");
   By16BitType(t, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     const unsigned grid = Blocks(rows * n, 256 * V);
-    if (n % V == 0)
-      AbsMaxKernel<T, V><<<grid, 256, 0, stream>>>(static_cast<const T*>(v), offsets, E, rows, n, amax);
-    else
-      AbsMaxKernel<T, 1><<<grid, 256, 0, stream>>>(static_cast<const T*>(v), offsets, E, rows, n, amax);
+    const T* tv = static_cast<const T*>(v);
+    if (from.gather) AbsMaxKernel<T, V, true><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from);
+    else if (n % V == 0) AbsMaxKernel<T, V, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from);
+    else AbsMaxKernel<T, 1, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from);
   });
   return CheckCuda(cudaGetLastError(), "launching the FP8 amax kernel");
 }
 
 ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
-                        float* scale_out, const Fp8Outputs& out) {
+                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from) {
   if (C % 16) return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization needs rows of a multiple of 16 elements");
+  if (from.gather && (t == ffi::DataType::F8E4M3FN || from.top_k < 1))
+    return ffi::Error::InvalidArgument("jaxmlp: gathered FP8 quantization reads 16-bit tokens, top_k >= 1");
   const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
   if (row_tiles > INT32_MAX || col_tiles > 65535)
     return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization of a [" + std::to_string(R) + ", " +
@@ -364,8 +389,9 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
-    if (out.cols_out)
-      QuantizeTileKernel<T><<<grid, kTileThreads, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out);
+    if (out.cols_out || from.gather)
+      QuantizeTileKernel<T><<<grid, kTileThreads, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out,
+                                                               from);
     else
       QuantizeElementwiseKernel<T, V><<<unsigned(std::clamp<int64_t>(R * C / (256 * V), 1, 16384)), 256, 0, stream>>>(
           static_cast<const T*>(v), R, C, amax, scale_out, out);

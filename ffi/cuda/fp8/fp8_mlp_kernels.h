@@ -16,10 +16,21 @@
 
 namespace jaxmlp {
 
+// Where a quantizer's input row r lies: row r of v, or (gather given: the rows a dispatch plan takes from
+// v's `tokens` tokens) token gather[r] / top_k of v, a row of zeros where gather[r] < 0 or that token is past
+// `tokens` (jaxmlp.plan.take_rows): the FP8 forward reads the MoE layer's rows from its tokens, no 16-bit
+// copy of them written.
+struct Fp8Rows {
+  const int32_t* gather = nullptr;
+  int32_t top_k = 1;
+  int64_t tokens = 0;
+};
+
 // *amax = max(*amax, max |v| over rows [0, rows) of v [.., n]) with rows = offsets[E] where offsets is given,
-// else `rows`. *amax must hold a non-negative value (0 to start) before the first call.
+// else `rows`; the rows as `from` places them. *amax must hold a non-negative value (0 to start) before the
+// first call.
 ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
-                  int64_t rows, int64_t n, float* amax);
+                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from = {});
 
 // Where QuantizeRows writes element (r, c) of its [R, C] input, for rows r in group g:
 //   rows_out[r * C + c]                                           (the input's layout), and/or
@@ -37,9 +48,9 @@ struct Fp8Outputs {
 };
 
 // Quantizes v [R, C] (t: bf16, f16 or FP8 e4m3, the last one with amax null: a transposition) with the scale
-// of *amax into `out`.
+// of *amax into `out`; R rows as `from` places them (16-bit v only where gathered).
 ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
-                        float* scale_out, const Fp8Outputs& out);
+                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from = {});
 
 // Zeroes the columns of the padded layout cols [R, ld] from *padded_end (the last group's padded end, on the
 // device: GroupedGemms::padded_starts() + E) on: ld is sized for the worst case (PaddedRows), the products
