@@ -141,8 +141,9 @@ def test_cuda_fp8_forward_keeps_the_emulations_copy_of_x(rng, case):
   for platform in ("cpu", "cuda"):
     with jax.default_device(jax.devices(platform)[0]):
       a = jax.device_put(args, jax.devices(platform)[0])
-      _, (residuals, *_) = fp8_mlp._mlp_fwd(a["x"], None, a["w1"], a["w2"], None, None, jax.device_put(gs, a["x"].device),
-                                            None, None, a["scales"], act, EXACT["tensorwise"], shape, True)
+      _, (residuals, *_) = fp8_mlp._mlp_fwd(a["x"], None, a["w1"], a["w2"], None, None,
+                                            jax.device_put(gs, a["x"].device), None, None, a["scales"], act,
+                                            EXACT["tensorwise"], shape, True)
       xts[platform] = np.asarray(residuals[2]).view(np.uint8)
   assert xts["cuda"].shape == (d, tensorwise.SCHEME.padded_length(M, len(sizes)))
   np.testing.assert_array_equal(xts["cuda"], xts["cpu"])

@@ -108,12 +108,12 @@ def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, reci
 
   def on(implementation, reads_tokens: bool):
     def run(x, *a):
-      rows = {}
+      kw = {}
       if slots and reads_tokens:
-        rows = dict(gather=(a[0], gather.row_of_slot.shape[1]))
+        kw = dict(gather=(a[0], gather.row_of_slot.shape[1]))
       elif slots:
         x = take_rows(x, a[0], gather.row_of_slot.shape[1])
-      return implementation.forward(x, *a[len(slots):], act, recipe, shape, residuals, zero_padding, **rows)
+      return implementation.forward(x, *a[len(slots):], act, recipe, shape, residuals, zero_padding, **kw)
     return run
 
   platforms = _platforms(recipe)

@@ -55,7 +55,8 @@ class Implementation(tp.NamedTuple):
   forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding) -> (y,
     residuals or None): w1q, w2q as quantize_weights gives them; b1, b2, scales may be None; without
     `residuals` (a call that is not differentiated) an implementation may skip what only the backward
-    reads;
+    reads (the tensorwise CUDA forward also takes gather=(slot_of_row, k): x then holds the tokens a dispatch
+    plan takes its rows from, jaxmlp.fp8.cuda.reads_tokens);
   backward(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding) -> (dx, dw1, dw2, db1,
     db2, dscales), None where absent.
   y's and dx's rows past the groups are zeros with zero_padding, else any values (an implementation may
