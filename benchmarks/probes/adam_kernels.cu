@@ -2,18 +2,18 @@
 // AdamWeightBlocksKernel, the tensorwise recipe's AdamWeightTensorKernel) and streaming kernels of the same
 // adam arithmetic, timed in turn at dsv3's w1 (E 32, K 7168, N 4096, bfloat16 gradient) with cudaEvents,
 // back to back; each fused variant's outputs (w, mu, nu, q, qt, exponents, the new maximum) are first
-// compared bit for bit with the first of its recipe's (the production kernel) on shapes of cut tiles.
-// What it measured (benchmarks/RESULTS-fp8.md, docs/performance.md "Kernel measurements"): a block per 128 x
-// 128 tile, holding the tile's rounded weights in registers (80 a thread, 37% of the warps active against
-// streaming adam's 64%, by Nsight Compute; no DRAM write amplification), moved its 28 bytes a weight at 3.8
-// TB/s on an H200 (6.91 ms), where a streaming kernel of short-lived blocks (one 16-byte access per array a
-// thread) reaches 4.2 TB/s for adam's 26, the rate of XLA's adam in a training step. Blockwise: a tile's
-// rows over a cluster of 2, 4 or 8 blocks that meet its maximum in distributed shared memory gained 2-3% at 2
-// and 4, which AdamWeightBlocksKernel now runs (4); the tile kernel with its next row's loads first or rows
-// staged by cp.async lost. Tensorwise, whose delayed scale needs no tile maximum first: strips of 8-32 rows
-// of a held tile lost (7.1-8.1 ms), quantizing each pass as it goes, nothing held, gained 3% in blocks of 32
-// rows (6.72 ms), which AdamWeightTensorKernel now runs; the probe times it beside other row counts and
-// occupancies.
+// compared bit for bit with the first of its recipe's on a shape of cut tiles. docs/performance.md ("Kernel
+// measurements": adam's kernel) has what it measured: the blockwise kernel moves its 28 bytes a weight at
+// 3.8 TB/s on an H200, as fast as a persistent streaming loop of the same arithmetic, while a streaming
+// kernel of short-lived blocks (one 16-byte access per array a thread) reaches 4.2 TB/s, the rate of XLA's
+// adam in a training step; the cluster variants (a tile's rows split over 2, 4 or 8 blocks that meet its
+// maximum in distributed shared memory) gain 2-3% (6.72 ms at 4 against 6.91; a cluster needs a launch
+// attribute in a build for every architecture, where __cluster_dims__ does not compile before Hopper: not yet
+// in the kernel). The tensorwise kernel's delayed scale needs no tile maximum first: a block per tile
+// holding its rounded weights (80 registers, 37% of the warps active against streaming adam's 64%, by Nsight
+// Compute; no DRAM write amplification) took 6.90 ms, strips of 8-32 rows of a held tile 7.1-8.1, quantizing
+// each pass as it goes, nothing held, 6.72 in blocks of 32 rows (52 registers), which AdamWeightTensorKernel
+// now is (benchmarks/RESULTS-fp8.md); the probe times it beside other row counts and occupancies.
 // It compiles the kernels' file into itself (their anonymous namespace), on a Hopper GPU with jaxlib's
 // headers:
 //
@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <cooperative_groups.h>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -147,6 +148,81 @@ __global__ void __launch_bounds__(256) AdamStripStreamKernel(AdamStep s, const G
   AdamEight(s, neg_lr, c1, c2, grad, (blockIdx.z * K + row) * N + col);
 }
 
+// ---- the fused kernel over a cluster of kC blocks per 128 x 128 tile: each block 128 / kC rows (8 / kC
+// passes), the tile's maximum met through distributed shared memory. cluster.sync() waits for the block's
+// global stores (a membar): with one pass a block (kC 8) the new w, mu and nu are held until after it;
+// the second barrier (no block leaves while a peer may read its maximum) arrives once the maxima are read
+// and used, relaxed, and waits at the end. ----
+template <typename R, typename G, int kC>
+__global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
+    AdamClusterKernel(AdamStep s, const G* grad, int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
+  namespace cg = cooperative_groups;
+  constexpr int kRows = 128 / kC, kPasses = kRows / 16;
+  constexpr bool kHoldUpdate = kPasses == 1;
+  __shared__ uint8_t tile[kRows][kScaleBlock + 4];
+  __shared__ float warp_max[8];
+  __shared__ float block_max;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int64_t n0 = int64_t(blockIdx.x / kC) * kScaleBlock, k0 = int64_t(blockIdx.y) * kScaleBlock + rank * kRows;
+  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;
+  const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
+  auto holds = [&](int p) { return k0 + first_row + 16 * p < K && n0 + j < N; };
+  auto offset = [&](int p) { return (int64_t(blockIdx.z) * K + k0 + first_row + 16 * p) * N + n0 + j; };
+  typename RoundedPair<R>::Type held[kPasses][4];
+  Vec<float, 8> w, mu, nu;
+  float amax = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    if (!holds(p)) continue;
+    const int64_t o = offset(p);
+    w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
+    const Vec<G, 8> g = Load<G, 8>(grad + o);
+    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
+    if (!kHoldUpdate) Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+#pragma unroll
+    for (int u = 0; u < 8; u += 2) {
+      held[p][u / 2] = RoundedPair<R>::From(w.v[u], w.v[u + 1]);
+      const float2 r = RoundedPair<R>::To(held[p][u / 2]);
+      amax = fmaxf(amax, fmaxf(fabsf(r.x), fabsf(r.y)));
+    }
+  }
+  amax = WarpMax(amax);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = 0.0f;
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, warp_max[i]);
+    block_max = m;
+  }
+  cluster.sync();  // every block's maximum written
+  amax = 0.0f;
+  for (int c = 0; c < kC; ++c) amax = fmaxf(amax, *cluster.map_shared_rank(&block_max, c));
+  const int exp = Exponent(amax);  // uses the peers' maxima: their reads are done
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  if (kHoldUpdate && holds(0)) {
+    const int64_t o = offset(0);
+    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
+  }
+  const Unscale unscale(exp);
+  if (threadIdx.x == 0 && rank == 0)
+    e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * (gridDim.x / kC) + blockIdx.x / kC] = exp;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    if (!holds(p)) continue;
+    uint64_t packed = 0;
+    for (int u = 0; u < 8; u += 2) {
+      const float2 r = RoundedPair<R>::To(held[p][u / 2]);
+      packed |= uint64_t(Quantize2(r.x, r.y, unscale)) << (8 * u);
+    }
+    for (int u = 0; u < 8; ++u) tile[first_row + 16 * p][j + u] = uint8_t(packed >> (8 * u));
+    *reinterpret_cast<uint64_t*>(q + offset(p)) = packed;
+  }
+  __syncthreads();
+  StoreTransposed(tile, n0, k0, K, N, qt);
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
+}
+
 // ---- the persistent loop's traffic with an add in place of adam's arithmetic ----
 template <typename G>
 __global__ void __launch_bounds__(256) CopyStreamKernel(AdamStep s, const G* grad, int64_t n) {
@@ -237,16 +313,18 @@ std::vector<Variant> Variants() {
   const int chunk = kChunks<R> * 256 * 16;  // a row's shared stage of AdamStagedKernel
   AllowSmem(AdamStagedKernel<R, R, 3, 2>, 3 * chunk);
   // Fused: adam and the quantization, 28 bytes a weight.
-  v.push_back({"kernel (clusters of 4 a tile)", 'b', [=](Buffers& b) {
-    AdamWeightBlocksKernel<R, R><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"clusters of 2 a tile", 'b', [=](Buffers& b) {
-    AdamWeightBlocksKernel<R, R, 2><<<tiles(b, 2), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"clusters of 8 a tile", 'b', [=](Buffers& b) {
-    AdamWeightBlocksKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"a tile, next row's loads first", 'b', [=](Buffers& b) {
+  v.push_back({"kernel (three blocks an SM)", 'b', [=](Buffers& b) {
+    AdamWeightBlocksKernel<R, R><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"next row's loads first", 'b', [=](Buffers& b) {
     AdamAheadKernel<R, R, 2><<<tiles(b, 1), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
-  v.push_back({"a tile, 3 rows staged by cp.async", 'b', [=](Buffers& b) {
+  v.push_back({"3 rows staged by cp.async", 'b', [=](Buffers& b) {
     AdamStagedKernel<R, R, 3, 2><<<tiles(b, 1), 256, 3 * chunk>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"cluster of 2 a tile", 'b', [=](Buffers& b) {
+    AdamClusterKernel<R, R, 2><<<tiles(b, 2), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"cluster of 4 a tile", 'b', [=](Buffers& b) {
+    AdamClusterKernel<R, R, 4><<<tiles(b, 4), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
+  v.push_back({"cluster of 8 a tile", 'b', [=](Buffers& b) {
+    AdamClusterKernel<R, R, 8><<<tiles(b, 8), 256>>>(b.Step(), b.g, b.K, b.N, b.q, b.qt, b.e); }});
   // Tensorwise, fused: the kernel (32 rows a block), and blocks of other rows and occupancies.
   // amax zeroed before each launch, as the handler does (else later launches skip their atomics).
   auto tensor = [=](auto kernel, int split) {

@@ -5,8 +5,6 @@
 #include "cuda/fp8/weight_tile.cuh"
 #include "cuda/launch.cuh"
 
-#include <cooperative_groups.h>
-
 namespace jaxmlp {
 namespace {
 
@@ -36,90 +34,44 @@ __device__ __forceinline__ Vec<float, 8> AdamEight(const AdamStep& s, float neg_
   return w;
 }
 
-// Both kernels run kTileSplit blocks a 128 x 128 tile, consecutive in x (SplitTiles).
-constexpr int kTileSplit = 4;
-
-// Blockwise: a cluster of kC blocks per 128 x 128 tile of one expert, each
-// block 128 / kC of its rows, 256 threads, each eight consecutive columns of every 16th row. A block's new
-// weights, rounded to R, are held in registers until the tile's maximum is known: the blocks meet it through
-// distributed shared memory, then quantize (the tile's exponent, written by the cluster's first block), q as
-// it lies, qt through shared memory in 128 / kC bytes a column. Four blocks a tile: 56-60 registers against
-// a block a tile's 80, more loads in flight (docs/performance.md, "Kernel measurements"; the probe
-// times 2 and 8). cluster.sync() orders every block's maximum before any reads it; the closing barrier keeps a
-// block, whose shared maximum a peer may still read, from leaving before the peers have read it (it arrives,
-// relaxed, once this block has read theirs). kC 8 (one pass a block) holds the new w, mu and nu until after
-// the first barrier, which waits for the block's global stores.
-template <typename R, typename G, int kC = kTileSplit>
-__global__ void __cluster_dims__(kC, 1, 1) __launch_bounds__(256, 3)
-    AdamWeightBlocksKernel(AdamStep s, const G* grad, int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
-  namespace cg = cooperative_groups;
-  constexpr int kRows = kScaleBlock / kC, kPasses = kRows / 16;
-  constexpr bool kHoldUpdate = kPasses == 1;
-  __shared__ uint8_t tile[kRows][kScaleBlock + 4];
-  __shared__ float block_max;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank());
-  const int64_t n0 = int64_t(blockIdx.x / kC) * kScaleBlock, k0 = int64_t(blockIdx.y) * kScaleBlock + rank * kRows;
-  const int j = threadIdx.x % 16 * 8, first_row = threadIdx.x / 16;
+// The adam step of a thread's part of its block's 128 x 128 tile (AdamEight), the new weights rounded to R
+// and held (HeldTile): the largest magnitude of the thread's rounded weights.
+template <typename R, typename G>
+__device__ __forceinline__ float AdamTile(const AdamStep& s, const G* grad, const WeightTile& t, HeldTile<R>& held) {
   const float neg_lr = s.hyper[0], c1 = s.hyper[1], c2 = s.hyper[2];
-  // K, N multiples of 16: a thread's eight columns all in or all past.
-  auto holds = [&](int p) { return k0 + first_row + 16 * p < K && n0 + j < N; };
-  auto offset = [&](int p) { return (int64_t(blockIdx.z) * K + k0 + first_row + 16 * p) * N + n0 + j; };
-  typename RoundedPair<R>::Type held[kPasses][4];
-  Vec<float, 8> w, mu, nu;
   float amax = 0.0f;
 #pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    if (!holds(p)) continue;
-    const int64_t o = offset(p);
-    w = Load<float, 8>(s.w + o), mu = Load<float, 8>(s.mu + o), nu = Load<float, 8>(s.nu + o);
-    const Vec<G, 8> g = Load<G, 8>(grad + o);
-    for (int u = 0; u < 8; ++u) AdamUpdate(s, neg_lr, c1, c2, Conv<G>::To(g.v[u]), w.v[u], mu.v[u], nu.v[u]);
-    if (!kHoldUpdate) {
-      Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
-    }
-#pragma unroll
-    for (int u = 0; u < 8; u += 2) held[p][u / 2] = RoundPair<R>(w.v[u], w.v[u + 1], amax);
+  for (int p = 0; p < WeightTile::kPasses; ++p) {
+    if (!t.Holds(p)) continue;
+    const Vec<float, 8> w = AdamEight(s, neg_lr, c1, c2, grad, t.Offset(p));
+    amax = fmaxf(amax, held.Hold(p, w.v));
   }
-  amax = BlockMax<8>(amax);
-  if (threadIdx.x == 0) block_max = amax;
-  cluster.sync();  // every block's maximum written
-  amax = 0.0f;
-  for (int c = 0; c < kC; ++c) amax = fmaxf(amax, *cluster.map_shared_rank(&block_max, c));
-  const int exp = Exponent(amax);  // the peers' maxima read
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-  if (kHoldUpdate && holds(0)) {
-    const int64_t o = offset(0);
-    Store<float, 8>(s.w_out + o, w), Store<float, 8>(s.mu_out + o, mu), Store<float, 8>(s.nu_out + o, nu);
-  }
-  const Unscale unscale(exp);
-  if (threadIdx.x == 0 && rank == 0)
-    e[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * (gridDim.x / kC) + blockIdx.x / kC] = exp;
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    if (!holds(p)) continue;
-    uint64_t packed = 0;
-    for (int u = 0; u < 8; u += 2) {
-      const float2 r = RoundedPair<R>::To(held[p][u / 2]);
-      packed |= uint64_t(Quantize2(r.x, r.y, unscale)) << (8 * u);
-    }
-    for (int u = 0; u < 8; ++u) tile[first_row + 16 * p][j + u] = uint8_t(packed >> (8 * u));
-    *reinterpret_cast<uint64_t*>(q + offset(p)) = packed;
-  }
-  __syncthreads();
-  StoreTransposed(tile, n0, k0, K, N, qt);
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // no block leaves while a peer may read
+  return amax;
+}
+
+// A block per 128 x 128 tile of one expert: AdamTile, then QuantizeWeightTile of the held weights (the tile's
+// own scale). Three blocks an SM at least: ptxas fits the held tile in 80 registers (84, two blocks,
+// unbounded; nvcc 13.0 spills a few bytes in the float32-gradient instantiations).
+template <typename R, typename G>
+__global__ void __launch_bounds__(256, 3) AdamWeightBlocksKernel(AdamStep s, const G* grad, int64_t K, int64_t N,
+                                                              uint8_t* q, uint8_t* qt, int32_t* e) {
+  const WeightTile t(K, N);
+  HeldTile<R> held;
+  const float amax = AdamTile(s, grad, t, held);
+  QuantizeWeightTile(t, amax, held, q, qt, e);
 }
 
 // Tensorwise with the delayed scale, known before the step: each pass's new weights are rounded to R and
 // quantized at once (tensorwise.quantize_e4m3: v * 448 / amax in float32, to nearest even, saturating at
-// +-448), nothing held in registers (as AdamWeightBlocksKernel holds its rows until the tile's maximum is
-// known). A block per kRows rows x 128 columns of one expert (kScaleBlock / kRows blocks a tile), 256
+// +-448), nothing held in registers (as AdamWeightBlocksKernel holds its tile until it has the tile's
+// maximum). A block per kRows rows x 128 columns of one expert (kScaleBlock / kRows blocks a tile), 256
 // threads, each eight consecutive columns of every 16th row; q written as it lies, qt through shared memory
 // in kRows bytes a column (32: whole sectors); the block's maximum into *amax (one atomic a block). 32 rows,
 // four blocks an SM: 52-56 registers, more loads in flight than a block a tile holding it (80 registers, three
 // blocks; docs/performance.md, "Kernel measurements"; the probe times other sizes).
-template <typename R, typename G, int kRows = kScaleBlock / kTileSplit, int kMinBlocks = 4>
+constexpr int kTensorRows = 32;  // AdamWeightTensorKernel's rows a block
+
+template <typename R, typename G, int kRows = kTensorRows, int kMinBlocks = 4>
 __global__ void __launch_bounds__(256, kMinBlocks) AdamWeightTensorKernel(AdamStep s, const G* grad, int64_t K,
                                                                          int64_t N, const float* delayed, uint8_t* q,
                                                                          uint8_t* qt, float* amax) {
@@ -175,8 +127,7 @@ ffi::Error AdamWeightBlocks(cudaStream_t stream, ffi::DataType r, ffi::DataType 
                             int64_t K, int64_t N, uint8_t* q, uint8_t* qt, int32_t* e) {
   if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
   ByGradient(r, g, s, [&](auto rounded, auto grad) {
-    AdamWeightBlocksKernel<decltype(rounded)><<<SplitTiles(E, K, N, kTileSplit), 256, 0, stream>>>(s, grad, K, N, q,
-                                                                                                  qt, e);
+    AdamWeightBlocksKernel<decltype(rounded)><<<WeightTiles(E, K, N), 256, 0, stream>>>(s, grad, K, N, q, qt, e);
   });
   return CheckCuda(cudaGetLastError(), "launching the adam step's 128x128 quantizer");
 }
@@ -185,9 +136,8 @@ ffi::Error AdamWeightTensor(cudaStream_t stream, ffi::DataType r, ffi::DataType 
                             int64_t K, int64_t N, const float* delayed, uint8_t* q, uint8_t* qt, float* amax) {
   if (E == 0 || K == 0 || N == 0) return ffi::Error::Success();
   ByGradient(r, g, s, [&](auto rounded, auto grad) {
-    AdamWeightTensorKernel<decltype(rounded)><<<SplitTiles(E, K, N, kTileSplit), 256, 0, stream>>>(s, grad, K, N,
-                                                                                                  delayed, q, qt,
-                                                                                                  amax);
+    AdamWeightTensorKernel<decltype(rounded)><<<SplitTiles(E, K, N, kScaleBlock / kTensorRows), 256, 0, stream>>>(
+        s, grad, K, N, delayed, q, qt, amax);
   });
   return CheckCuda(cudaGetLastError(), "launching the adam step's tensorwise quantizer");
 }
