@@ -84,6 +84,7 @@ def test_train_example_fp8_over_micro_batches(capsys):
     train_moe.main(["--steps", "2", "--config", "tiny", "--micro-batches", "3"])
 
 
+@pytest.mark.matrix  # the default run: each recipe, micro-batch count and expert_parallel once
 @pytest.mark.parametrize("recipe, micro_batches, expert_parallel", [
     ("blockwise", 1, False), ("blockwise", 2, False), ("blockwise", 1, True), ("tensorwise", 1, False),
     ("tensorwise", 1, True)])
