@@ -20,6 +20,7 @@ from . import _checks, _gemm_path, _groups, _library, dispatch, reference
 from ._autodiff import gathered, integer_cotangent, not_differentiable, refuse_forward_mode, summed_like
 from ._library import ABSENT, optional
 from .activations import Activation, resolve
+from .fp8 import delayed
 from .fp8 import mlp as fp8_mlp
 from .fp8 import recipe as fp8_recipe
 from .plan import Plan, check_gather_args, take_rows
@@ -27,7 +28,7 @@ from .plan import Plan, check_gather_args, take_rows
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
                 scales=None, check_group_sizes: bool = False, fp8: str | fp8_recipe.Fp8Recipe | None = None,
-                zero_padding: bool = True, gather: Plan | None = None):
+                zero_padding: bool = True, gather: Plan | None = None, fp8_history=None):
   """Mixture-of-Experts expert MLP over rows sorted by expert: `scales * (act(x @ w1[g] + b1[g]) @ w2[g] + b2[g])`.
 
   Args:
@@ -66,6 +67,10 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
       them written (today slower than the copy: backend_info()["cuda"]["gather_in_fc1"]); with
       fp8="tensorwise" (FP8 weight gradients) on a GPU the forward's quantization passes read them from x,
       and the backward needs only their e4m3 copy; elsewhere XLA gathers them first.
+    fp8_history: with fp8=jaxmlp.Fp8Recipe("tensorwise", scaling="delayed") (only then), the call site's amax
+      history, float32 [4, H] (jaxmlp.fp8_history(H)): x, a, dy and dh are quantized by the largest of
+      their last H amaxes, with no amax passes, and the gradient of fp8_history is the updated history (to
+      take as the next one, not to add: jaxmlp.fp8.delayed).
 
   Returns:
     [M, d] in x.dtype (float32, bfloat16 or float16; accumulation in float32).
@@ -90,6 +95,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     x, gather = dispatch.gather(x, gather), None
   if recipe is not None:
     fp8_recipe.check_call(x, recipe, shape, w1, w2)
+  delayed.check(fp8_history, None if recipe is None else recipe.scaling)
+  # A call that runs in x's dtype observes no amax and gives the history back as it was.
+  kept = (lambda y: y) if fp8_history is None else (lambda y: delayed.unchanged(y, fp8_history))
   shape = dataclasses.replace(shape, in_use=_gemm_path.expected_rows(shape.M))
   if check_group_sizes:
     _groups.check_at_run_time(group_sizes, shape.M)
@@ -98,18 +106,19 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
     # An empty problem leaves only biases and zeros to compute, and the handlers take no zero-sized
     # operands (they launch kernels sized by them): the reference, which defines the semantics, does it.
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
-    return reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
-  refuse_forward_mode(x, w1, w2, b1, b2, scales)
+    return kept(reference.grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales))
+  refuse_forward_mode(x, w1, w2, b1, b2, scales, fp8_history)
   x, b1, b2, scales = gathered(x, b1, b2, scales)
   run = fp8_recipe.as_run(recipe, shape, w1, w2)  # the recipe, with its products' precisions decided
   gather = None if gather is None else Plan(*gathered(*gather))
   if run is not None:
-    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, run, shape, zero_padding, gather)
+    return fp8_mlp.grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act, run, shape, zero_padding, gather,
+                               fp8_history)
   if recipe is not None:  # not in FP8 at this shape: Fp8Weights' weights, whose gradient they take
     w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
   if gather is not None:
-    return _gathered_mlp(x, gather, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding)
-  return _mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding)
+    return kept(_gathered_mlp(x, gather, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding))
+  return kept(_mlp(x, *gathered(w1, w2), group_sizes, b1, b2, scales, act, shape, zero_padding))
 
 
 # The operands were checked once, in grouped_mlp: the rules get their sizes (`shape`, static and

@@ -31,6 +31,9 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   """
   act = resolve(activation)
   recipe = fp8_recipe.resolve_with_weights(fp8, w1, w2)
+  if recipe is not None and recipe.scaling != "current":
+    raise NotImplementedError("reference.grouped_mlp: fp8 scaling='delayed' takes an amax history, which the "
+                              "reference does not; its definition is jaxmlp.fp8.tensorwise's with the given amaxes")
   if recipe is not None:
     dtype = jnp.result_type(x)
     s = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes, act,

@@ -82,17 +82,21 @@ def _rows_of(b, off, M):
   return out
 
 
-def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_weight_gradients=True, nudge=0.0):
+def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_weight_gradients=True, nudge=0.0,
+                delayed=None):
   """(y, {x, w1, w2, scales, b1, b2} gradients) of the FP8 recipe, as float64 arrays; dtype: the 16-bit
   ml_dtype; without fp8_weight_gradients the weight gradients are products of x, a and dh rounded to dtype,
-  and dy."""
+  and dy. delayed: the amaxes [4] x, a, dy and dh are quantized by (delayed scaling: saturating where a value
+  is past its amax), instead of their own; the gradients then hold "seen", their own amaxes [4]."""
+  by = (lambda i, own: own) if delayed is None else (lambda i, own: float(np.float32(delayed[i])))
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
   x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
   M, E, d = x.shape[0], w1.shape[0], x.shape[1]
   off = ref.clamp_sizes(sizes, M)
   valid = np.arange(M) < off[-1]
   s = np.asarray(scales, np.float64)[:, None] if scales is not None else np.ones((M, 1))
-  ax, aw1, aw2 = np.abs(x[valid]).max(initial=0), np.abs(w1).max(), np.abs(w2).max()
+  seen_x, aw1, aw2 = np.abs(x[valid]).max(initial=0), np.abs(w1).max(), np.abs(w2).max()
+  ax = by(0, seen_x)
   qx, qw1, qw2 = _quantize(x, ax), _quantize(w1, aw1), _quantize(w2, aw2)
   h = np.zeros((M, w1.shape[2]))
   for g in range(E):
@@ -102,10 +106,12 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_
       h[r] = rnd(h[r] + b1[g])
   value, (dgate, dup) = ref.activation(act, h)
   a = np.where(valid[:, None], value * s, 0)
-  aa = np.abs(a).max(initial=0)
+  seen_a = np.abs(a).max(initial=0)
+  aa = by(1, seen_a)
   qa = _quantize(a, aa, nudge)
   dyv = np.where(valid[:, None], dy, 0)
-  ady = np.abs(dyv).max(initial=0)
+  seen_dy = np.abs(dyv).max(initial=0)
+  ady = by(2, seen_dy)
   qdy = _quantize(dyv, ady)
   y, da = np.zeros((M, d)), np.zeros_like(a)
   for g in range(E):
@@ -115,7 +121,8 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_
     da[r] = rnd(_nudged(qdy[r] @ qw2[g].T * (_scale(ady) * _scale(aw2)), nudge))
   dh = da * s * dgate if dup is None else np.concatenate([da * s * dgate, da * s * dup], axis=1)
   dh = np.where(valid[:, None], dh, 0)
-  adh = np.abs(dh).max(initial=0)
+  seen_dh = np.abs(dh).max(initial=0)
+  adh = by(3, seen_dh)
   qdh = _quantize(dh, adh, nudge)
   grads = {"x": np.zeros_like(x), "w1": np.zeros_like(w1), "w2": np.zeros_like(w2)}
   for g in range(E):
@@ -130,6 +137,8 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_
   dscales = _bias_grads(grads, off, s, dh, dyv, value, da, valid, b1, b2, rnd, nudge)
   if scales is not None:
     grads["scales"] = dscales
+  if delayed is not None:
+    grads["seen"] = np.array([seen_x, seen_a, seen_dy, seen_dh])
   return y, grads
 
 

@@ -8,6 +8,7 @@
   cuda.py        both recipes on a GPU: their custom calls
   mlp.py         the one custom_vjp over them, and jaxmlp.fp8_weights
   adam.py        jaxmlp.fp8_adam_step: adam's step that writes the FP8 weights in its pass
+  delayed.py     the tensorwise recipe's delayed scaling: the amax history a call scales by and updates
   exchange.py    the expert-parallel layer's gathers in e4m3 (MoE(fp8_exchange=True))
 
 docs/fp8.md has the recipes' rationale and measurements.

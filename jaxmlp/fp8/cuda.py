@@ -67,12 +67,13 @@ def reads_tokens(recipe, residuals: bool) -> bool:
 
 
 def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape,
-                 residuals: bool, zero_padding: bool, gather=None):
+                 residuals: bool, zero_padding: bool, gather=None, delayed=None):
   """The forward's custom call: (y [M, d], with `residuals` what the backward takes: h [M, F1], amax [4]
   float32 of x, w1, w2, a, x's e4m3 copy xt [d, L] (tensorwise.transposed_padded's layout; with 16-bit weight
-  gradients x itself), q(w1), q(w2)). y's rows past the groups are zeros, whatever zero_padding says.
-  gather: (slot_of_row [M] int32, k) where x holds the tokens a plan takes the rows from (reads_tokens), which
-  the quantization passes read in place."""
+  gradients x itself), q(w1), q(w2); with `delayed`, x's and a's amaxes as observed). y's rows past the
+  groups are zeros, whatever zero_padding says. gather: (slot_of_row [M] int32, k) where x holds the tokens a
+  plan takes the rows from (reads_tokens), which the quantization passes read in place. delayed: amaxes [4]
+  (x, a, dy, dh) to scale by (tensorwise.forward's)."""
   cuda = _module_or_raise()
   dt = x.dtype
   (w1, aw1, w1t), (w2, aw2, w2t) = w1q, w2q
@@ -81,34 +82,41 @@ def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, r
   ws = cuda.mlp_fp8_workspace_bytes(True, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
                                     False, False)
   xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals and fp8_wgrad else ABSENT
-  outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3)]
+  outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3),
+          ((2,) if delayed is not None else ABSENT, jnp.float32)]
   slot_of_row, top_k = (optional(None, jnp.int32), 1) if gather is None else gather
-  y, h, amax, xt = _library.call(
+  given = optional(None if delayed is None else delayed[:2], jnp.float32)
+  y, h, amax, xt, seen = _library.call(
       "jaxmlp_mlp_fp8_fwd", outs, x, w1, w2, groups.given, optional(b1, dt), optional(b2, dt), optional(scales, dt),
-      w1t, w2t, jnp.stack([aw1, aw2]), slot_of_row, workspace=ws, **_library.activation_attrs(act),
+      w1t, w2t, jnp.stack([aw1, aw2]), slot_of_row, given, workspace=ws, **_library.activation_attrs(act),
       fast_accumulation=bool(recipe.fast_accumulation), engine=engine, top_k=np.int32(top_k))
-  return y, (h, amax, xt if fp8_wgrad else x, w1, w2) if residuals else None
+  if not residuals:
+    return y, None
+  return y, (h, amax, xt if fp8_wgrad else x, w1, w2) + ((seen,) if delayed is not None else ())
 
 
 def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, recipe, s: MlpShape, dy,
-                  zero_padding: bool):
+                  zero_padding: bool, delayed=None):
   """The backward's custom call, from the forward's residuals: (dx, dw1, dw2, db1, db2, dscales), None where
-  absent; dx's rows past the groups zeros, whatever zero_padding says."""
+  absent; dx's rows past the groups zeros, whatever zero_padding says; with `delayed` (tensorwise.backward's)
+  a seventh result, the amaxes [4] of x, a, dy, dh as observed."""
   cuda = _module_or_raise()
-  h, amax, xt, w1q, w2q = residuals  # xt: x itself with 16-bit weight gradients
+  h, amax, xt, w1q, w2q = residuals[:5]  # xt: x itself with 16-bit weight gradients
   dt = h.dtype
   engine, fp8_wgrad = _gemm_path.fp8_on_engine(dt, s.d, s.f), fp8_weight_gradients(recipe)
   ws = cuda.mlp_fp8_workspace_bytes(False, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
                                     b1 is not None, b2 is not None)
   outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
           ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
-          ((s.M,) if scales is not None else ABSENT, dt)]
-  dx, dw1, dw2, db1, db2, dscales = _library.call(
+          ((s.M,) if scales is not None else ABSENT, dt), ((2,) if delayed is not None else ABSENT, jnp.float32)]
+  given = optional(None if delayed is None else delayed[2:], jnp.float32)
+  dx, dw1, dw2, db1, db2, dscales, seen = _library.call(
       "jaxmlp_mlp_fp8_bwd", outs, xt, w1q, w2q, groups.given, optional(b1, dt), optional(b2, dt),
-      optional(scales, dt), h, dy, amax, workspace=ws, **_library.activation_attrs(act),
+      optional(scales, dt), h, dy, amax, given, workspace=ws, **_library.activation_attrs(act),
       fast_accumulation=bool(recipe.backward_fast_accumulation), engine=engine, fp8_weight_gradients=fp8_wgrad)
-  return (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
-          dscales if scales is not None else None)
+  grads = (dx, dw1, dw2, db1 if b1 is not None else None, db2 if b2 is not None else None,
+           dscales if scales is not None else None)
+  return grads if delayed is None else (*grads, jnp.concatenate([residuals[5], seen]))
 
 
 TENSORWISE = Implementation(tensor_weights, _mlp_forward, _mlp_backward)

@@ -25,17 +25,19 @@ from .._library import on_platforms
 from ..activations import Activation
 from ..gemm import grouped_gemm
 from ..plan import Plan, take_rows
-from . import cuda
+from . import cuda, delayed
 from .quantize import Implementation
 from .recipe import Fp8Recipe, Fp8Weights, check_weights_args, split_weights
 
 
 def grouped_mlp(x, w1, w2, group_sizes, b1, b2, scales, act: Activation, recipe: Fp8Recipe,
-                shape: _checks.MlpShape, zero_padding: bool = True, gather: Plan | None = None):
+                shape: _checks.MlpShape, zero_padding: bool = True, gather: Plan | None = None, history=None):
   """grouped_mlp's FP8 path for checked operands (see jaxmlp.grouped_mlp). w1 and w2: arrays, or Fp8Weights
-  of this recipe. gather: a plan of k >= 1 choices a token, x then the tokens it takes its M rows from."""
+  of this recipe. gather: a plan of k >= 1 choices a token, x then the tokens it takes its M rows from.
+  history: the amax history [4, H] of delayed scaling (jaxmlp.fp8.delayed), whose gradient is its update."""
   (w1, w1q), (w2, w2q) = split_weights(w1, x.dtype), split_weights(w2, x.dtype)
-  return _mlp(x, gather, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding)
+  return _mlp(x, gather, *gathered(w1, w2), w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape,
+              zero_padding)
 
 
 def fp8_weights(w, fp8: str | Fp8Recipe = "tensorwise", dtype=None) -> Fp8Weights:
@@ -85,19 +87,25 @@ def _quantize_weights(w, recipe: Fp8Recipe, dtype):
 
 
 # w1q and w2q: the weights quantized by the caller (Fp8Weights), or None to quantize them here; they take no
-# gradient (the weights w1 and w2 do). gather, b1, b2 and scales may be None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
-def _mlp(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
-  return _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
-                  residuals=False)[0]
+# gradient (the weights w1 and w2 do). gather, b1, b2, scales and history may be None; history's "gradient"
+# is its update (jaxmlp.fp8.delayed).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14))
+def _mlp(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape, zero_padding):
+  return _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape,
+                  zero_padding, residuals=False)[0]
 
 
-def _mlp_fwd(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding):
-  return _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
-                  residuals=True)
+def _mlp_fwd(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape, zero_padding):
+  return _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape,
+                  zero_padding, residuals=True)
 
 
-def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe, shape, zero_padding,
+def _delayed(history) -> dict:
+  """The implementations' keyword for a history: the amaxes to scale by, or nothing (current scaling)."""
+  return {} if history is None else dict(delayed=delayed.amaxes(history))
+
+
+def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape, zero_padding,
              residuals: bool):
   """(y, what the backward takes: the recipe's residuals, or None without `residuals`, and the operands it
   reads again)."""
@@ -107,34 +115,35 @@ def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, reci
   slots = () if gather is None else (gather.slot_of_row,)
 
   def on(implementation, reads_tokens: bool):
-    def run(x, *a):
-      kw = {}
+    def run(x, *a, history):
+      kw = _delayed(history)
       if slots and reads_tokens:
-        kw = dict(gather=(a[0], gather.row_of_slot.shape[1]))
+        kw["gather"] = (a[0], gather.row_of_slot.shape[1])
       elif slots:
         x = take_rows(x, a[0], gather.row_of_slot.shape[1])
       return implementation.forward(x, *a[len(slots):], act, recipe, shape, residuals, zero_padding, **kw)
-    return run
+    return lambda *a: run(*a[:-1], history=a[-1])
 
   platforms = _platforms(recipe)
-  y, res = on_platforms(x, *slots, w1q, w2q, groups, b1, b2, scales, cpu=on(platforms["cpu"], False),
+  y, res = on_platforms(x, *slots, w1q, w2q, groups, b1, b2, scales, history, cpu=on(platforms["cpu"], False),
                         cuda=on(platforms["cuda"], cuda.reads_tokens(recipe, residuals)))
-  return y, (res, groups, b1, b2, scales, gather)
+  return y, (res, groups, b1, b2, scales, gather, history)
 
 
 def _mlp_bwd(act, recipe, shape, zero_padding, saved, dy):
-  residuals, groups, b1, b2, scales, gather = saved
+  residuals, groups, b1, b2, scales, gather, history = saved
 
   def on(implementation):
-    return lambda residuals, groups, b1, b2, scales, dy: implementation.backward(
-        residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding)
+    return lambda residuals, groups, b1, b2, scales, dy, history: implementation.backward(
+        residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding, **_delayed(history))
 
   dy = dy.astype(residuals[0].dtype)
-  dx, dw1, dw2, db1, db2, dscales = on_platforms(
-      residuals, groups, b1, b2, scales, dy, **{p: on(i) for p, i in _platforms(recipe).items()})
+  dx, dw1, dw2, db1, db2, dscales, *seen = on_platforms(
+      residuals, groups, b1, b2, scales, dy, history, **{p: on(i) for p, i in _platforms(recipe).items()})
   if gather is not None:  # each token's rows' gradients summed
     dx, gather = dispatch.combine(dx, gather), Plan(None, None, None)
-  return dx, gather, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
+  new_history = None if history is None else delayed.updated(history, seen[0])
+  return dx, gather, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales, new_history
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -59,6 +59,9 @@ class Implementation(tp.NamedTuple):
     plan takes its rows from, jaxmlp.fp8.cuda.reads_tokens);
   backward(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding) -> (dx, dw1, dw2, db1,
     db2, dscales), None where absent.
+  The tensorwise recipe's forward and backward also take delayed=amaxes [4] (x, a, dy, dh: delayed scaling,
+  jaxmlp.fp8.delayed): its activations are then quantized by those, and the backward returns a seventh
+  result, the four amaxes as observed.
   y's and dx's rows past the groups are zeros with zero_padding, else any values (an implementation may
   leave them unwritten).
   """

@@ -15,6 +15,7 @@ from .quantize import Scheme
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (tensorwise.SCHEME, blockwise.SCHEME)}
 RECIPES = tuple(SCHEMES)
 WHEN = ("faster", "always")
+SCALINGS = ("current", "delayed")
 
 # when="faster": the rows per expert (M / E) from which each recipe's fwd+bwd measured at least as fast as
 # bf16 (docs/fp8.md, "When FP8 runs"), with the weights quantized in the call or given quantized
@@ -54,6 +55,10 @@ class Fp8Recipe:
     or products of x's dtype (False: dw1 = x^T dh and dw2 = a^T dy of 16-bit operands, dh and a rounded to
     x's dtype, as fp8=None computes them from this call's h and da). None: by when: "always", FP8; "faster",
     FP8 from MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert.
+  scaling: the tensorwise recipe's activations (x, a, dy, dh): "current", each by its own amax in the same
+    call (stateless); "delayed", by an amax history the call takes as grouped_mlp's fp8_history and
+    updates through its gradient (jaxmlp.fp8.delayed): no amax passes. The blockwise recipe's block scales
+    are always current (each block's own, in the pass that quantizes it).
   """
 
   name: str = "tensorwise"
@@ -61,12 +66,18 @@ class Fp8Recipe:
   backward_fast_accumulation: bool = False
   when: str | None = None
   fp8_weight_gradients: bool | None = None
+  scaling: str = "current"
 
   def __post_init__(self):
     if self.name not in SCHEMES:
       raise ValueError(f"fp8: unknown recipe {self.name!r}; expected None or one of {', '.join(RECIPES)}")
     if self.when is not None and self.when not in WHEN:
       raise ValueError(f"fp8: when={self.when!r}; expected one of {', '.join(WHEN)} or None")
+    if self.scaling not in SCALINGS:
+      raise ValueError(f"fp8: scaling={self.scaling!r}; expected one of {', '.join(SCALINGS)}")
+    if self.scaling == "delayed" and self.name != tensorwise.SCHEME.name:
+      raise ValueError(f"fp8: scaling='delayed' is the tensorwise recipe's; {self.name!r} scales each block by "
+                       "its own maximum")
     if self.fp8_weight_gradients is not None:
       if not isinstance(self.fp8_weight_gradients, (bool, np.bool_)):  # 0 == False, but 0 is no answer
         raise TypeError(f"fp8: fp8_weight_gradients={self.fp8_weight_gradients!r}; expected None, True or False")

@@ -129,13 +129,17 @@ def quantize_weights(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return q, a, jnp.swapaxes(q, 1, 2)
 
 
-def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=None, b2=None, fp8_wgrad=True):
+def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=None, b2=None, fp8_wgrad=True,
+            delayed=None):
   """(y, residuals) of the forward for w1 and w2 quantized by quantize_weights ((q, amax, qt) each). The
-  residuals: h, the amaxes [4] of x, w1, w2 and a, and q(x) (transposed_padded; without fp8_wgrad x itself),
-  q(w1), q(w2) in e4m3."""
+  residuals: h, the amaxes [4] x, w1, w2 and a were quantized by, and q(x) (transposed_padded; without fp8_wgrad
+  x itself), q(w1), q(w2) in e4m3; with `delayed` (the amaxes [4] of x, a, dy, dh to scale by: delayed
+  scaling, jaxmlp.fp8.delayed) x and a are quantized by its first two, and the residuals end with x's and a's
+  own amaxes [2] as observed."""
   dtype, valid, sizes = x.dtype, groups.valid, groups.sizes
   (w1q, aw1, _), (w2q, aw2, _) = w1, w2
-  ax = amax(x, valid)
+  seen_x = amax(x, valid)
+  ax = seen_x if delayed is None else delayed[0]
   xq = quantize_e4m3(x, ax)
   h = gemm("nn", xq.astype(jnp.float32), w1q.astype(jnp.float32), sizes) * (scale_of(ax) * scale_of(aw1))
   h = jnp.where(valid[:, None], h, 0).astype(dtype)
@@ -145,23 +149,29 @@ def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=N
   if scales is not None:
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(valid[:, None], a, 0)
-  aa = amax(a)
+  seen_a = amax(a)
+  aa = seen_a if delayed is None else delayed[1]
   y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
   if b2 is not None:
     y = y + scaled_bias(b2, scales, groups, dtype)
   residuals = (h, jnp.stack([ax, aw1, aw2, aa]), transposed_padded(xq, groups) if fp8_wgrad else x, w1q, w2q)
+  if delayed is not None:
+    residuals += (jnp.stack([seen_x, seen_a]),)
   return jnp.where(valid[:, None], y, 0).astype(dtype), residuals
 
 
-def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None, fp8_wgrad=True):
+def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy, b1=None, b2=None, fp8_wgrad=True,
+             delayed=None):
   """(dx, dw1, dw2, db1, db2, dscales; None where absent) of the backward, from the forward's residuals (of a
-  forward with the same fp8_wgrad)."""
-  h, amaxes, xt, w1q, w2q = residuals
+  forward with the same fp8_wgrad and delayed); with `delayed` dy and dh are quantized by its last two, and a
+  seventh result holds the amaxes [4] of x, a, dy and dh as observed."""
+  h, amaxes, xt, w1q, w2q = residuals[:5]
   dtype, sizes = h.dtype, groups.sizes
   ax, aw1, aw2, aa = amaxes[0], amaxes[1], amaxes[2], amaxes[3]
   rows = groups.valid[:, None]
   dy = jnp.where(rows, dy.astype(jnp.float32), 0)
-  ady = amax(dy)
+  seen_dy = amax(dy)
+  ady = seen_dy if delayed is None else delayed[2]
   qdy = quantize(dy, ady)
   da = (gemm("nt", qdy, w2q.astype(jnp.float32), sizes) * (scale_of(ady) * scale_of(aw2))).astype(dtype)
   da = jnp.where(rows, da.astype(jnp.float32), 0)
@@ -169,7 +179,8 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
   s = scales.astype(jnp.float32)[:, None] if scales is not None else 1.0
   a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
-  adh = amax(dh)
+  seen_dh = amax(dh)
+  adh = seen_dh if delayed is None else delayed[3]
   qdh = quantize(dh, adh)
   dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
   if fp8_wgrad:
@@ -180,19 +191,22 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
     x16 = jnp.where(rows, xt, 0)
     dw2 = gemm("tn", a.astype(dtype), dy.astype(dtype), sizes)  # dy: 0 past the groups (above)
     dw1 = gemm("tn", x16, dh.astype(dtype), sizes)
-  return (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
-          *bias_and_scale_grads(da, dh, dy, value, dtype, scales, groups, b1, b2))
+  grads = (dx.astype(dtype), dw1.astype(dtype), dw2.astype(dtype),
+           *bias_and_scale_grads(da, dh, dy, value, dtype, scales, groups, b1, b2))
+  if delayed is None:
+    return grads
+  return (*grads, jnp.concatenate([residuals[5], jnp.stack([seen_dy, seen_dh])]))
 
 
 def emulation(gemm: Gemm) -> Implementation:
   """The recipe around `gemm`, with float32 operands that are exactly the dequantized FP8 values."""
-  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding):
+  def forward_(x, w1q, w2q, groups, b1, b2, scales, act, recipe, shape, residuals, zero_padding, delayed=None):
     # zeros past the groups, always
-    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2, fp8_weight_gradients(recipe))
+    y, res = forward(gemm, x, w1q, w2q, groups, scales, act, b1, b2, fp8_weight_gradients(recipe), delayed)
     return y, res if residuals else None
 
-  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding):
-    return backward(gemm, residuals, groups, scales, act, dy, b1, b2, fp8_weight_gradients(recipe))
+  def backward_(residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding, delayed=None):
+    return backward(gemm, residuals, groups, scales, act, dy, b1, b2, fp8_weight_gradients(recipe), delayed)
 
   return Implementation(rounded_first(quantize_weights), forward_, backward_)
 

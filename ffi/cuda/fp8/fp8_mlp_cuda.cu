@@ -135,6 +135,20 @@ Error Zero(cudaStream_t stream, void* p, size_t bytes) {
   return CheckCuda(cudaMemsetAsync(p, 0, bytes, stream), "zeroing FP8 scratch");
 }
 
+Error CopyAmax(cudaStream_t stream, float* to, const void* from, int n) {
+  return CheckCuda(cudaMemcpyAsync(to, from, n * sizeof(float), cudaMemcpyDeviceToDevice, stream), "copying amaxes");
+}
+
+// Delayed scaling: `delayed` (the amaxes to scale by) and `seen` (those observed) are both float32 [2], or
+// both absent (current scaling).
+Error CheckDelayed(const AnyBuffer& delayed, const AnyBuffer& seen) {
+  if (Present(delayed) != Present(seen))
+    return Error::InvalidArgument("jaxmlp: delayed and seen must be both given or both absent");
+  if (!Present(delayed)) return Error::Success();
+  JAXMLP_RETURN_IF_ERROR(CheckShapeAndType("delayed", delayed, {2}, DataType::F32, "dtype float32"));
+  return CheckShapeAndType("seen", seen, {2}, DataType::F32, "dtype float32");
+}
+
 // The calls' GEMM path: cuBLASLt's grouped GEMM, or with `engine` (the "engine" attribute) jaxmlp's CUTLASS
 // engine for the row products (FC1, FC2, the data gradients: kNT), cuBLASLt's for the weight gradients.
 GemmPath Fp8Path(bool engine) { return engine ? GemmPath::kCutlass : GemmPath::kGrouped; }
@@ -196,12 +210,18 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
 // holds T tokens, and the rows are those a dispatch plan takes from them (Fp8Rows: token slot_of_row[r] /
 // top_k, zeros where it names none), read by the passes that quantize x, so no 16-bit copy of the rows is
 // written; the backward takes xt alone (16-bit weight gradients would need the rows themselves).
+// delayed: absent (current scaling), or float32 [2], the amaxes of x and a to scale by (delayed scaling: an
+// amax history's), which `amax` then holds in their places; `seen` [2] gets x's and a's amaxes as observed,
+// from the passes that quantize them (no amax passes).
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
-                    AnyBuffer slot_of_row, int32_t act, float alpha, float limit, bool fast_accumulation, bool engine,
-                    int32_t top_k, Result<AnyBuffer> y, Result<AnyBuffer> h, Result<AnyBuffer> amax,
-                    Result<AnyBuffer> xt, Result<AnyBuffer> workspace) {
+                    AnyBuffer slot_of_row, AnyBuffer delayed, int32_t act, float alpha, float limit,
+                    bool fast_accumulation, bool engine, int32_t top_k, Result<AnyBuffer> y, Result<AnyBuffer> h,
+                    Result<AnyBuffer> amax, Result<AnyBuffer> xt, Result<AnyBuffer> seen,
+                    Result<AnyBuffer> workspace) {
   ++handler_host_calls;
+  const bool late = Present(delayed);
+  JAXMLP_RETURN_IF_ERROR(CheckDelayed(delayed, *seen));
   const bool gathered = Present(slot_of_row);
   if (gathered && (slot_of_row.dimensions().size() != 1 || slot_of_row.element_type() != DataType::S32))
     return Error::InvalidArgument("jaxmlp: slot_of_row must be int32 [M], got " + Dims(slot_of_row.dimensions()));
@@ -225,12 +245,17 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
                      m.M, /*split_k=*/false, ws);
   const ForwardScratch s = CarveForward(ws, m, y->untyped_data());
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xt, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xt, &*seen, &*workspace}));
   float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
+  float* observed = late ? static_cast<float*>(seen->untyped_data()) : nullptr;  // x, a
   JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
-  JAXMLP_RETURN_IF_ERROR(CheckCuda(cudaMemcpyAsync(am + 1, weight_amax.untyped_data(), 2 * sizeof(float),
-                                                   cudaMemcpyDeviceToDevice, stream),
-                                   "copying the weights' amax"));
+  JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, am + 1, weight_amax.untyped_data(), 2));  // the weights' amax
+  if (late) {
+    const float* given = static_cast<const float*>(delayed.untyped_data());
+    JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, am + 0, given + 0, 1));
+    JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, am + 3, given + 1, 1));
+    JAXMLP_RETURN_IF_ERROR(Zero(stream, observed, 2 * sizeof(float)));
+  }
   JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, am + 1, 2, s.scale + 1));
 
   JAXMLP_RETURN_IF_ERROR(gemms.Prepare({
@@ -241,32 +266,41 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   }, /*padded_layout=*/residual));
   Fp8Rows rows;
   if (gathered) rows = {static_cast<const int32_t*>(slot_of_row.untyped_data()), top_k, x.dimensions()[0]};
-  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0, rows));
+  if (!late) JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0, rows));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
-                                      Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m), rows));
+                                      Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m), rows,
+                                      late ? observed + 0 : nullptr));
   if (residual)
     JAXMLP_RETURN_IF_ERROR(
         ZeroPaddedTail(stream, xt->untyped_data(), m.d, PaddedRows(m.M, m.E), gemms.padded_starts() + m.E));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
-  JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
-                                          DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
-                                          DataIfPresent(b2), am + 3));
-  JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
-                                            DataIfPresent(scales), am + 3, s.scale + 3, s.aq));
+  if (late) {  // one pass: a quantized by the given amax, its own observed
+    JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
+                                            DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
+                                            DataIfPresent(b2), observed + 1, am + 3, s.scale + 3, s.aq));
+  } else {
+    JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
+                                            DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
+                                            DataIfPresent(b2), am + 3));
+    JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
+                                              DataIfPresent(scales), am + 3, s.scale + 3, s.aq));
+  }
   return gemms.Run(1);  // y = a w2
 }
 
 // x, w1 and w2 are the forward's copies (xt or x, w1q, w2q; see CheckFp8Copies): dy gives M and d. Without
 // fp8_weight_gradients dw1 = x^T round(dh) and dw2 = round(a)^T dy are products of x.dtype (the recipe:
-// jaxmlp/fp8/tensorwise.py), and a and dh are not transposed.
+// jaxmlp/fp8/tensorwise.py), and a and dh are not transposed. delayed and seen: as the forward's, for dy and dh.
 Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2,
                      AnyBuffer group_sizes, AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer h, AnyBuffer dy,
-                     AnyBuffer amax, int32_t act, float alpha, float limit, bool fast_accumulation, bool engine,
-                     bool fp8_wgrad, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
-                     Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales,
+                     AnyBuffer amax, AnyBuffer delayed, int32_t act, float alpha, float limit, bool fast_accumulation,
+                     bool engine, bool fp8_wgrad, Result<AnyBuffer> dx, Result<AnyBuffer> dw1, Result<AnyBuffer> dw2,
+                     Result<AnyBuffer> db1, Result<AnyBuffer> db2, Result<AnyBuffer> dscales, Result<AnyBuffer> seen,
                      Result<AnyBuffer> workspace) {
   ++handler_host_calls;
+  const bool late = Present(delayed);
+  JAXMLP_RETURN_IF_ERROR(CheckDelayed(delayed, *seen));
   MlpDims m;
   JAXMLP_RETURN_IF_ERROR(CheckMlpShapes(dy, w1, w2, group_sizes, b1, b2, scales, act, &m));
   const DataType t = h.element_type();
@@ -284,10 +318,16 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   const BackwardScratch s = CarveBackward(ws, m, int(ffi::ByteWidth(t)), fp8_wgrad, dx->untyped_data(),
                                          dw1->untyped_data(), dw2->untyped_data());
   JAXMLP_RETURN_IF_ERROR(CheckWorkspace(ws, *workspace));
-  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*workspace}));
+  JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*seen, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
+  float* observed = late ? static_cast<float*>(seen->untyped_data()) : nullptr;  // dy, dh
   // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
-  JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
+  if (late) {  // s.amax: the amaxes dy and dh are quantized by
+    JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, s.amax, delayed.untyped_data(), 2));
+    JAXMLP_RETURN_IF_ERROR(Zero(stream, observed, 2 * sizeof(float)));
+  } else {
+    JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
+  }
   JAXMLP_RETURN_IF_ERROR(ScalesOf(stream, fwd, 4, s.scale));
 
   float *sx = s.scale + 0, *sw1 = s.scale + 1, *sw2 = s.scale + 2, *sa = s.scale + 3, *sdy = s.scale + 4,
@@ -308,18 +348,20 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
       Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast),  // dx
       dw1_spec,
   }));
-  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
+  if (!late) JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
-                                      Activations(s.dyq, s.dyt, gemms, m)));
+                                      Activations(s.dyq, s.dyt, gemms, m), {}, late ? observed + 0 : nullptr));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
   const ActParams p{Act(act), alpha, limit};
-  JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d,
-                                                  h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
-                                                  dy.untyped_data(), DataIfPresent(b2), s.aq, s.a16,
-                                                  m.has_scales ? dscales->untyped_data() : nullptr,
-                                                  dx->untyped_data(), s.amax + 1));
-  JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
-                                                    s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
+  // Delayed scaling: one pass, dh quantized by the given amax (s.amax + 1), its own observed.
+  JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(
+      stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
+      dy.untyped_data(), DataIfPresent(b2), s.aq, s.a16, m.has_scales ? dscales->untyped_data() : nullptr,
+      dx->untyped_data(), late ? observed + 1 : s.amax + 1, late ? s.amax + 1 : nullptr, late ? sdh : nullptr,
+      late ? s.dhq : nullptr, late ? s.dh : nullptr));
+  if (!late)
+    JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
+                                                      s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
   if (fp8_wgrad) {  // transposed copies of the FP8 a and dh (exact copies: no scale)
     JAXMLP_RETURN_IF_ERROR(
         QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
@@ -364,7 +406,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                                               .Arg<xla::ffi::AnyBuffer>()   // w1t
                                                               .Arg<xla::ffi::AnyBuffer>()   // w2t
                                                               .Arg<xla::ffi::AnyBuffer>()   // weight_amax
-                                                              .Arg<xla::ffi::AnyBuffer>())  // slot_of_row, or absent
+                                                              .Arg<xla::ffi::AnyBuffer>()   // slot_of_row, or absent
+                                                              .Arg<xla::ffi::AnyBuffer>())  // delayed, or absent
                                   .Attr<bool>("fast_accumulation")
                                   .Attr<bool>("engine")
                                   .Attr<int32_t>("top_k")
@@ -372,6 +415,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Forward, jaxmlp::MlpFp8Forward,
                                   .Ret<xla::ffi::AnyBuffer>()   // h
                                   .Ret<xla::ffi::AnyBuffer>()   // amax: x, w1, w2, a
                                   .Ret<xla::ffi::AnyBuffer>()   // xt, or absent
+                                  .Ret<xla::ffi::AnyBuffer>()   // seen, or absent
                                   .Ret<xla::ffi::AnyBuffer>(),  // workspace
                               jaxmlp::kGraphSafe);
 
@@ -380,7 +424,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                                               // (x, w1, w2: the forward's xt, w1q, w2q)
                                                               .Arg<xla::ffi::AnyBuffer>()   // h
                                                               .Arg<xla::ffi::AnyBuffer>()   // dy
-                                                              .Arg<xla::ffi::AnyBuffer>())  // amax of the forward
+                                                              .Arg<xla::ffi::AnyBuffer>()   // amax of the forward
+                                                              .Arg<xla::ffi::AnyBuffer>())  // delayed, or absent
                                   .Attr<bool>("fast_accumulation")
                                   .Attr<bool>("engine")
                                   .Attr<bool>("fp8_weight_gradients")
@@ -390,5 +435,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlpFp8Backward, jaxmlp::MlpFp8Backward,
                                   .Ret<xla::ffi::AnyBuffer>()                               // db1
                                   .Ret<xla::ffi::AnyBuffer>()                               // db2
                                   .Ret<xla::ffi::AnyBuffer>()                               // dscales
+                                  .Ret<xla::ffi::AnyBuffer>()                               // seen, or absent
                                   .Ret<xla::ffi::AnyBuffer>(),                              // workspace
                               jaxmlp::kGraphSafe);

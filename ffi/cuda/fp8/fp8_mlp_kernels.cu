@@ -84,22 +84,27 @@ __global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int6
 }
 
 // Quantization into the input's layout alone: 16-byte loads, V-byte stores, rows past the valid ones
-// skipped. C % V == 0.
+// skipped. C % V == 0. seen: where given, max |v| of the rows quantized reaches it (delayed scaling).
 template <typename T, int V>
 __global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out,
-                                          Fp8Outputs o) {
+                                          Fp8Outputs o, float* seen) {
   if (scale_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = amax ? DequantScale(*amax) : 1.0f;
   const int64_t count = (o.row_offsets ? o.row_offsets[o.E] : R) * C;
   const float inv = InverseScale(amax);
   uint8_t* out = static_cast<uint8_t*>(o.rows_out);
+  float m = 0.0f;
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count;
        i += int64_t(gridDim.x) * blockDim.x * V) {
     const Vec<T, V> x = Load<T, V>(v + i);
     Bytes<V> q;
 #pragma unroll
-    for (int k = 0; k < V; ++k) q.b[k] = ToE4m3(ToFloat(x.v[k]) * inv);
+    for (int k = 0; k < V; ++k) {
+      q.b[k] = ToE4m3(ToFloat(x.v[k]) * inv);
+      m = fmaxf(m, fabsf(ToFloat(x.v[k])));
+    }
     *reinterpret_cast<Bytes<V>*>(out + i) = q;
   }
+  if (seen) ReduceAbsMax(m, seen);
 }
 
 // One 128 x 128 tile of v per block, rows along blockIdx.x. Each thread loads its 16-byte chunks of the
@@ -122,7 +127,8 @@ constexpr int kTile = 128, kTileThreads = 256;
 __device__ __forceinline__ int Swizzled(int row, int col) { return row * kTile + (col ^ (row / 16 % 8 * 16)); }
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
-                                                                   float* scale_out, Fp8Outputs o, Fp8Rows from) {
+                                                                   float* scale_out, Fp8Outputs o, Fp8Rows from,
+                                                                   float* seen) {
   constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
   constexpr int kPasses = kTile / kRowsPerPass;
   __shared__ alignas(16) uint8_t tile[kTile * kTile];  // [row][column], swizzled
@@ -159,6 +165,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v
   }
   const float inv = InverseScale(amax);
   uint8_t* rows_out = static_cast<uint8_t*>(o.rows_out);
+  float m = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int rr = first_row + i * kRowsPerPass;
@@ -170,12 +177,16 @@ __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v
       } else {
         const Vec<T, V>& xv = *reinterpret_cast<const Vec<T, V>*>(&x[i]);
 #pragma unroll
-        for (int k = 0; k < V; ++k) q.b[k] = ToE4m3(ToFloat(xv.v[k]) * inv);
+        for (int k = 0; k < V; ++k) {
+          q.b[k] = ToE4m3(ToFloat(xv.v[k]) * inv);
+          m = fmaxf(m, fabsf(ToFloat(xv.v[k])));
+        }
       }
       if (rows_out) *reinterpret_cast<Bytes<V>*>(rows_out + r * C + c0 + cc) = q;
     }
     *reinterpret_cast<Bytes<V>*>(&tile[Swizzled(rr, cc)]) = q;  // V <= 16: within one chunk
   }
+  if (seen) ReduceAbsMax(m, seen);  // whole warps: every thread of the block reaches it
   if (!o.cols_out) return;  // the rows alone: gathered ones, which QuantizeElementwiseKernel does not read
   __syncthreads();
   // kTile columns x kTile / 16 chunks of 16 rows = 4 kTileThreads chunks: four per thread, a column each.
@@ -228,12 +239,17 @@ __device__ __forceinline__ void AddBias(T* hr, const T* b, int64_t f) {
       Store<T, V>(hr + half * f + j, PlusBias<T, V>(Load<T, V>(hr + half * f + j), b + half * f + j));
 }
 
+// With aq (delayed scaling: the scale known before the pass) it also quantizes a into aq with the scale of
+// *given, ActQuantizeKernel's arithmetic, and *amax gets a's maximum as observed.
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E, int64_t M,
                                                             int64_t f, int64_t d, T* h, const T* b1,
-                                                            const T* scales, T* y, const T* b2, float* amax) {
+                                                            const T* scales, T* y, const T* b2, float* amax,
+                                                            const float* given, float* scale_out, uint8_t* aq) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
+  if (aq && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = DequantScale(*given);
+  const float inv = aq ? InverseScale(given) : 1.0f;
   float m = 0.0f;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
     if (row >= valid) {  // padding: the GEMMs write only group rows
@@ -245,9 +261,15 @@ __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const i
     const int64_t g = (b1 || b2) ? GroupOf(offsets, E, row) : 0;
     if (b1) AddBias<T, V, kGated>(h + row * F1, b1 + g * F1, f);
     if (b2) ScaledBiasRow<T, V>(y + row * d, b2 + g * d, s, d);
-    ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t, auto act) {
+    ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
+      Bytes<V> q;
 #pragma unroll
-      for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(act(k).val * s));
+      for (int k = 0; k < V; ++k) {
+        const float a = act(k).val * s;
+        m = fmaxf(m, fabsf(a));
+        q.b[k] = ToE4m3(a * inv);
+      }
+      if (aq) *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
     });
   }
   ReduceAbsMax(m, amax);
@@ -272,15 +294,21 @@ __global__ void __launch_bounds__(kThreads) ActQuantizeKernel(ActParams p, const
 }
 
 // Pass 1 of the backward (see fp8_mlp_kernels.h).
+// With dhq (delayed scaling) it also does pass 2's work with the scale of *given_dh, ActBackwardQuantizeKernel's
+// arithmetic, and *amax_dh gets dh's maximum as observed.
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                     int64_t M, int64_t f, int64_t d, const T* h,
                                                                     const T* da, const T* scales, const float* amax_a,
                                                                     const T* dy, const T* b2, uint8_t* aq, T* a16,
-                                                                    T* dscales, T* dx, float* amax_dh) {
+                                                                    T* dscales, T* dx, float* amax_dh,
+                                                                    const float* given_dh, float* scale_dh,
+                                                                    uint8_t* dhq, T* dh) {
   constexpr bool kGated = IsGated(kAct);
-  const int64_t valid = offsets[E];
+  const int64_t valid = offsets[E], F1 = kGated ? 2 * f : f;
   const float inv_a = InverseScale(amax_a);
+  if (dhq && blockIdx.x == 0 && threadIdx.x == 0) *scale_dh = DequantScale(*given_dh);
+  const float inv_dh = dhq ? InverseScale(given_dh) : 1.0f;
   float m = 0.0f;
   for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {  // the whole block takes each row: BlockSum
     if (row >= valid) {
@@ -292,20 +320,32 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
     float ds = 0.0f;
     ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
       const Vec<T, V> dav = Load<T, V>(da + row * f + j);
-      Bytes<V> q;
-      Vec<T, V> a;
+      Bytes<V> q, qg, qu;
+      Vec<T, V> a, vg, vu;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const ActGrad r = act(k);
-        const float dak = ToFloat(dav.v[k]);
+        const float dak = ToFloat(dav.v[k]), g = dak * s, dgate = g * r.dgate, dup = g * r.dup;
         ds += dak * r.val;
         q.b[k] = ToE4m3(r.val * s * inv_a);
         a.v[k] = T(r.val * s);
-        m = fmaxf(m, fabsf(dak * s * r.dgate));
-        if (kGated) m = fmaxf(m, fabsf(dak * s * r.dup));
+        m = fmaxf(m, fabsf(dgate));
+        if (kGated) m = fmaxf(m, fabsf(dup));
+        qg.b[k] = ToE4m3(dgate * inv_dh);
+        qu.b[k] = ToE4m3(dup * inv_dh);
+        vg.v[k] = T(dgate);
+        vu.v[k] = T(dup);
       }
       if (a16) Store<T, V>(a16 + row * f + j, a);
       else *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
+      if (dhq) {
+        *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + j) = qg;
+        if (kGated) *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + f + j) = qu;
+      }
+      if (dhq && dh) {
+        Store<T, V>(dh + row * F1 + j, vg);
+        if (kGated) Store<T, V>(dh + row * F1 + f + j, vu);
+      }
     });
     if (dscales && b2) ds += BiasDotShare<T, V>(dy + row * d, b2 + GroupOf(offsets, E, row) * d, d);
     if (dscales) {
@@ -377,8 +417,10 @@ ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int
 }
 
 ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
-                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from) {
+                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from, float* seen) {
   if (C % 16) return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization needs rows of a multiple of 16 elements");
+  if (seen && t == ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("jaxmlp: an FP8 transposition has no maximum to observe");
   if (from.gather && (t == ffi::DataType::F8E4M3FN || from.top_k < 1))
     return ffi::Error::InvalidArgument("jaxmlp: gathered FP8 quantization reads 16-bit tokens, top_k >= 1");
   const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
@@ -391,10 +433,10 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
     constexpr int V = 16 / sizeof(T);
     if (out.cols_out || from.gather)
       QuantizeTileKernel<T><<<grid, kTileThreads, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out,
-                                                               from);
+                                                               from, seen);
     else
       QuantizeElementwiseKernel<T, V><<<unsigned(std::clamp<int64_t>(R * C / (256 * V), 1, 16384)), 256, 0, stream>>>(
-          static_cast<const T*>(v), R, C, amax, scale_out, out);
+          static_cast<const T*>(v), R, C, amax, scale_out, out, seen);
   };
   if (t == ffi::DataType::F8E4M3FN) launch(Fp8{});
   else By16BitType(t, launch);
@@ -425,10 +467,11 @@ ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld
 
 ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1, const void* scales,
-                            void* y, const void* b2, float* amax_a) {
+                            void* y, const void* b2, float* amax_a, const float* given_a, float* scale_a,
+                            void* aq) {
   JAXMLP_ACT_LAUNCH(ActAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<T*>(h),
                     static_cast<const T*>(b1), static_cast<const T*>(scales), static_cast<T*>(y),
-                    static_cast<const T*>(b2), amax_a);
+                    static_cast<const T*>(b2), amax_a, given_a, scale_a, static_cast<uint8_t*>(aq));
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation amax kernel");
 }
 
@@ -443,11 +486,13 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,
-                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh) {
+                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh,
+                                    const float* given_dh, float* scale_dh, void* dhq, void* dh) {
   JAXMLP_ACT_LAUNCH(ActBackwardAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<const T*>(h),
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_a, static_cast<const T*>(dy),
                     static_cast<const T*>(b2), static_cast<uint8_t*>(aq), static_cast<T*>(a16),
-                    static_cast<T*>(dscales), static_cast<T*>(dx), amax_dh);
+                    static_cast<T*>(dscales), static_cast<T*>(dx), amax_dh, given_dh, scale_dh,
+                    static_cast<uint8_t*>(dhq), static_cast<T*>(dh));
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation backward kernel");
 }
 

@@ -48,9 +48,10 @@ struct Fp8Outputs {
 };
 
 // Quantizes v [R, C] (t: bf16, f16 or FP8 e4m3, the last one with amax null: a transposition) with the scale
-// of *amax into `out`; R rows as `from` places them (16-bit v only where gathered).
+// of *amax into `out`; R rows as `from` places them (16-bit v only where gathered). seen (16-bit v; delayed
+// scaling, where *amax is the history's): *seen = max(*seen, max |v| over the rows quantized), as AbsMax.
 ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
-                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from = {});
+                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from = {}, float* seen = nullptr);
 
 // Zeroes the columns of the padded layout cols [R, ld] from *padded_end (the last group's padded end, on the
 // device: GroupedGemms::padded_starts() + E) on: ld is sized for the worst case (PaddedRows), the products
@@ -60,10 +61,13 @@ ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld
 // The forward's activation in two passes over the valid rows of h [M, F1]: *amax_a = max |act(h) * s|
 // (zeroing the padding rows of h and y on the way; with b1 [E, F1] adding the row's group's bias to h in
 // place first, with b2 [E, d] setting y's row to s * b2[g] for FC2 to add onto), then aq [M, f] =
-// e4m3(act(h) * s) with that scale. b1, b2, scales: may be null.
+// e4m3(act(h) * s) with that scale. b1, b2, scales: may be null. Delayed scaling runs one pass: with aq given,
+// ActivationAbsMax also writes aq with the scale of *given_a (and *scale_a), *amax_a then a's maximum as
+// observed.
 ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1, const void* scales,
-                            void* y, const void* b2, float* amax_a);
+                            void* y, const void* b2, float* amax_a, const float* given_a = nullptr,
+                            float* scale_a = nullptr, void* aq = nullptr);
 ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, const void* h, const void* scales, const float* amax_a,
                               float* scale_a, void* aq);
@@ -73,10 +77,14 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 //      instead: the 16-bit weight gradient's operand), dscales = sum_j da * act(h) (+ sum_j dy * b2[g]
 //      with b2), *amax_dh = max |dh| where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
 //   2. dhq = e4m3(dh) with that scale, and dh itself in t where dh is not null (for db1 and 16-bit dw1).
+// Delayed scaling runs one pass: with dhq given, ActivationBackwardAbsMax also does pass 2 with the scale of
+// *given_dh (and *scale_dh), *amax_dh then dh's maximum as observed.
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,
-                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh);
+                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh,
+                                    const float* given_dh = nullptr, float* scale_dh = nullptr, void* dhq = nullptr,
+                                    void* dh = nullptr);
 ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
                                       const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
