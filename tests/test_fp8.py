@@ -142,7 +142,7 @@ def test_cuda_fp8_forward_keeps_the_emulations_copy_of_x(rng, case):
     with jax.default_device(jax.devices(platform)[0]):
       a = jax.device_put(args, jax.devices(platform)[0])
       _, (residuals, *_) = fp8_mlp._mlp_fwd(a["x"], None, a["w1"], a["w2"], None, None,
-                                            jax.device_put(gs, a["x"].device), None, None, a["scales"], act,
+                                            jax.device_put(gs, a["x"].device), None, None, a["scales"], None, act,
                                             EXACT["tensorwise"], shape, True)
       xts[platform] = np.asarray(residuals[2]).view(np.uint8)
   assert xts["cuda"].shape == (d, tensorwise.SCHEME.padded_length(M, len(sizes)))
