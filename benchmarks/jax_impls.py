@@ -12,7 +12,8 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
               (Fp8Recipe.backward_fast_accumulation)
   jaxmlp_fp8_delayed, jaxmlp_fp8_delayed_cached  jaxmlp_fp8(_cached) with delayed scaling
               (Fp8Recipe.scaling="delayed"), over a fixed amax history (its update, 4 values, is not taken);
-              jaxmlp_fp8_delayed_cached_fast_bwd the latter with jaxmlp_fp8_cached_fast_bwd's accumulation
+              jaxmlp_fp8_delayed_cached_fast_bwd the latter with jaxmlp_fp8_cached_fast_bwd's accumulation,
+              jaxmlp_fp8_delayed_wgrad16_cached with jaxmlp_fp8_wgrad16_cached's weight gradients
   jaxmlp_fp8_wgrad16, jaxmlp_fp8_wgrad16_cached, jaxmlp_fp8_blockwise_wgrad16,
   jaxmlp_fp8_blockwise_wgrad16_cached  jaxmlp_fp8(_cached), jaxmlp_fp8_blockwise(_cached) with 16-bit
               weight gradients (Fp8Recipe.fp8_weight_gradients=False)
@@ -39,14 +40,14 @@ from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
              "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_delayed", "jaxmlp_fp8_delayed_cached",
-             "jaxmlp_fp8_delayed_cached_fast_bwd", "jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached",
+             "jaxmlp_fp8_delayed_cached_fast_bwd", "jaxmlp_fp8_delayed_wgrad16_cached", "jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached",
              "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached", "jaxmlp_master",
              "jaxmlp_fp8_master", "jaxmlp_fp8_blockwise_master", "jaxmlp_fp8_blockwise_wgrad16_master", "ragged_dot",
              "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
 CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
                   "jaxmlp_fp8_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_delayed_cached": "tensorwise",
-                  "jaxmlp_fp8_delayed_cached_fast_bwd": "tensorwise",
+                  "jaxmlp_fp8_delayed_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_delayed_wgrad16_cached": "tensorwise",
                   "jaxmlp_fp8_wgrad16_cached": "tensorwise",
                   "jaxmlp_fp8_blockwise_wgrad16_cached": "blockwise"}
 
@@ -76,10 +77,11 @@ def forward(impl: str):
   if impl == "jaxmlp_fp8_cached_fast_bwd":
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", backward_fast_accumulation=True,
                                                                       when="always"))
-  if impl in ("jaxmlp_fp8_delayed", "jaxmlp_fp8_delayed_cached", "jaxmlp_fp8_delayed_cached_fast_bwd"):
+  if impl.startswith("jaxmlp_fp8_delayed"):
     history = jnp.full((4, 16), 4.0, jnp.float32)  # the activations' amaxes: any values time the same
     recipe = jaxmlp.Fp8Recipe("tensorwise", when="always", scaling="delayed",
-                              backward_fast_accumulation=impl.endswith("_fast_bwd"))
+                              backward_fast_accumulation=impl.endswith("_fast_bwd"),
+                              fp8_weight_gradients=False if "wgrad16" in impl else None)
     return functools.partial(jaxmlp.grouped_mlp, fp8=recipe, fp8_history=history)
   if impl in ("jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", when="always",
