@@ -27,9 +27,9 @@ from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, check_exchange, fp8_exchange_applies, moe_expert_parallel
-from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, router_logits,
-                  tokens_of)
+from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_history_devices, check_impl,
+                  check_moe_args, default_bias_init, default_kernel_init, default_router_init, history_kwarg, moe,
+                  quantized_experts, router_logits, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -62,10 +62,11 @@ class GroupedMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None,
-               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None, zero_padding: bool = True) -> jax.Array:
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None, zero_padding: bool = True,
+               fp8_history: jax.Array | None = None) -> jax.Array:
     """x [M, d] sorted by expert, group_sizes [E], optional scales [M], optional fp8_weights (this module's
-    fp8_weights(), used in place of w1 and w2), zero_padding (jaxmlp.grouped_mlp's) -> [M, d]; see
-    jaxmlp.nnx.GroupedMLP."""
+    fp8_weights(), used in place of w1 and w2), zero_padding (jaxmlp.grouped_mlp's), fp8_history (delayed
+    scaling's amax history, whose gradient is the next one) -> [M, d]; see jaxmlp.nnx.GroupedMLP."""
     check_impl(self.impl)
     activation = resolve(self.activation)
     fc1_width = 2 * self.d_ff if activation.gated else self.d_ff
@@ -84,7 +85,7 @@ class GroupedMLP(nn.Module):
     else:
       (w1, w2), (x, b1, b2, scales) = fp8_weights, promote_dtype(x, b1, b2, scales, dtype=self.dtype)
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=activation, b1=b1, b2=b2, scales=scales,
-                            fp8=self.fp8, zero_padding=zero_padding)
+                            fp8=self.fp8, zero_padding=zero_padding, **history_kwarg(fp8_history))
 
   def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
     """(w1, w2) quantized for the fp8 recipe from the computation dtype: `apply(params, method="fp8_weights")`;
@@ -140,10 +141,11 @@ class MoE(nn.Module):
   fp8_exchange: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array,
-               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, x: jax.Array, fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None,
+               fp8_history: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE. fp8_weights: None
-    or `apply(params, method="fp8_weights")` (see GroupedMLP)."""
+    or `apply(params, method="fp8_weights")` (see GroupedMLP); fp8_history: the experts' (see GroupedMLP;
+    not with expert_axis)."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
     check_exchange(self.expert_exchange, "expert_exchange", self.expert_chunks, "expert_chunks")
     check_flag("fp8_exchange", self.fp8_exchange)
@@ -161,6 +163,7 @@ class MoE(nn.Module):
                    # Padding rows unwritten where the experts do not read them (see jaxmlp.nnx.MoE).
                    zero_padding=self.impl != "jaxmlp")
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
+    check_history_devices(fp8_history, devices)
     if devices > 1:
       if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
         experts(jnp.zeros((0, self.d_model), tokens.dtype), jnp.zeros((self.num_experts,), jnp.int32))
@@ -177,8 +180,8 @@ class MoE(nn.Module):
                                             chunks=self.expert_chunks, cached=fp8_weights is not None),
           **options)
     else:
-      y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False), **options,
-                   impl=self.impl)
+      y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False,
+                                                     fp8_history=fp8_history), **options, impl=self.impl)
     return y.reshape(x.shape), aux
 
   def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:

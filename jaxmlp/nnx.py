@@ -32,9 +32,9 @@ from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, check_exchange, fp8_exchange_applies, moe_expert_parallel
-from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl, check_moe_args,
-                  default_bias_init, default_kernel_init, default_router_init, moe, quantized_experts, router_logits,
-                  tokens_of)
+from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_history_devices, check_impl,
+                  check_moe_args, default_bias_init, default_kernel_init, default_router_init, history_kwarg, moe,
+                  quantized_experts, router_logits, tokens_of)
 
 __all__ = ["GroupedMLP", "MoE"]
 
@@ -129,7 +129,8 @@ class GroupedMLP(nnx.Module):
     self.impl = impl
 
   def __call__(self, x: jax.Array, group_sizes: jax.Array, scales: jax.Array | None = None, *,
-               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None, zero_padding: bool = True) -> jax.Array:
+               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None, zero_padding: bool = True,
+               fp8_history: jax.Array | None = None) -> jax.Array:
     """Applies expert g to its rows.
 
     Args:
@@ -140,6 +141,8 @@ class GroupedMLP(nnx.Module):
         gradient reaches w1 and w2 through them).
       zero_padding: as jaxmlp.grouped_mlp's (False: the padding rows of the result and of x's gradient
         may be left unwritten).
+      fp8_history: with fp8=jaxmlp.Fp8Recipe("tensorwise", scaling="delayed"), the layer's amax history
+        (jaxmlp.fp8_history()), whose gradient is the next one (jaxmlp.grouped_mlp's; docs/fp8.md).
 
     Returns:
       [M, d] in the computation dtype.
@@ -152,7 +155,7 @@ class GroupedMLP(nnx.Module):
     else:
       (w1, w2), (x, b1, b2, scales) = fp8_weights, dtypes.promote_dtype((x, b1, b2, scales), dtype=self.dtype)
     return IMPLS[self.impl](x, w1, w2, group_sizes, activation=self.activation, b1=b1, b2=b2, scales=scales,
-                            fp8=self.fp8, zero_padding=zero_padding)
+                            fp8=self.fp8, zero_padding=zero_padding, **history_kwarg(fp8_history))
 
   def fp8_weights(self, quantized=None) -> tuple[Fp8Weights, Fp8Weights]:
     """(w1, w2) quantized for the fp8 recipe from the computation dtype (jaxmlp.fp8_weights): quantize once
@@ -263,10 +266,11 @@ class MoE(nnx.Module):
     self.expert_chunks = expert_chunks
     self.fp8_exchange = fp8_exchange
 
-  def __call__(self, x: jax.Array, *,
-               fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, x: jax.Array, *, fp8_weights: tuple[Fp8Weights, Fp8Weights] | None = None,
+               fp8_history: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d] through the experts; fp8_weights: None or this layer's
-    fp8_weights() (see GroupedMLP), split over expert_axis with the experts.
+    fp8_weights() (see GroupedMLP), split over expert_axis with the experts; fp8_history: the experts'
+    (see GroupedMLP; not with expert_axis).
 
     Returns:
       (y, aux): y with the shape of x, in the computation dtype; aux holds "load_balancing_loss" and
@@ -281,6 +285,7 @@ class MoE(nnx.Module):
     # in bf16 and FP8 alike (tests: *padding_rows_are_never_read). Over 4 devices they are 3/4 of the rows.
     options["zero_padding"] = self.impl != "jaxmlp"
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
+    check_history_devices(fp8_history, devices)
     if devices > 1:
       # The experts' state (and quantized weights) go into the shard_map split over the axis; each device
       # merges its share.
@@ -296,7 +301,8 @@ class MoE(nnx.Module):
                                             chunks=self.expert_chunks, cached=fp8_weights is not None),
           **options)
     else:
-      experts = functools.partial(self.experts, fp8_weights=fp8_weights, zero_padding=False)
+      experts = functools.partial(self.experts, fp8_weights=fp8_weights, zero_padding=False,
+                                  fp8_history=fp8_history)
       y, aux = moe(tokens, logits, experts, **options, impl=self.impl)
     return y.reshape(x.shape), aux
 

@@ -26,7 +26,7 @@ MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 256,
 # weight gradients as with 16-bit ones (docs/fp8.md, "When FP8 runs": below, the FP8 products are slower or
 # no faster, and their operands' transposed or 128 x 1 quantizations cost passes); below, a call that runs in
 # FP8 runs its weight gradients in x's dtype.
-MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"tensorwise": 512, "blockwise": 1024}
+MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"tensorwise": 1024, "blockwise": 1024}
 # when="faster", a training step of one micro-batch: the rows per expert of its calls from which the step with
 # jaxmlp.fp8_adam_step writing the weights' FP8 copy measured at least as fast as bf16's, optax's update
 # writing their 16-bit copy (docs/fp8.md, "Weights written by the optimizer": below, the optimizer's kernel

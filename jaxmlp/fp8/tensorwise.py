@@ -14,6 +14,9 @@ in float32 arithmetic (16-bit data puts many v * 448 / amax exactly on an e4m3 r
 float32 rounding of 448 / amax decides: it is part of the definition),
 
 and a product of quantized operands is `(q_a @ q_b) * (scale_a * scale_b)`, rounded once to x's dtype.
+With delayed scaling (Fp8Recipe(scaling="delayed"), jaxmlp.fp8.delayed) the activations x, a, dy and dh are
+quantized by the same formulas with a given amax in place of their own (saturating past it), and their own
+amaxes are what the call reports.
 Activations (x, the activation output, the output gradient dy and the FC1 gradient dh) take one scale per
 tensor over the rows in groups (padding rows are ignored); the weights one scale per tensor.
 
