@@ -117,6 +117,35 @@ def test_delayed_scaling_over_a_plan_equals_it_over_the_dispatched_rows(platform
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_delayed_scaling_over_micro_batches_in_one_gradient(platform, rng):
+  """Micro-batches mapped in one differentiated function, each given the same history as a row of its own
+  (jaxmlp.fp8.delayed): the largest of their updates is the history updated by the largest amaxes any of
+  them observed, and each micro-batch's results are those of its call alone."""
+  M, d, f, sizes = CASES["uneven"]
+  batches = [inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16, scales=False) for _ in range(3)]
+  (w1, w2), gs = (batches[0][0]["w1"], batches[0][0]["w2"]), batches[0][1]
+  xs, dys = jnp.stack([b[0]["x"] for b in batches]), jnp.stack([b[2] for b in batches])
+  past = jnp.asarray(rng.uniform(0.5, 4.0, (4, H)), jnp.float32)
+  call = lambda x, h: jaxmlp.grouped_mlp(x, w1, w2, gs, fp8=_delayed(), fp8_history=h)
+
+  @jax.jit
+  def mapped(xs, dys, past):
+    def each(args):
+      x, dy, h = args
+      y, vjp = jax.vjp(call, x, h)
+      return y, vjp(dy)[1]
+    ys, updates = jax.lax.map(each, (xs, dys, jnp.broadcast_to(past, (len(batches), *past.shape))))
+    return ys, jnp.max(updates, axis=0)
+
+  ys, new = mapped(xs, dys, past)
+  alone = [jax.jit(lambda x, dy: (lambda y, vjp: (y, vjp(dy)[1]))(*jax.vjp(call, x, past)))(x, dy)
+           for x, dy in zip(xs, dys)]
+  for y, (want, _) in zip(ys, alone):
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+  largest = np.max([np.asarray(update)[:, 0] for _, update in alone], axis=0)
+  np.testing.assert_array_equal(np.asarray(new), np.concatenate([largest[:, None], np.asarray(past)[:, :-1]], 1))
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(fp8=jaxmlp.Fp8Recipe("tensorwise", scaling="delayed")), ValueError, "fp8_history: the recipe's scaling"),
     (dict(fp8="tensorwise", fp8_history=jnp.zeros((4, 2), jnp.float32)), ValueError, "does not scale by an amax"),
