@@ -75,12 +75,14 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
       biased = jax.grad(lambda x, w1, w2, s, b1, b2: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, b1=b1, b2=b2, fp8=recipe)
                         .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4, 5))(x, w1, w2, x[:, 0], b1, b2)
       jax.block_until_ready((g, biased))
-    # Delayed scaling: the passes that quantize by the history's amaxes and observe their own.
+    # Delayed scaling: the passes that quantize by the history's amaxes and observe their own (x and a), and
+    # those for an empty history (dy and dh: their own amaxes first).
     for wgrad in (True, False):
       late = jaxmlp.Fp8Recipe("tensorwise", scaling="delayed", fp8_weight_gradients=wgrad)
       jax.block_until_ready(jax.grad(
           lambda x, w1, w2, s, h: jaxmlp.grouped_mlp(x, w1, w2, gs, scales=s, b1=b1, b2=b2, fp8=late, fp8_history=h)
-          .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, x[:, 0], jnp.ones((4, 2), jnp.float32)))
+          .astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4))(x, w1, w2, x[:, 0],
+                                                                jnp.asarray([[1, 1], [1, 1], [0, 0], [0, 0]], jnp.float32)))
     # Rows read from 100 tokens by a plan whose slot_of_row holds anything (the tensorwise forward's passes).
     slots = jnp.asarray(np.r_[rng.integers(-3, 230, M - 3), 2**31 - 1, -2**31, 199], jnp.int32)
     plan = jaxmlp.dispatch.Plan(jnp.zeros((100, 2), jnp.int32), slots, jnp.zeros(E, jnp.int32))
@@ -89,7 +91,7 @@ if os.environ.get("JAXMLP_FP8"):  # FP8: adversarial and skewed sizes, forward a
     late = jaxmlp.Fp8Recipe("tensorwise", scaling="delayed")  # FP8 weight gradients: the tokens read in place
     jax.block_until_ready(jax.grad(lambda t, w1, h: jaxmlp.grouped_mlp(t, w1, w2, gs, gather=plan, fp8=late,
                                                                        fp8_history=h).astype(jnp.float32).sum(),
-                                   argnums=(0, 1, 2))(x[:100], w1, jnp.ones((4, 3), jnp.float32)))
+                                   argnums=(0, 1, 2))(x[:100], w1, jnp.zeros((4, 3), jnp.float32)))
   # The optimizer steps that write the FP8 weights (fp8_adam_step, both recipes), tiles cut short by K and N.
   from typing import NamedTuple
   class State(NamedTuple):

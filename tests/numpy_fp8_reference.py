@@ -87,8 +87,9 @@ def grouped_mlp(x, w1, w2, sizes, act, scales, dy, dtype, b1=None, b2=None, fp8_
   """(y, {x, w1, w2, scales, b1, b2} gradients) of the FP8 recipe, as float64 arrays; dtype: the 16-bit
   ml_dtype; without fp8_weight_gradients the weight gradients are products of x, a and dh rounded to dtype,
   and dy. delayed: the amaxes [4] x, a, dy and dh are quantized by (delayed scaling: saturating where a value
-  is past its amax), instead of their own; the gradients then hold "seen", their own amaxes [4]."""
-  by = (lambda i, own: own) if delayed is None else (lambda i, own: float(np.float32(delayed[i])))
+  is past its amax; their own where it is 0: an empty history), instead of their own; the gradients then hold
+  "seen", their own amaxes [4]."""
+  by = (lambda i, own: own) if delayed is None else (lambda i, own: float(np.float32(delayed[i])) or own)
   rnd = lambda v: np.asarray(v, np.float64).astype(dtype).astype(np.float64)
   x, w1, w2, dy = (np.asarray(a, np.float64) for a in (x, w1, w2, dy))
   M, E, d = x.shape[0], w1.shape[0], x.shape[1]

@@ -23,11 +23,13 @@ def _delayed(**kw):
   return jaxmlp.Fp8Recipe("tensorwise", fast_accumulation=False, when="always", scaling="delayed", **kw)
 
 
-# Past amaxes around each tensor's own (some below it: its largest elements saturate), or none yet (zeros:
-# the first call, quantized by amax 0, scale 1).
+# Past amaxes around each tensor's own (some below it: its largest elements saturate); none yet (zeros: the
+# first call, each tensor by its own amax); or none for some tensors (x's and dh's rows empty).
 HISTORIES = {
     "near": lambda own, rng: np.stack([own * rng.uniform(0.5, 1.5, 4) for _ in range(H)], axis=1),
     "zeros": lambda own, rng: np.zeros((4, H)),
+    "some_empty": lambda own, rng: np.stack([own * rng.uniform(0.5, 1.5, 4) * [0, 1, 1, 0] for _ in range(H)],
+                                            axis=1),
 }
 
 
@@ -40,7 +42,8 @@ HISTORIES = {
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_delayed_scaling_follows_the_recipe(platform, rng, case, history, fp8_wgrad, act, dtype):
   """y and every gradient as the model computes them with x, a, dy and dh quantized by the largest of
-  their past amaxes; the history's gradient is the update: the call's own four amaxes, then the old ones."""
+  their past amaxes (their own where there is none); the history's gradient is the update: the call's own
+  four amaxes, then the old ones."""
   M, d, f, sizes = CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.dtype(dtype))
   n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}

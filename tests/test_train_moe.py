@@ -56,6 +56,25 @@ def test_train_example_fp8_ends_near_bfloat16(capsys, recipe):
   assert capsys.readouterr().out.splitlines()[-1].startswith("OK")
 
 
+def test_train_example_fp8_delayed_scaling(capsys, monkeypatch):
+  """--fp8-scaling delayed over two micro-batches: every block's MoE layer takes its amax history
+  (jaxmlp.fp8.delayed: its update computed in each micro-batch's backward), the step keeps the largest of the
+  micro-batches' updates for the next step, and FP8 still ends near the bfloat16 run."""
+  from jaxmlp.fp8 import delayed
+  shapes = []
+  updated = delayed.updated
+  monkeypatch.setattr(delayed, "updated", lambda h, seen: (shapes.append(h.shape), updated(h, seen))[1])
+  result = train_moe.main(["--steps", "6", "--config", "tiny", "--seed", "3", "--fp8", "tensorwise",
+                           "--fp8-scaling", "delayed", "--micro-batches", "2"])
+  assert result["match"] and set(result["runs"]) == {"jaxmlp", "jaxmlp fp8"}
+  assert shapes == [(4, 16)] * train_moe.CONFIGS["tiny"].num_layers  # traced once a block: one compilation
+  for bad in (["--fp8-scaling", "delayed"], ["--fp8", "blockwise", "--fp8-scaling", "delayed"],
+              ["--fp8", "tensorwise", "--fp8-scaling", "delayed", "--expert-parallel"]):
+    with pytest.raises(SystemExit):
+      train_moe.parse_args(bad)
+  assert "--fp8-scaling delayed: needs --fp8 tensorwise" in capsys.readouterr().err
+
+
 @pytest.mark.full
 def test_train_example_fp8_over_micro_batches(capsys):
   """--micro-batches with --fp8: each step's gradient accumulated over two halves of its batch, the experts'

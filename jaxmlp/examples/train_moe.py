@@ -5,6 +5,7 @@ experts computed by jaxmlp.grouped_mlp and by the jax.lax.ragged_dot reference, 
   jaxmlp-train-moe --impl jaxmlp --config small --steps 300 --dtype float32
   jaxmlp-train-moe --expert-parallel        # the MoE layers expert-parallel over all devices
   jaxmlp-train-moe --fp8 tensorwise --micro-batches 4   # FP8 experts, weights quantized once per step
+  jaxmlp-train-moe --fp8 tensorwise --fp8-scaling delayed   # the activations scaled by amax histories
 (or python -m jaxmlp.examples.train_moe, from outside the source tree).
 
 Both paths train the same model from the same initialisation on the same batches. The run checks that
@@ -35,7 +36,7 @@ except ModuleNotFoundError as e:  # the flax extra brings all three
   raise ModuleNotFoundError("jaxmlp-train-moe needs the flax extra: pip install 'jaxmlp[flax]' "
                             f"(missing: {e.name.partition('.')[0]})", name=e.name) from e
 
-from jaxmlp import fp8_adam_step, fp8_weights as quantize_weights
+from jaxmlp import fp8_adam_step, fp8_history, fp8_weights as quantize_weights
 from jaxmlp.fp8 import RECIPES as FP8_RECIPES
 from jaxmlp.fp8 import Fp8Recipe
 from jaxmlp.nnx import MoE
@@ -117,9 +118,9 @@ class Block(nnx.Module):
     self.moe = MoE(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.top_k, dtype=dtype, impl=impl,
                    expert_axis=expert_axis, fp8=fp8, rngs=rngs)
 
-  def __call__(self, x: jax.Array, mask: jax.Array, fp8_weights=None) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, mask: jax.Array, fp8_weights=None, fp8_history=None) -> tuple[jax.Array, jax.Array]:
     x = x + self.attention(self.attention_norm(x), mask=mask)
-    y, aux = self.moe(self.moe_norm(x), fp8_weights=fp8_weights)
+    y, aux = self.moe(self.moe_norm(x), fp8_weights=fp8_weights, fp8_history=fp8_history)
     return x + y, aux["aux_loss"]
 
 
@@ -135,14 +136,16 @@ class MoETransformer(nnx.Module):
     self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
     self.fp8 = fp8
 
-  def __call__(self, tokens: jax.Array, fp8_weights=None) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, tokens: jax.Array, fp8_weights=None, fp8_history=None) -> tuple[jax.Array, jax.Array]:
     """tokens [B, S] -> (float32 logits [B, S, vocab], the summed router auxiliary losses); fp8_weights:
-    None, or fp8_weights()."""
+    None, or fp8_weights(); fp8_history: None, or the blocks' amax histories [layers, 4, H] (delayed
+    scaling)."""
     x = self.embed(tokens)
     mask = nnx.make_causal_mask(tokens)
     aux_loss = jnp.zeros((), jnp.float32)
     for i, block in enumerate(self.blocks):
-      x, block_aux = block(x, mask, None if fp8_weights is None else fp8_weights[i])
+      x, block_aux = block(x, mask, None if fp8_weights is None else fp8_weights[i],
+                           None if fp8_history is None else fp8_history[i])
       aux_loss += block_aux
     return self.lm_head(self.final_norm(x)).astype(jnp.float32), aux_loss
 
@@ -156,21 +159,24 @@ class MoETransformer(nnx.Module):
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
-            micro_batches: int = 1, quantized=None) -> tuple[jax.Array, jax.Array]:
+            micro_batches: int = 1, quantized=None, history=None) -> tuple[jax.Array, jax.Array]:
   """(cross-entropy + router losses, cross-entropy) of next-token prediction on batch [B, S + 1]: the mean
   over `micro_batches` equal parts of it, run one after the other (gradient accumulation), with FP8 expert
-  weights quantized once for all of them (or given: MoETransformer.fp8_weights' `quantized`)."""
+  weights quantized once for all of them (or given: MoETransformer.fp8_weights' `quantized`). history: None,
+  or the amax histories of delayed scaling, a row [layers, 4, H] per micro-batch (its gradient: each
+  micro-batch's update, jaxmlp.fp8.delayed)."""
   model = nnx.merge(graphdef, params)
   fp8_weights = model.fp8_weights(quantized)
 
-  def micro_batch(batch):
-    logits, aux_loss = model(batch[:, :-1], fp8_weights)
+  def micro_batch(batch, history):
+    logits, aux_loss = model(batch[:, :-1], fp8_weights, history)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     return cross_entropy + aux_loss, cross_entropy
 
   if micro_batches == 1:
-    return micro_batch(batch)
-  losses, cross_entropies = jax.lax.map(micro_batch, batch.reshape(micro_batches, -1, batch.shape[-1]))
+    return micro_batch(batch, None if history is None else history[0])
+  losses, cross_entropies = jax.lax.map(lambda a: micro_batch(*a),
+                                        (batch.reshape(micro_batches, -1, batch.shape[-1]), history))
   return losses.mean(), cross_entropies.mean()
 
 
@@ -210,14 +216,15 @@ class Run:
   tokens_per_s: float  # after the first (compiling) step
 
 
-def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
-          expert_axis: str | None = None, fp8: str | None = None, micro_batches: int = 1) -> Run:
+def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int, expert_axis: str | None = None,
+          fp8: str | None = None, micro_batches: int = 1, fp8_scaling: str = "current") -> Run:
   """Trains a fresh model (initialised from `seed`) on batches [steps, B, S + 1] with AdamW, each step's
   gradient accumulated over `micro_batches` parts of its batch. fp8: a recipe name, run in FP8 at every
   shape (the example shows FP8 training's accuracy, also at configs too small for FP8 to be faster), the
   experts' FP8 weights written by their update (fp8_adam_step; tensorwise by the last weights' maximum; over
-  the expert axis, each device its own experts)."""
-  recipe = Fp8Recipe(fp8, when="always") if fp8 else None
+  the expert axis, each device its own experts). fp8_scaling: the activations' (Fp8Recipe.scaling); delayed,
+  the blocks' amax histories carried from step to step, each the largest of its micro-batches' updates."""
+  recipe = Fp8Recipe(fp8, when="always", scaling=fp8_scaling) if fp8 else None
   model = MoETransformer(cfg, dtype=dtype, impl=impl, rngs=nnx.Rngs(seed), expert_axis=expert_axis, fp8=recipe)
   graphdef, params = nnx.split(model)
   leaves, treedef = jax.tree.flatten(params)
@@ -233,13 +240,19 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
   expert_state = ([optax.scale_by_adam().init(leaves[i]) for i in experts],
                   [dataclasses.replace(quantize_weights(leaves[i], recipe, dtype), weights=None) for i in experts])
 
+  histories = None
+  if recipe is not None and recipe.scaling == "delayed":
+    histories = jnp.stack([fp8_history() for _ in range(cfg.num_layers)])
+
   @jax.jit
-  def train_step(params, opt_state, expert_state, batch):
+  def train_step(params, opt_state, expert_state, histories, batch):
     adam, quantized = expert_state
     triples = [q.quantized for q in quantized]
     blocks = list(zip(triples[0::2], triples[1::2])) if experts else None  # (w1's, w2's) a block
-    (_, cross_entropy), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(graphdef, params, batch,
-                                                                                     micro_batches, blocks)
+    rows = None if histories is None else jnp.broadcast_to(histories, (micro_batches, *histories.shape))
+    (_, cross_entropy), (grads, updates) = jax.value_and_grad(loss_fn, argnums=(1, 5), has_aux=True)(
+        graphdef, params, batch, micro_batches, blocks, rows)
+    histories = None if histories is None else jnp.max(updates, axis=0)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new = [w if i in experts else optax.apply_updates(w, u)
            for i, (w, u) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(updates)))]
@@ -249,7 +262,7 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
                                            weight_decay=WEIGHT_DECAY, dtype=dtype, expert_axis=expert_axis,
                                            fp8=quantized[k] if recipe.name == "tensorwise" else recipe)
       quantized[k] = dataclasses.replace(fp8, weights=None)
-    return jax.tree.unflatten(treedef, new), opt_state, (adam, quantized), cross_entropy
+    return jax.tree.unflatten(treedef, new), opt_state, (adam, quantized), histories, cross_entropy
 
   log_every = max(1, len(batches) // 10)
   losses = []
@@ -257,7 +270,8 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int,
   label = impl + (" fp8" if fp8 else "")
   with tqdm(total=len(batches), desc=f"{label:>9}", unit="step", leave=True) as progress:
     for step, batch in enumerate(batches):
-      params, opt_state, expert_state, loss = train_step(params, opt_state, expert_state, batch)
+      params, opt_state, expert_state, histories, loss = train_step(params, opt_state, expert_state, histories,
+                                                                    batch)
       losses.append(loss)
       if step == 0:
         # The first step compiles: time from its end.
@@ -289,6 +303,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "bfloat16 (same seed, same batches), and check that FP8 ends within "
                            f"{FP8_FINAL_LOSS_TOLERANCE:.0%}".replace("%", "%%")  # argparse formats help with %
                            + " of its final loss; needs --dtype bfloat16 (auto picks it)")
+  parser.add_argument("--fp8-scaling", choices=["current", "delayed"], default="current",
+                      help="with --fp8 tensorwise: the activations' scales from their own amaxes (current) or from "
+                           "amax histories carried between steps (delayed: no amax passes; one device)")
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
                            "the other; with --fp8 the experts' weights are quantized once per step "
@@ -303,6 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.error("--fp8: FP8 takes bfloat16 operands; leave --dtype at auto or bfloat16")
   if args.micro_batches < 1:
     parser.error("--micro-batches: need at least 1")
+  if args.fp8_scaling == "delayed" and (args.fp8 != "tensorwise" or args.expert_parallel):
+    parser.error("--fp8-scaling delayed: needs --fp8 tensorwise, on one device (not with --expert-parallel)")
   return args
 
 
@@ -401,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                         micro_batches=args.micro_batches) for impl in impls}
     if args.fp8:
       fp8_run = train(cfg, batches, impl=impls[0], dtype=dtype, seed=args.seed, expert_axis=expert_axis,
-                      fp8=args.fp8, micro_batches=args.micro_batches)
+                      fp8=args.fp8, micro_batches=args.micro_batches, fp8_scaling=args.fp8_scaling)
       runs[fp8_run.impl] = fp8_run
   result = {"runs": runs, "match": all(np.isfinite(run.losses).all() for run in runs.values())}
   _print_table(runs)

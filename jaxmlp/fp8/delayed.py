@@ -8,11 +8,12 @@ quantization are gone (two of the forward's passes over x and h, two of the back
 An element past the delayed scale's range saturates at +-448 (e4m3's largest).
 
 The state is one float32 array [4, H], the rows x, a, dy, dh and the columns the last H calls' amaxes, newest
-first (`history(H)`: zeros, whose scale is 1: the first call quantizes by amax 448, as TransformerEngine's
-first step does). A call reads it and its gradient is the updated history: the call's four observed amaxes
-in column 0, the older ones shifted right, the oldest dropped. That is the convention of Flax's
-`_overwrite_with_gradient` collection and of TransformerEngine's JAX FP8 metadata: the new state is taken as
-the gradient, not added to the old one. One history per call: reused by two calls of one differentiated
+first (`history(H)`: zeros). A tensor whose row holds no amax yet (all 0: the first call) is quantized by
+its own, as current scaling does, in two passes (TransformerEngine's first step quantizes by scale 1, which
+flushes small gradients to zero). A call reads the history and its gradient is the updated history: the
+call's four observed amaxes in column 0, the older ones shifted right, the oldest dropped. That is the
+convention of Flax's `_overwrite_with_gradient` collection and of TransformerEngine's JAX FP8 metadata: the
+new state is taken as the gradient, not added to the old one. One history per call: reused by two calls of one differentiated
 function, JAX would add their two updates. Micro-batches mapped in one differentiated function each take the
 history as a row of their own (jnp.broadcast_to(h, (n, 4, H)), mapped with them), and the new history is the
 largest of their n updates (jnp.max over the micro-batches: the same older columns, and in column 0 the

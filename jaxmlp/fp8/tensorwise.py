@@ -15,8 +15,8 @@ float32 rounding of 448 / amax decides: it is part of the definition),
 
 and a product of quantized operands is `(q_a @ q_b) * (scale_a * scale_b)`, rounded once to x's dtype.
 With delayed scaling (Fp8Recipe(scaling="delayed"), jaxmlp.fp8.delayed) the activations x, a, dy and dh are
-quantized by the same formulas with a given amax in place of their own (saturating past it), and their own
-amaxes are what the call reports.
+quantized by the same formulas with a given amax in place of their own (saturating past it; their own where
+the given one is 0: an empty history), and their own amaxes are what the call reports.
 Activations (x, the activation output, the output gradient dy and the FC1 gradient dh) take one scale per
 tensor over the rows in groups (padding rows are ignored); the weights one scale per tensor.
 
@@ -93,6 +93,12 @@ def inverse_scale(a: jax.Array) -> jax.Array:
   return jnp.where(a > 0, jnp.minimum(inverse, jnp.float32(FLOAT32_MAX)), 1.0).astype(jnp.float32)
 
 
+def by_history(given: jax.Array, own: jax.Array) -> jax.Array:
+  """The amax delayed scaling quantizes a tensor by: the history's, or where that is 0 (an empty history: the
+  first call) the tensor's own."""
+  return jnp.where(given > 0, given, own)
+
+
 def quantize_e4m3(v: jax.Array, a: jax.Array) -> jax.Array:
   """v quantized to e4m3 (float8_e4m3fn) with the scale of amax a."""
   return to_e4m3(v.astype(jnp.float32) * inverse_scale(a))
@@ -142,7 +148,7 @@ def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=N
   dtype, valid, sizes = x.dtype, groups.valid, groups.sizes
   (w1q, aw1, _), (w2q, aw2, _) = w1, w2
   seen_x = amax(x, valid)
-  ax = seen_x if delayed is None else delayed[0]
+  ax = seen_x if delayed is None else by_history(delayed[0], seen_x)
   xq = quantize_e4m3(x, ax)
   h = gemm("nn", xq.astype(jnp.float32), w1q.astype(jnp.float32), sizes) * (scale_of(ax) * scale_of(aw1))
   h = jnp.where(valid[:, None], h, 0).astype(dtype)
@@ -153,7 +159,7 @@ def forward(gemm: Gemm, x, w1, w2, groups: Groups, scales, act: Activation, b1=N
     a = a * scales.astype(jnp.float32)[:, None]
   a = jnp.where(valid[:, None], a, 0)
   seen_a = amax(a)
-  aa = seen_a if delayed is None else delayed[1]
+  aa = seen_a if delayed is None else by_history(delayed[1], seen_a)
   y = gemm("nn", quantize(a, aa), w2q.astype(jnp.float32), sizes) * (scale_of(aa) * scale_of(aw2))
   if b2 is not None:
     y = y + scaled_bias(b2, scales, groups, dtype)
@@ -174,7 +180,7 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
   rows = groups.valid[:, None]
   dy = jnp.where(rows, dy.astype(jnp.float32), 0)
   seen_dy = amax(dy)
-  ady = seen_dy if delayed is None else delayed[2]
+  ady = seen_dy if delayed is None else by_history(delayed[2], seen_dy)
   qdy = quantize(dy, ady)
   da = (gemm("nt", qdy, w2q.astype(jnp.float32), sizes) * (scale_of(ady) * scale_of(aw2))).astype(dtype)
   da = jnp.where(rows, da.astype(jnp.float32), 0)
@@ -183,7 +189,7 @@ def backward(gemm: Gemm, residuals, groups: Groups, scales, act: Activation, dy,
   a = jnp.where(rows, value * s, 0)
   dh = jnp.where(rows, vjp(da * s)[0], 0)
   seen_dh = amax(dh)
-  adh = seen_dh if delayed is None else delayed[3]
+  adh = seen_dh if delayed is None else by_history(delayed[3], seen_dh)
   qdh = quantize(dh, adh)
   dx = gemm("nt", qdh, w1q.astype(jnp.float32), sizes) * (scale_of(adh) * scale_of(aw1))
   if fp8_wgrad:

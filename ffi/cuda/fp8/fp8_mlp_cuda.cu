@@ -211,8 +211,9 @@ Error Fp8TensorWeights(cudaStream_t stream, AnyBuffer w, Result<AnyBuffer> q, Re
 // top_k, zeros where it names none), read by the passes that quantize x, so no 16-bit copy of the rows is
 // written; the backward takes xt alone (16-bit weight gradients would need the rows themselves).
 // delayed: absent (current scaling), or float32 [2], the amaxes of x and a to scale by (delayed scaling: an
-// amax history's), which `amax` then holds in their places; `seen` [2] gets x's and a's amaxes as observed,
-// from the passes that quantize them (no amax passes).
+// amax history's; where one is 0, an empty history, that tensor's own), which `amax` then holds in their
+// places; `seen` [2] gets x's and a's amaxes as observed, from the passes that quantize them (no amax passes:
+// theirs are launched, and return at once, but for an empty history).
 Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer w1, AnyBuffer w2, AnyBuffer group_sizes,
                     AnyBuffer b1, AnyBuffer b2, AnyBuffer scales, AnyBuffer w1t, AnyBuffer w2t, AnyBuffer weight_amax,
                     AnyBuffer slot_of_row, AnyBuffer delayed, int32_t act, float alpha, float limit,
@@ -248,10 +249,10 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*y, &*h, &*amax, &*xt, &*seen, &*workspace}));
   float* am = static_cast<float*>(amax->untyped_data());  // x, w1, w2, a
   float* observed = late ? static_cast<float*>(seen->untyped_data()) : nullptr;  // x, a
+  const float* given = late ? static_cast<const float*>(delayed.untyped_data()) : nullptr;  // x, a
   JAXMLP_RETURN_IF_ERROR(Zero(stream, am, 4 * sizeof(float)));
   JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, am + 1, weight_amax.untyped_data(), 2));  // the weights' amax
   if (late) {
-    const float* given = static_cast<const float*>(delayed.untyped_data());
     JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, am + 0, given + 0, 1));
     JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, am + 3, given + 1, 1));
     JAXMLP_RETURN_IF_ERROR(Zero(stream, observed, 2 * sizeof(float)));
@@ -266,7 +267,8 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
   }, /*padded_layout=*/residual));
   Fp8Rows rows;
   if (gathered) rows = {static_cast<const int32_t*>(slot_of_row.untyped_data()), top_k, x.dimensions()[0]};
-  if (!late) JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0, rows));
+  JAXMLP_RETURN_IF_ERROR(
+      AbsMax(stream, t, x.untyped_data(), gemms.offsets(), m.E, m.M, m.d, am + 0, rows, late ? given + 0 : nullptr));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, x.untyped_data(), m.M, m.d, am + 0, s.scale + 0,
                                       Activations(s.xq, residual ? xt->untyped_data() : nullptr, gemms, m), rows,
                                       late ? observed + 0 : nullptr));
@@ -275,10 +277,13 @@ Error MlpFp8Forward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer 
         ZeroPaddedTail(stream, xt->untyped_data(), m.d, PaddedRows(m.M, m.E), gemms.padded_starts() + m.E));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // h = x w1
   const ActParams p{Act(act), alpha, limit};
-  if (late) {  // one pass: a quantized by the given amax, its own observed
+  if (late) {  // one pass: a quantized by the given amax, its own observed (two for an empty history)
     JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
                                             DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
-                                            DataIfPresent(b2), observed + 1, am + 3, s.scale + 3, s.aq));
+                                            DataIfPresent(b2), observed + 1, given + 1, s.scale + 3, s.aq));
+    JAXMLP_RETURN_IF_ERROR(ActivationQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h->untyped_data(),
+                                              DataIfPresent(scales), observed + 1, s.scale + 3, s.aq, given + 1,
+                                              am + 3));
   } else {
     JAXMLP_RETURN_IF_ERROR(ActivationAbsMax(stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h->untyped_data(),
                                             DataIfPresent(b1), DataIfPresent(scales), y->untyped_data(),
@@ -321,9 +326,10 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
   JAXMLP_RETURN_IF_ERROR(Poison(stream, {&*dx, &*dw1, &*dw2, &*db1, &*db2, &*dscales, &*seen, &*workspace}));
   const float* fwd = static_cast<const float*>(amax.untyped_data());  // x, w1, w2, a
   float* observed = late ? static_cast<float*>(seen->untyped_data()) : nullptr;  // dy, dh
+  const float* given = late ? static_cast<const float*>(delayed.untyped_data()) : nullptr;  // dy, dh
   // (The transposed copies' padding columns, summed over, get their zeros from QuantizeRows.)
-  if (late) {  // s.amax: the amaxes dy and dh are quantized by
-    JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, s.amax, delayed.untyped_data(), 2));
+  if (late) {  // s.amax: the amaxes dy and dh are quantized by (0: their own, AbsMax's and observed's)
+    JAXMLP_RETURN_IF_ERROR(CopyAmax(stream, s.amax, given, 2));
     JAXMLP_RETURN_IF_ERROR(Zero(stream, observed, 2 * sizeof(float)));
   } else {
     JAXMLP_RETURN_IF_ERROR(Zero(stream, s.amax, 2 * sizeof(float)));
@@ -348,20 +354,22 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
       Fp8Product(GemmOp::kNT, m.d, m.F1, s.dhq, sdh, w1.untyped_data(), sw1, dx->untyped_data(), t, fast),  // dx
       dw1_spec,
   }));
-  if (!late) JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0));
+  JAXMLP_RETURN_IF_ERROR(AbsMax(stream, t, dy.untyped_data(), gemms.offsets(), m.E, m.M, m.d, s.amax + 0, {},
+                                late ? given + 0 : nullptr));
   JAXMLP_RETURN_IF_ERROR(QuantizeRows(stream, t, dy.untyped_data(), m.M, m.d, s.amax + 0, sdy,
                                       Activations(s.dyq, s.dyt, gemms, m), {}, late ? observed + 0 : nullptr));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
   const ActParams p{Act(act), alpha, limit};
-  // Delayed scaling: one pass, dh quantized by the given amax (s.amax + 1), its own observed.
+  // Delayed scaling: one pass, dh quantized by the given amax, its own observed (and a second pass by that
+  // for an empty history: ActivationBackwardQuantize returns at once otherwise).
   JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(
       stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
       dy.untyped_data(), DataIfPresent(b2), s.aq, s.a16, m.has_scales ? dscales->untyped_data() : nullptr,
-      dx->untyped_data(), late ? observed + 1 : s.amax + 1, late ? s.amax + 1 : nullptr, late ? sdh : nullptr,
+      dx->untyped_data(), late ? observed + 1 : s.amax + 1, late ? given + 1 : nullptr, late ? sdh : nullptr,
       late ? s.dhq : nullptr, late ? s.dh : nullptr));
-  if (!late)
-    JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
-                                                      s.da, DataIfPresent(scales), s.amax + 1, sdh, s.dhq, s.dh));
+  JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
+                                                    s.da, DataIfPresent(scales), late ? observed + 1 : s.amax + 1,
+                                                    sdh, s.dhq, s.dh, late ? given + 1 : nullptr));
   if (fp8_wgrad) {  // transposed copies of the FP8 a and dh (exact copies: no scale)
     JAXMLP_RETURN_IF_ERROR(
         QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));

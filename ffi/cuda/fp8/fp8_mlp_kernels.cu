@@ -57,7 +57,8 @@ __device__ __forceinline__ const T* RowStart(const T* v, int64_t r, int64_t n, c
 // a zero row skipped.
 template <typename T, int V, bool kGathered>
 __global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int64_t rows, int64_t n, float* amax,
-                             Fp8Rows from) {
+                             Fp8Rows from, const float* skip) {
+  if (skip && *skip > 0.0f) return;  // the whole grid alike
   constexpr int kUnroll = 4;
   const int64_t count = (offsets ? offsets[E] : rows) * n;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x * V;
@@ -240,7 +241,7 @@ __device__ __forceinline__ void AddBias(T* hr, const T* b, int64_t f) {
 }
 
 // With aq (delayed scaling: the scale known before the pass) it also quantizes a into aq with the scale of
-// *given, ActQuantizeKernel's arithmetic, and *amax gets a's maximum as observed.
+// *given where that is positive, ActQuantizeKernel's arithmetic, and *amax gets a's maximum as observed.
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E, int64_t M,
                                                             int64_t f, int64_t d, T* h, const T* b1,
@@ -248,6 +249,7 @@ __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const i
                                                             const float* given, float* scale_out, uint8_t* aq) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
+  aq = aq && *given > 0.0f ? aq : nullptr;  // the whole grid alike
   if (aq && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = DequantScale(*given);
   const float inv = aq ? InverseScale(given) : 1.0f;
   float m = 0.0f;
@@ -275,12 +277,19 @@ __global__ void __launch_bounds__(kThreads) ActAbsMaxKernel(ActParams p, const i
   ReduceAbsMax(m, amax);
 }
 
+// skip (delayed scaling): nothing where *skip is positive (ActAbsMaxKernel quantized a by it); else a by its
+// own *amax, which amax_out (the amax the backward scales a by) then holds too.
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActQuantizeKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                               int64_t f, const T* h, const T* scales,
-                                                              const float* amax, float* scale_out, uint8_t* aq) {
+                                                              const float* amax, float* scale_out, uint8_t* aq,
+                                                              const float* skip, float* amax_out) {
+  if (skip && *skip > 0.0f) return;  // the whole grid alike
   const int64_t valid = offsets[E];
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = DequantScale(*amax);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *scale_out = DequantScale(*amax);
+    if (amax_out) *amax_out = *amax;
+  }
   const float inv = InverseScale(amax);
   for (int64_t row = blockIdx.x; row < valid; row += gridDim.x) {
     const float s = scales ? ToFloat(scales[row]) : 1.0f;
@@ -294,8 +303,8 @@ __global__ void __launch_bounds__(kThreads) ActQuantizeKernel(ActParams p, const
 }
 
 // Pass 1 of the backward (see fp8_mlp_kernels.h).
-// With dhq (delayed scaling) it also does pass 2's work with the scale of *given_dh, ActBackwardQuantizeKernel's
-// arithmetic, and *amax_dh gets dh's maximum as observed.
+// With dhq (delayed scaling) it also does pass 2's work with the scale of *given_dh where that is positive,
+// ActBackwardQuantizeKernel's arithmetic, and *amax_dh gets dh's maximum as observed.
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                     int64_t M, int64_t f, int64_t d, const T* h,
@@ -307,6 +316,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
   constexpr bool kGated = IsGated(kAct);
   const int64_t valid = offsets[E], F1 = kGated ? 2 * f : f;
   const float inv_a = InverseScale(amax_a);
+  dhq = dhq && *given_dh > 0.0f ? dhq : nullptr;  // the whole grid alike
   if (dhq && blockIdx.x == 0 && threadIdx.x == 0) *scale_dh = DequantScale(*given_dh);
   const float inv_dh = dhq ? InverseScale(given_dh) : 1.0f;
   float m = 0.0f;
@@ -360,7 +370,9 @@ template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                       int64_t f, const T* h, const T* da,
                                                                       const T* scales, const float* amax_dh,
-                                                                      float* scale_out, uint8_t* dhq, T* dh) {
+                                                                      float* scale_out, uint8_t* dhq, T* dh,
+                                                                      const float* skip) {
+  if (skip && *skip > 0.0f) return;  // delayed scaling: ActBackwardAbsMaxKernel quantized dh by it
   constexpr bool kGated = IsGated(kAct);
   const int64_t F1 = kGated ? 2 * f : f, valid = offsets[E];
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = DequantScale(*amax_dh);
@@ -401,7 +413,7 @@ unsigned Blocks(int64_t work, int64_t per_block) {
 }  // namespace
 
 ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
-                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from) {
+                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from, const float* skip) {
   if (from.gather && (n % 8 || from.top_k < 1))
     return ffi::Error::InvalidArgument("jaxmlp: a gathered FP8 amax needs rows of a multiple of 8, top_k >= 1");
   By16BitType(t, [&](auto tag) {
@@ -409,9 +421,10 @@ ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int
     constexpr int V = 16 / sizeof(T);
     const unsigned grid = Blocks(rows * n, 256 * V);
     const T* tv = static_cast<const T*>(v);
-    if (from.gather) AbsMaxKernel<T, V, true><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from);
-    else if (n % V == 0) AbsMaxKernel<T, V, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from);
-    else AbsMaxKernel<T, 1, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from);
+    if (from.gather) AbsMaxKernel<T, V, true><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from, skip);
+    else if (n % V == 0)
+      AbsMaxKernel<T, V, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from, skip);
+    else AbsMaxKernel<T, 1, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from, skip);
   });
   return CheckCuda(cudaGetLastError(), "launching the FP8 amax kernel");
 }
@@ -477,9 +490,9 @@ ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParam
 
 ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, const void* h, const void* scales, const float* amax_a,
-                              float* scale_a, void* aq) {
+                              float* scale_a, void* aq, const float* skip, float* amax_out) {
   JAXMLP_ACT_LAUNCH(ActQuantizeKernel, Blocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
-                    static_cast<const T*>(scales), amax_a, scale_a, static_cast<uint8_t*>(aq));
+                    static_cast<const T*>(scales), amax_a, scale_a, static_cast<uint8_t*>(aq), skip, amax_out);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation kernel");
 }
 
@@ -499,10 +512,10 @@ ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const 
 ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
                                       const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
-                                      void* dh) {
+                                      void* dh, const float* skip) {
   JAXMLP_ACT_LAUNCH(ActBackwardQuantizeKernel, Blocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_dh, scale_dh,
-                    static_cast<uint8_t*>(dhq), static_cast<T*>(dh));
+                    static_cast<uint8_t*>(dhq), static_cast<T*>(dh), skip);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation gradient kernel");
 }
 

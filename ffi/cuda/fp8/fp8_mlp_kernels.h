@@ -28,9 +28,9 @@ struct Fp8Rows {
 
 // *amax = max(*amax, max |v| over rows [0, rows) of v [.., n]) with rows = offsets[E] where offsets is given,
 // else `rows`; the rows as `from` places them. *amax must hold a non-negative value (0 to start) before the
-// first call.
+// first call. skip (delayed scaling): nothing where *skip is positive (a history's amax to scale by).
 ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
-                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from = {});
+                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from = {}, const float* skip = nullptr);
 
 // Where QuantizeRows writes element (r, c) of its [R, C] input, for rows r in group g:
 //   rows_out[r * C + c]                                           (the input's layout), and/or
@@ -63,14 +63,15 @@ ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld
 // place first, with b2 [E, d] setting y's row to s * b2[g] for FC2 to add onto), then aq [M, f] =
 // e4m3(act(h) * s) with that scale. b1, b2, scales: may be null. Delayed scaling runs one pass: with aq given,
 // ActivationAbsMax also writes aq with the scale of *given_a (and *scale_a), *amax_a then a's maximum as
-// observed.
+// observed; where *given_a is 0 (an empty history) it writes no aq, and ActivationQuantize with skip = given_a
+// quantizes a by that observed maximum (amax_out: where it then writes it; nothing where *skip is positive).
 ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1, const void* scales,
                             void* y, const void* b2, float* amax_a, const float* given_a = nullptr,
                             float* scale_a = nullptr, void* aq = nullptr);
 ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, const void* h, const void* scales, const float* amax_a,
-                              float* scale_a, void* aq);
+                              float* scale_a, void* aq, const float* skip = nullptr, float* amax_out = nullptr);
 
 // The backward's activation, from h and da = dy w2^T (x.dtype), in two passes over the valid rows:
 //   1. aq = e4m3(act(h) * s) with the forward's *amax_a (or, where a16 is given, a16 = act(h) * s in t
@@ -78,7 +79,9 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 //      with b2), *amax_dh = max |dh| where dh = da * s * act'(h); padding rows get dscales 0 and dx 0;
 //   2. dhq = e4m3(dh) with that scale, and dh itself in t where dh is not null (for db1 and 16-bit dw1).
 // Delayed scaling runs one pass: with dhq given, ActivationBackwardAbsMax also does pass 2 with the scale of
-// *given_dh (and *scale_dh), *amax_dh then dh's maximum as observed.
+// *given_dh (and *scale_dh), *amax_dh then dh's maximum as observed; where *given_dh is 0 (an empty history)
+// ActivationBackwardQuantize with skip = given_dh does pass 2 by that observed maximum (nothing where *skip is
+// positive).
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,
@@ -88,7 +91,7 @@ ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const 
 ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
                                       const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
-                                      void* dh);
+                                      void* dh, const float* skip = nullptr);
 
 // scale[i] = dequantization scale of amax[i], for i < n (the backward's scales of the forward's amaxes).
 ffi::Error ScalesOf(cudaStream_t stream, const float* amax, int n, float* scale);
