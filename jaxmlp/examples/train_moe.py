@@ -250,9 +250,9 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int, expe
     triples = [q.quantized for q in quantized]
     blocks = list(zip(triples[0::2], triples[1::2])) if experts else None  # (w1's, w2's) a block
     rows = None if histories is None else jnp.broadcast_to(histories, (micro_batches, *histories.shape))
-    (_, cross_entropy), (grads, updates) = jax.value_and_grad(loss_fn, argnums=(1, 5), has_aux=True)(
+    (_, cross_entropy), (grads, history_updates) = jax.value_and_grad(loss_fn, argnums=(1, 5), has_aux=True)(
         graphdef, params, batch, micro_batches, blocks, rows)
-    histories = None if histories is None else jnp.max(updates, axis=0)
+    histories = None if histories is None else jnp.max(history_updates, axis=0)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new = [w if i in experts else optax.apply_updates(w, u)
            for i, (w, u) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(updates)))]

@@ -13,12 +13,12 @@ its own, as current scaling does, in two passes (TransformerEngine's first step 
 flushes small gradients to zero). A call reads the history and its gradient is the updated history: the
 call's four observed amaxes in column 0, the older ones shifted right, the oldest dropped. That is the
 convention of Flax's `_overwrite_with_gradient` collection and of TransformerEngine's JAX FP8 metadata: the
-new state is taken as the gradient, not added to the old one. One history per call: reused by two calls of one differentiated
-function, JAX would add their two updates. Micro-batches mapped in one differentiated function each take the
-history as a row of their own (jnp.broadcast_to(h, (n, 4, H)), mapped with them), and the new history is the
-largest of their n updates (jnp.max over the micro-batches: the same older columns, and in column 0 the
-largest amax any of them observed). A call that runs in x's dtype (the recipe's `when`) gives the history
-back unchanged.
+new state is taken as the gradient, not added to the old one. One history per call: reused by two calls of
+one differentiated function, JAX would add their two updates. Micro-batches mapped in one differentiated
+function each take the history as a row of their own (jnp.broadcast_to(h, (n, 4, H)), mapped with them), and
+the new history is the largest of their n updates (jnp.max over the micro-batches: the same older columns,
+and in column 0 the largest amax any of them observed). A call that runs in x's dtype (the recipe's `when`)
+gives the history back unchanged.
 
 The weights keep their own scales (jaxmlp.fp8_weights: current; jaxmlp.fp8_adam_step: delayed by one step).
 """
