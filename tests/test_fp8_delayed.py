@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_padding_rows_zero
 from fp8_cases import (CASES, CPU_TOLERANCE, CUDA_TOLERANCE, DTYPES, check_against_model, inputs,
                        platform, run)  # noqa: F401 (a fixture)
 
