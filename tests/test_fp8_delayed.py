@@ -67,6 +67,23 @@ def test_delayed_scaling_follows_the_recipe(platform, rng, case, history, fp8_wg
   assert new[0, 0] == np.float32(own[0])  # x's amax: its own elements, exactly
 
 
+def test_delayed_scaling_takes_the_own_amax_where_the_history_has_no_positive_one(platform, rng):
+  """Rows of NaN or negative values (not an amax) count as empty: those tensors are quantized by their own
+  amax, as with rows of zeros, on every platform."""
+  M, d, f, sizes = CASES["uneven"]
+  args, gs, dy = inputs(rng, M, d, f, sizes, "swiglu", jnp.bfloat16)
+  filled = jnp.asarray(rng.uniform(0.5, 4.0, (4, H)), jnp.float32)
+  odd = filled.at[0].set(jnp.nan).at[3].set(-1.0)
+  empty = filled.at[0].set(0.0).at[3].set(0.0)
+  results = [run(jaxmlp.grouped_mlp, {**args, "fp8_history": h}, gs, dy, "swiglu", fp8=_delayed())
+             for h in (odd, empty)]
+  for k in {"y": 0, **results[0][1]}:
+    if k == "fp8_history":
+      continue
+    got, want = ((r[0] if k == "y" else r[1][k]) for r in results)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), k)
+
+
 def test_delayed_scaling_saturates_past_the_given_amax(platform, rng):
   """Every element past the history's amax quantizes to +-448: x's products equal those of x clipped to it."""
   M, d, f, sizes = CASES["uneven"]

@@ -39,8 +39,10 @@ def history(length: int = 16) -> jax.Array:
 
 
 def amaxes(h: jax.Array) -> jax.Array:
-  """The amaxes [4] a call scales x, a, dy and dh by: each row's largest."""
-  return jnp.max(h, axis=1)
+  """The amaxes [4] a call scales x, a, dy and dh by: each row's largest, or 0 (the tensor's own amax) where
+  that is not a positive number (an empty row, or one a caller filled with NaN or negative values)."""
+  m = jnp.max(h, axis=1)
+  return jnp.where(m > 0, m, 0.0).astype(jnp.float32)
 
 
 def updated(h: jax.Array, seen: jax.Array) -> jax.Array:
