@@ -15,13 +15,14 @@ import jax.numpy as jnp
 from . import _checks, _groups
 from ._autodiff import integer_cotangent
 from .activations import Activation, resolve
+from .fp8 import delayed
 from .fp8 import recipe as fp8_recipe
 
 
 def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swiglu", b1=None, b2=None,
-                scales=None, fp8=None, zero_padding: bool = True):
+                scales=None, fp8=None, zero_padding: bool = True, fp8_history=None):
   """Reference for jaxmlp.grouped_mlp (same arguments and semantics; it writes zeros in the rows past the
-  groups whatever zero_padding says, as zero_padding=False allows).
+  groups whatever zero_padding says, as zero_padding=False allows; fp8_history's gradient is its update).
 
   Pure JAX: without fp8 it takes float64 operands under jax_enable_x64, and JAX differentiates it in
   forward mode and to higher orders (jax.jvp, grad of grad, Hessian-vector products), where
@@ -31,20 +32,20 @@ def grouped_mlp(x, w1, w2, group_sizes, *, activation: str | Activation = "swigl
   """
   act = resolve(activation)
   recipe = fp8_recipe.resolve_with_weights(fp8, w1, w2)
-  if recipe is not None and recipe.scaling != "current":
-    raise NotImplementedError("reference.grouped_mlp: fp8 scaling='delayed' takes an amax history, which the "
-                              "reference does not; its definition is jaxmlp.fp8.tensorwise's with the given amaxes")
+  delayed.check(fp8_history, None if recipe is None else recipe.scaling)
   if recipe is not None:
     dtype = jnp.result_type(x)
     s = _checks.check_mlp(x, fp8_recipe.checked_as(w1, dtype), fp8_recipe.checked_as(w2, dtype), group_sizes, act,
                           b1, b2, scales)
     fp8_recipe.check_call(x, recipe, s, w1, w2)
     recipe = fp8_recipe.as_run(recipe, s, w1, w2)
-    if recipe is None:  # the recipe's `when`: this shape runs in x's dtype
+    if recipe is None or 0 in (s.M, s.d, s.f):  # the recipe's `when`, or an empty problem: in x's dtype
       w1, w2 = (fp8_recipe.weights_of(w).astype(dtype) for w in (w1, w2))
-      return grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
+      y = grouped_mlp(x, w1, w2, group_sizes, activation=act, b1=b1, b2=b2, scales=scales)
+      return y if fp8_history is None else delayed.unchanged(y, fp8_history)  # nothing observed
     (w1, w1q), (w2, w2q) = (fp8_recipe.split_weights(w, dtype) for w in (w1, w2))
-    return _fp8_mlp(x, w1, w2, w1q, w2q, _groups.host_sizes_as_int32(group_sizes, s.M), b1, b2, scales, act, recipe)
+    return _fp8_mlp(x, w1, w2, w1q, w2q, _groups.host_sizes_as_int32(group_sizes, s.M), b1, b2, scales, fp8_history,
+                    act, recipe)
   s = _checks.check_mlp(x, w1, w2, group_sizes, act, b1, b2, scales, float64=True)
   acc = jnp.promote_types(x.dtype, jnp.float32)  # the accumulation dtype: float32, or float64
   groups = _groups.Groups.of(_groups.host_sizes_as_int32(group_sizes, s.M), s.M)
@@ -89,26 +90,34 @@ def _ragged_dot_gemm(op, lhs, rhs, sizes):
   return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=hi, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _fp8_mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
-  return _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe)[0]
+# history: None, or delayed scaling's amax history [4, H], whose "gradient" is its update (jaxmlp.fp8.delayed).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _fp8_mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe):
+  return _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe)[0]
 
 
-def _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, act, recipe):
+def _given_amaxes(history) -> dict:
+  return {} if history is None else dict(delayed=delayed.amaxes(history))
+
+
+def _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe):
   emulation = recipe.scheme.emulation(_ragged_dot_gemm)
   w1q = recipe.scheme.quantize_weights(w1) if w1q is None else w1q
   w2q = recipe.scheme.quantize_weights(w2) if w2q is None else w2q
   groups = _groups.Groups.of(group_sizes, x.shape[0])
-  y, residuals = emulation.forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, None, True, True)
-  return y, (residuals, groups, b1, b2, scales)
+  y, residuals = emulation.forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, None, True, True,
+                                   **_given_amaxes(history))
+  return y, (residuals, groups, b1, b2, scales, history)
 
 
 def _fp8_mlp_bwd(act, recipe, saved, dy):
-  residuals, groups, b1, b2, scales = saved
+  residuals, groups, b1, b2, scales, history = saved
   emulation = recipe.scheme.emulation(_ragged_dot_gemm)
-  dx, dw1, dw2, db1, db2, dscales = emulation.backward(residuals, groups, b1, b2, scales, act, recipe, None,
-                                                       dy.astype(residuals[0].dtype), True)
-  return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales
+  dx, dw1, dw2, db1, db2, dscales, *seen = emulation.backward(
+      residuals, groups, b1, b2, scales, act, recipe, None, dy.astype(residuals[0].dtype), True,
+      **_given_amaxes(history))
+  new_history = None if history is None else delayed.updated(history, seen[0])
+  return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales, new_history
 
 
 _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)

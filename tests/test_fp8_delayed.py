@@ -44,6 +44,18 @@ def test_delayed_scaling_follows_the_recipe(platform, rng, case, history, fp8_wg
   """y and every gradient as the model computes them with x, a, dy and dh quantized by the largest of
   their past amaxes (their own where there is none); the history's gradient is the update: the call's own
   four amaxes, then the old ones."""
+  check_follows_the_recipe(jaxmlp.grouped_mlp, platform, rng, case, history, fp8_wgrad, act, dtype)
+
+
+@pytest.mark.parametrize("history", ["near", "some_empty"])
+def test_the_reference_scales_by_the_history(rng, history):
+  """jaxmlp.reference.grouped_mlp takes the history as jaxmlp.grouped_mlp does (the test above)."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    check_follows_the_recipe(jaxmlp.reference.grouped_mlp, "cpu", rng, "uneven", history, True, "swiglu",
+                             "bfloat16")
+
+
+def check_follows_the_recipe(fn, platform, rng, case, history, fp8_wgrad, act, dtype):
   M, d, f, sizes = CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.dtype(dtype))
   n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
@@ -53,7 +65,7 @@ def test_delayed_scaling_follows_the_recipe(platform, rng, case, history, fp8_wg
   past = HISTORIES[history](own, rng).astype(np.float32)
   given = past.max(axis=1)
 
-  y, grads = run(jaxmlp.grouped_mlp, {**args, "fp8_history": jnp.asarray(past)}, gs, dy, act,
+  y, grads = run(fn, {**args, "fp8_history": jnp.asarray(past)}, gs, dy, act,
                  fp8=_delayed(fp8_weight_gradients=fp8_wgrad))
   new = np.asarray(grads.pop("fp8_history"))
 
