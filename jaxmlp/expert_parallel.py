@@ -27,7 +27,9 @@ Both give the single-device layer's results (jaxmlp.moe.moe) on all T tokens, up
     order (all first choices before any second one, then in global token order: device by device);
   - the router losses are those of all T tokens (global counts, probabilities averaged over devices);
   - the router weights multiply the expert outputs at the combine, not inside the grouped MLP; with
-    "all_gather" each device's partial sums are rounded to the computation dtype before they are added.
+    "all_gather" each device's partial sums are rounded to the computation dtype before they are added;
+  - FP8 delayed scaling (an fp8_history): every device and chunk scales by the one history, and its update
+    holds the largest amaxes any of them observed (jaxmlp.fp8.delayed.shared), those of all rows.
 Static bounds (T tokens in all, T/P per device, k = top_k, E/P local experts): the grouped MLP runs on
 R = T * min(k, E/P) rows (a token's k experts are distinct), bounded by E/P * C with a capacity; the
 gathered tokens take T rows. Dropless routing thus sizes the buffers for every token picking this
@@ -45,9 +47,10 @@ from jax.sharding import PartitionSpec as P
 
 from . import _checks, _gemm_path
 from .dispatch import combine, dispatch
+from .fp8 import delayed
 from .fp8 import exchange as fp8_exchange_ops
 from .fp8.recipe import resolve as resolve_fp8
-from .moe import route, router_losses
+from .moe import history_kwarg, route, router_losses
 from .reference_moe import sort_by_expert
 
 EXCHANGES = ("all_gather", "ragged_all_to_all")
@@ -95,7 +98,8 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
                         score_func: str = "softmax", renormalize: bool = True,
                         capacity_factor: float | None = None, aux_loss_coef: float = 0.0,
                         z_loss_coef: float = 0.0, exchange: str = "all_gather", chunks: int = 1,
-                        chunks_name: str = "chunks", zero_padding: bool = True, fp8_exchange: bool = False):
+                        chunks_name: str = "chunks", zero_padding: bool = True, fp8_exchange: bool = False,
+                        fp8_history: jax.Array | None = None):
   """jaxmlp.moe.moe expert-parallel over `expert_axis` of the current mesh (see the module docstring).
 
   Args:
@@ -103,7 +107,8 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
     expert_params: a pytree of arrays with leading dimension E, split over the axis (the "expert" axis),
       and of scalars, which every device takes whole (the scale of weights quantized by the tensorwise
       recipe, jaxmlp.Fp8Weights).
-    expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales).
+    expert_mlp: `expert_mlp(local_params, rows, group_sizes) -> rows`, the local experts' MLP (no scales);
+      with fp8_history, `expert_mlp(local_params, rows, group_sizes, fp8_history=h)`.
     exchange: "all_gather" or "ragged_all_to_all" (module docstring).
     chunks: the all_gather exchange in that many parts of each device's tokens (module docstring); the
       T/P tokens of a device must split evenly into them. chunks_name: the argument's name in errors.
@@ -112,6 +117,8 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
       routing sizes those buffers at P * min(k, E/P) / k times the rows they hold (module docstring).
     fp8_exchange: the all_gather exchange's gathers in e4m3 (for FP8 experts; bfloat16 or float32 tokens,
       d a multiple of 16; jaxmlp.fp8.exchange).
+    fp8_history: the experts' amax history [4, H] (FP8 delayed scaling), replicated: the gradient it
+      takes is its update, the largest amaxes of all devices and chunks (module docstring).
   Returns (y [T, d], the router_losses dict of all T tokens).
   """
   check_exchange(exchange, chunks=chunks, chunks_name=chunks_name)
@@ -133,15 +140,20 @@ def moe_expert_parallel(tokens: jax.Array, logits: jax.Array, expert_params: tp.
   if capacity_factor is not None:  # as in moe.moe: per expert, over the global batch
     capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
-  def shard(tokens, logits, params):
+  # A row of the history for each device (their updates' maximum is its gradient), split over the axis.
+  histories = () if fp8_history is None else (delayed.shared(fp8_history, mesh.shape[expert_axis]),)
+
+  def shard(tokens, logits, params, *histories):
     return _moe_shard(tokens, logits, params, expert_mlp, axis=expert_axis, top_k=top_k,
                       score_func=score_func, renormalize=renormalize, capacity=capacity,
                       aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, exchange=exchange, chunks=chunks,
-                      zero_padding=zero_padding, fp8_exchange=fp8_exchange)
+                      zero_padding=zero_padding, fp8_exchange=fp8_exchange,
+                      history=histories[0][0] if histories else None)
 
   split = P(expert_axis)
-  specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params))
-  y, losses = split_over(shard, expert_axis, specs, (split, P()))(tokens, logits, expert_params)
+  specs = (split, split, jax.tree.map(lambda a: split if jnp.ndim(a) else P(), expert_params),
+           *(split,) * len(histories))
+  y, losses = split_over(shard, expert_axis, specs, (split, P()))(tokens, logits, expert_params, *histories)
   if is_explicit(expert_axis):  # y as the tokens were, so that the caller's reshape is the one it does without EP
     y = jax.sharding.reshard(y, jax.typeof(tokens).sharding.spec)
   return y, losses
@@ -185,8 +197,8 @@ def _e4m3_rows_fit(tokens) -> bool:
 
 
 def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, renormalize, capacity,
-               aux_loss_coef, z_loss_coef, exchange, chunks, zero_padding, fp8_exchange):
-  """One device's part: its T/P tokens, its E/P experts (`params`)."""
+               aux_loss_coef, z_loss_coef, exchange, chunks, zero_padding, fp8_exchange, history):
+  """One device's part: its T/P tokens, its E/P experts (`params`), the experts' amax history or None."""
   num_experts = logits.shape[1]
   weights, experts, probs = route(logits, top_k, score_func, renormalize)
   # Routing choices per (choice j, expert) on every device: the global counts (and capacity ranks). A
@@ -199,17 +211,18 @@ def _moe_shard(tokens, logits, params, expert_mlp, *, axis, top_k, score_func, r
     keep = None if capacity is None else _within_capacity(experts, all_counts, capacity, axis)
     experts = experts if keep is None else jnp.where(keep, experts, -1)  # an expert out of range: no row
     parts = zip(*(jnp.split(v, chunks) for v in (tokens, weights, experts)))
+    histories = [None] * chunks if history is None else delayed.shared(history, chunks)
     return jnp.concatenate([_gathered_experts(*part, num_experts, params, expert_mlp, axis, None, zero_padding,
-                                              fp8_exchange) for part in parts]), losses
+                                              fp8_exchange, h) for part, h in zip(parts, histories)]), losses
   if exchange == "all_gather":
     return _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity,
-                             zero_padding, fp8_exchange), losses
+                             zero_padding, fp8_exchange, history), losses
   return _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity,
-                         zero_padding), losses
+                         zero_padding, history), losses
 
 
 def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp, axis, capacity, zero_padding,
-                      fp8_exchange):
+                      fp8_exchange, history):
   """y [T/P, d] of the "all_gather" exchange: all devices' tokens through this device's experts, the
   partial sums added over the devices and split back."""
   local_experts, me = num_experts // jax.lax.axis_size(axis), jax.lax.axis_index(axis)
@@ -221,12 +234,13 @@ def _gathered_experts(tokens, weights, experts, num_experts, params, expert_mlp,
   rows, group_sizes, plan = dispatch(all_tokens, all_experts - me * local_experts, local_experts, capacity=bound,
                                      zero_padding=zero_padding)
   with _padded(rows, all_experts.size // jax.lax.axis_size(axis)):  # all tokens' choices, 1/P of them here
-    out = expert_mlp(params, rows, group_sizes)
+    out = expert_mlp(params, rows, group_sizes, **history_kwarg(history))
   partial = combine(out, plan, all_weights, zero_padding=zero_padding)
   return fp8_exchange_ops.scatter_sum(partial, axis) if fp8_exchange else psum_scatter(partial, axis, tiled=True)
 
 
-def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity, zero_padding):
+def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, axis, capacity, zero_padding,
+                    history):
   """y [T/P, d] of the "ragged_all_to_all" exchange: the rows to their experts' devices and back."""
   num_peers = jax.lax.axis_size(axis)
   num_tokens, top_k = experts.shape
@@ -250,7 +264,7 @@ def _ragged_experts(tokens, weights, experts, all_counts, params, expert_mlp, ax
   local_rows, local_sizes, local_plan = _local_dispatch(received, slot_expert[:, None], local_experts,
                                                         zero_padding=zero_padding)
   with _padded(local_rows, experts.size):  # as many choices come here as this device's tokens make
-    out = expert_mlp(params, local_rows, local_sizes)
+    out = expert_mlp(params, local_rows, local_sizes, **history_kwarg(history))
   out = _local_combine(out, local_plan, zero_padding=zero_padding)
   return _local_combine(send.backward(out, rows.shape[0]), plan, weights)
 

@@ -27,7 +27,7 @@ from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, check_exchange, fp8_exchange_applies, moe_expert_parallel
-from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_history_devices, check_impl,
+from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl,
                   check_moe_args, default_bias_init, default_kernel_init, default_router_init, history_kwarg, moe,
                   quantized_experts, router_logits, tokens_of)
 
@@ -145,7 +145,7 @@ class MoE(nn.Module):
                fp8_history: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d]; returns (y like x, aux dict); see jaxmlp.nnx.MoE. fp8_weights: None
     or `apply(params, method="fp8_weights")` (see GroupedMLP); fp8_history: the experts' (see GroupedMLP;
-    not with expert_axis)."""
+    with expert_axis one history for all devices, jaxmlp.expert_parallel)."""
     check_moe_args(self.num_experts, self.top_k, self.score_func, self.capacity_factor)
     check_exchange(self.expert_exchange, "expert_exchange", self.expert_chunks, "expert_chunks")
     check_flag("fp8_exchange", self.fp8_exchange)
@@ -163,22 +163,22 @@ class MoE(nn.Module):
                    # Padding rows unwritten where the experts do not read them (see jaxmlp.nnx.MoE).
                    zero_padding=self.impl != "jaxmlp")
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
-    check_history_devices(fp8_history, devices)
     if devices > 1:
       if self.is_initializing():  # creates the experts' parameters (no rows: no expert computation)
-        experts(jnp.zeros((0, self.d_model), tokens.dtype), jnp.zeros((self.num_experts,), jnp.int32))
+        experts(jnp.zeros((0, self.d_model), tokens.dtype), jnp.zeros((self.num_experts,), jnp.int32),
+                **history_kwarg(fp8_history))
       # The parameters go into the shard_map split over the axis; each device applies its share.
       unbound = experts.clone(parent=None, num_experts=self.num_experts // devices)
       y, aux = moe_expert_parallel(
           tokens, logits, (nn.meta.unbox(experts.variables["params"]), fp8_weights),
-          lambda local, rows, sizes: unbound.apply({"params": local[0]}, rows, sizes, fp8_weights=local[1],
-                                                   zero_padding=False),
+          lambda local, rows, sizes, **history: unbound.apply({"params": local[0]}, rows, sizes,
+                                                              fp8_weights=local[1], zero_padding=False, **history),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
           chunks_name="expert_chunks",
           fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.fp8, self.expert_exchange, tokens,
                                             top_k=self.top_k, num_experts=self.num_experts, devices=devices,
                                             chunks=self.expert_chunks, cached=fp8_weights is not None),
-          **options)
+          fp8_history=fp8_history, **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False,
                                                      fp8_history=fp8_history), **options, impl=self.impl)

@@ -62,17 +62,8 @@ def quantized_experts(w1: jax.Array, w2: jax.Array, fp8: Fp8Recipe | None, dtype
 
 
 def history_kwarg(fp8_history) -> dict:
-  """The modules' fp8_history as the expert MLP's keyword: passed only where given (the reference impl
-  takes none, and refuses delayed scaling itself)."""
+  """fp8_history as the expert MLP's keyword: passed only where given."""
   return {} if fp8_history is None else dict(fp8_history=fp8_history)
-
-
-def check_history_devices(fp8_history, devices: int) -> None:
-  """The MoE layers take fp8_history on one device only: under expert parallelism each device observes its
-  own experts' amaxes, and shard_map would sum the histories' updates over the axis (not take their max)."""
-  if fp8_history is not None and devices > 1:
-    raise NotImplementedError("fp8_history: delayed scaling is not supported over an expert axis yet; use "
-                              "scaling='current' (the default) for the expert-parallel layer")
 
 
 def tokens_of(x: jax.Array, d_model: int) -> jax.Array:

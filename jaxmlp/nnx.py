@@ -32,7 +32,7 @@ from .activations import Activation, resolve
 from .fp8 import Fp8Recipe, Fp8Weights
 from .fp8 import resolve as resolve_fp8
 from .expert_parallel import axis_size, check_exchange, fp8_exchange_applies, moe_expert_parallel
-from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_history_devices, check_impl,
+from .moe import (B1_AXES, B2_AXES, IMPLS, ROUTER_AXES, W1_AXES, W2_AXES, check_impl,
                   check_moe_args, default_bias_init, default_kernel_init, default_router_init, history_kwarg, moe,
                   quantized_experts, router_logits, tokens_of)
 
@@ -270,7 +270,7 @@ class MoE(nnx.Module):
                fp8_history: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes the tokens of x [..., d] through the experts; fp8_weights: None or this layer's
     fp8_weights() (see GroupedMLP), split over expert_axis with the experts; fp8_history: the experts'
-    (see GroupedMLP; not with expert_axis).
+    (see GroupedMLP; with expert_axis one history for all devices, jaxmlp.expert_parallel).
 
     Returns:
       (y, aux): y with the shape of x, in the computation dtype; aux holds "load_balancing_loss" and
@@ -285,21 +285,20 @@ class MoE(nnx.Module):
     # in bf16 and FP8 alike (tests: *padding_rows_are_never_read). Over 4 devices they are 3/4 of the rows.
     options["zero_padding"] = self.impl != "jaxmlp"
     devices = axis_size(self.expert_axis, self.num_experts, tokens.shape[0])
-    check_history_devices(fp8_history, devices)
     if devices > 1:
       # The experts' state (and quantized weights) go into the shard_map split over the axis; each device
       # merges its share.
       graphdef, state = nnx.split(self.experts)
       y, aux = moe_expert_parallel(
           tokens, logits, (state, fp8_weights),
-          lambda local, rows, sizes: nnx.merge(graphdef, local[0])(rows, sizes, fp8_weights=local[1],
-                                                                   zero_padding=False),
+          lambda local, rows, sizes, **history: nnx.merge(graphdef, local[0])(
+              rows, sizes, fp8_weights=local[1], zero_padding=False, **history),
           expert_axis=self.expert_axis, exchange=self.expert_exchange, chunks=self.expert_chunks,
           chunks_name="expert_chunks",
           fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.experts.fp8, self.expert_exchange, tokens,
                                             top_k=self.top_k, num_experts=self.num_experts, devices=devices,
                                             chunks=self.expert_chunks, cached=fp8_weights is not None),
-          **options)
+          fp8_history=fp8_history, **options)
     else:
       experts = functools.partial(self.experts, fp8_weights=fp8_weights, zero_padding=False,
                                   fp8_history=fp8_history)

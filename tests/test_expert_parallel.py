@@ -455,10 +455,79 @@ def test_fp8_weights_quantized_before_the_call_expert_parallel(rng, recipe):
   assert all(np.abs(expert_grads[k]).max() > 0 for k in ("w1", "w2"))
 
 
+def delayed_run(module, tokens, dy, history, mesh=None):
+  """(y, x's gradient, the history's update) of `module` with fp8_history=history and its FP8 weights
+  quantized once (one tensorwise scale for all experts, as on one device), under `mesh` (none: one device)."""
+  def loss(module, tokens, history):
+    y, _ = module(tokens, fp8_weights=module.fp8_weights(), fp8_history=history)
+    return jnp.sum(y.astype(jnp.float32) * dy), y
+
+  step = jax.jit(nnx.grad(loss, argnums=(1, 2), has_aux=True))
+  if mesh is None:
+    (dx, update), y = step(module, tokens, history)
+  else:
+    with jax.set_mesh(mesh):
+      (dx, update), y = step(module, tokens, history)
+  return y, dx, np.asarray(update)
+
+
+@pytest.mark.parametrize("axis_type, options", [
+    (AxisType.Auto, {}), (AxisType.Explicit, {"expert_chunks": 2}),
+    pytest.param(AxisType.Auto, RAGGED, marks=pytest.mark.full)], ids=["auto", "explicit,chunks", "ragged"])
+def test_fp8_delayed_scaling_expert_parallel_equals_one_device(rng, monkeypatch, axis_type, options):
+  """FP8 delayed scaling over the axis: every device and chunk scales by the one history, and its gradient,
+  the update, holds the largest amaxes any of them observed. With one expert a token (router weight 1: the
+  same rows on either side of the MLP as on one device) and the weights quantized once, y, x's gradient and
+  the update are the one-device layer's bit for bit; the older columns move right (not summed over the 8
+  devices). From an empty history each device scales by its own amaxes, and the update's x amax is still
+  that of all tokens."""
+  monkeypatch.setattr(expert_parallel, "ragged_all_to_all", emulated_ragged_all_to_all)
+  recipe = jaxmlp.Fp8Recipe("tensorwise", scaling="delayed", when="always")
+  seed = int(rng.integers(1 << 30))
+  module = lambda axis: jaxmlp.nnx.MoE(E, D, 32, 1, rngs=nnx.Rngs(seed), dtype=jnp.bfloat16, fp8=recipe,
+                                       expert_axis=axis, fp8_exchange=False, **options)
+  tokens, dy = (jnp.asarray(v, jnp.bfloat16) for v in inputs(rng, (4, 16)))
+  past = jnp.asarray(rng.uniform(0.5, 3.0, (4, 3)), jnp.float32)
+  mesh = mesh_of(8, axis_type)
+  got, want = delayed_run(module(AXIS), tokens, dy, past, mesh), delayed_run(module(None), tokens, dy, past)
+  for name, g, w in zip(("y", "dx", "update"), got, want):
+    assert np.abs(np.asarray(w, np.float32)).max() > 0, name
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), name)
+  np.testing.assert_array_equal(got[2][:, 1:], np.asarray(past)[:, :-1])
+
+  y, _, update = delayed_run(module(AXIS), tokens, dy, jaxmlp.fp8_history(3), mesh)
+  assert 0 < rel_error(y, delayed_run(module(None), tokens, dy, jaxmlp.fp8_history(3))[0]) < 0.12
+  assert update[0, 0] == np.abs(np.asarray(tokens, np.float32)).max()
+  assert np.all(update[:, 0] > 0) and not np.any(update[:, 1:])
+
+
+def test_linen_fp8_delayed_scaling_expert_parallel_equals_one_device(rng):
+  """Linen's MoE takes the history over the axis as nnx's does (test above): the update of one device."""
+  recipe = jaxmlp.Fp8Recipe("tensorwise", scaling="delayed", when="always")
+  tokens, dy = (jnp.asarray(v, jnp.bfloat16) for v in inputs(rng, (4, 16)))
+  past = jnp.asarray(rng.uniform(0.5, 3.0, (4, 3)), jnp.float32)
+  module = lambda axis: jaxmlp.linen.MoE(E, D, 32, 1, dtype=jnp.bfloat16, fp8=recipe, expert_axis=axis,
+                                         fp8_exchange=False)
+  with jax.set_mesh(mesh_of(4)):  # the layer's init takes the history too
+    params = jax.jit(module(AXIS).init)(jax.random.key(int(rng.integers(1 << 30))), tokens, fp8_history=past)
+
+  def update(m):
+    apply = lambda h: m.apply(params, tokens, fp8_weights=m.apply(params, method="fp8_weights"), fp8_history=h)
+    return np.asarray(jax.jit(jax.grad(lambda h: jnp.sum(apply(h)[0].astype(jnp.float32) * dy)))(past))
+
+  with jax.set_mesh(mesh_of(4)):
+    got = update(module(AXIS))
+  np.testing.assert_array_equal(got, update(module(None)))
+  np.testing.assert_array_equal(got[:, 1:], np.asarray(past)[:, :-1])
+
+
 @pytest.mark.full  # the example's slowest runs; the default run trains it once (test_train_moe.py)
-@pytest.mark.parametrize("flags", [[], ["--fp8", "tensorwise", "--micro-batches", "2"]], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("flags", [[], ["--fp8", "tensorwise", "--micro-batches", "2"],
+                                   ["--fp8", "tensorwise", "--fp8-scaling", "delayed", "--micro-batches", "2"]],
+                         ids=["bf16", "fp8", "fp8-delayed"])
 def test_train_example_expert_parallel_matches_one_device(flags):
-  """With --fp8 and --micro-batches the experts' weights are quantized once per step, split over the axis."""
+  """With --fp8 and --micro-batches the experts' weights are quantized once per step, split over the axis;
+  with delayed scaling the devices and micro-batches share each block's history."""
   result = train_moe.main(["--steps", "2", "--config", "tiny", "--impl", "jaxmlp", "--expert-parallel", *flags])
   assert {"expert-parallel loss diff", "expert-parallel grad error"} <= set(result["checks"])
   assert result["match"]

@@ -68,8 +68,7 @@ def test_train_example_fp8_delayed_scaling(capsys, monkeypatch):
                            "--fp8-scaling", "delayed", "--micro-batches", "2"])
   assert result["match"] and set(result["runs"]) == {"jaxmlp", "jaxmlp fp8"}
   assert shapes == [(4, 16)] * train_moe.CONFIGS["tiny"].num_layers  # traced once a block: one compilation
-  for bad in (["--fp8-scaling", "delayed"], ["--fp8", "blockwise", "--fp8-scaling", "delayed"],
-              ["--fp8", "tensorwise", "--fp8-scaling", "delayed", "--expert-parallel"]):
+  for bad in (["--fp8-scaling", "delayed"], ["--fp8", "blockwise", "--fp8-scaling", "delayed"]):
     with pytest.raises(SystemExit):
       train_moe.parse_args(bad)
   assert "--fp8-scaling delayed: needs --fp8 tensorwise" in capsys.readouterr().err

@@ -38,7 +38,7 @@ except ModuleNotFoundError as e:  # the flax extra brings all three
 
 from jaxmlp import fp8_adam_step, fp8_history, fp8_weights as quantize_weights
 from jaxmlp.fp8 import RECIPES as FP8_RECIPES
-from jaxmlp.fp8 import Fp8Recipe
+from jaxmlp.fp8 import Fp8Recipe, delayed
 from jaxmlp.nnx import MoE
 
 
@@ -163,8 +163,8 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
   """(cross-entropy + router losses, cross-entropy) of next-token prediction on batch [B, S + 1]: the mean
   over `micro_batches` equal parts of it, run one after the other (gradient accumulation), with FP8 expert
   weights quantized once for all of them (or given: MoETransformer.fp8_weights' `quantized`). history: None,
-  or the amax histories of delayed scaling, a row [layers, 4, H] per micro-batch (its gradient: each
-  micro-batch's update, jaxmlp.fp8.delayed)."""
+  or the blocks' amax histories of delayed scaling [layers, 4, H], shared by the micro-batches (its gradient:
+  the update, the largest amaxes any of them observed; jaxmlp.fp8.delayed.shared)."""
   model = nnx.merge(graphdef, params)
   fp8_weights = model.fp8_weights(quantized)
 
@@ -174,9 +174,10 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array,
     return cross_entropy + aux_loss, cross_entropy
 
   if micro_batches == 1:
-    return micro_batch(batch, None if history is None else history[0])
+    return micro_batch(batch, history)
+  rows = None if history is None else delayed.shared(history, micro_batches)
   losses, cross_entropies = jax.lax.map(lambda a: micro_batch(*a),
-                                        (batch.reshape(micro_batches, -1, batch.shape[-1]), history))
+                                        (batch.reshape(micro_batches, -1, batch.shape[-1]), rows))
   return losses.mean(), cross_entropies.mean()
 
 
@@ -249,10 +250,8 @@ def train(cfg: Config, batches: np.ndarray, *, impl: str, dtype, seed: int, expe
     adam, quantized = expert_state
     triples = [q.quantized for q in quantized]
     blocks = list(zip(triples[0::2], triples[1::2])) if experts else None  # (w1's, w2's) a block
-    rows = None if histories is None else jnp.broadcast_to(histories, (micro_batches, *histories.shape))
-    (_, cross_entropy), (grads, history_updates) = jax.value_and_grad(loss_fn, argnums=(1, 5), has_aux=True)(
-        graphdef, params, batch, micro_batches, blocks, rows)
-    histories = None if histories is None else jnp.max(history_updates, axis=0)
+    (_, cross_entropy), (grads, histories) = jax.value_and_grad(loss_fn, argnums=(1, 5), has_aux=True)(
+        graphdef, params, batch, micro_batches, blocks, histories)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new = [w if i in experts else optax.apply_updates(w, u)
            for i, (w, u) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(updates)))]
@@ -305,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            + " of its final loss; needs --dtype bfloat16 (auto picks it)")
   parser.add_argument("--fp8-scaling", choices=["current", "delayed"], default="current",
                       help="with --fp8 tensorwise: the activations' scales from their own amaxes (current) or from "
-                           "amax histories carried between steps (delayed: no amax passes; one device)")
+                           "amax histories carried between steps (delayed: no amax passes)")
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="accumulate each step's gradient over this many equal parts of its batch, one after "
                            "the other; with --fp8 the experts' weights are quantized once per step "
@@ -320,8 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.error("--fp8: FP8 takes bfloat16 operands; leave --dtype at auto or bfloat16")
   if args.micro_batches < 1:
     parser.error("--micro-batches: need at least 1")
-  if args.fp8_scaling == "delayed" and (args.fp8 != "tensorwise" or args.expert_parallel):
-    parser.error("--fp8-scaling delayed: needs --fp8 tensorwise, on one device (not with --expert-parallel)")
+  if args.fp8_scaling == "delayed" and args.fp8 != "tensorwise":
+    parser.error("--fp8-scaling delayed: needs --fp8 tensorwise")
   return args
 
 

@@ -14,15 +14,17 @@ flushes small gradients to zero). A call reads the history and its gradient is t
 call's four observed amaxes in column 0, the older ones shifted right, the oldest dropped. That is the
 convention of Flax's `_overwrite_with_gradient` collection and of TransformerEngine's JAX FP8 metadata: the
 new state is taken as the gradient, not added to the old one. One history per call: reused by two calls of
-one differentiated function, JAX would add their two updates. Micro-batches mapped in one differentiated
-function each take the history as a row of their own (jnp.broadcast_to(h, (n, 4, H)), mapped with them), and
-the new history is the largest of their n updates (jnp.max over the micro-batches: the same older columns,
-and in column 0 the largest amax any of them observed). A call that runs in x's dtype (the recipe's `when`)
-gives the history back unchanged.
+one differentiated function, JAX would add their two updates. Calls that share one history (micro-batches
+mapped in one differentiated function, the chunks or devices of an expert-parallel layer) each take a row of
+`shared(h, n)`, whose gradient is the largest of their n updates: the same older columns, and in column 0 the
+largest amax any of them observed. A call that runs in x's dtype (the recipe's `when`) gives the history
+back unchanged.
 
 The weights keep their own scales (jaxmlp.fp8_weights: current; jaxmlp.fp8_adam_step: delayed by one step).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +86,22 @@ def _unchanged_bwd(h, dy):
 
 
 unchanged.defvjp(_unchanged_fwd, _unchanged_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def shared(h: jax.Array, n: int) -> jax.Array:
+  """The history h for n calls that each observe a part of the tensors: n copies [n, 4, H], one a call,
+  whose gradient is the largest of their n updates (each call's amaxes are those of its part; the largest
+  is the amax of the whole). Its sum, JAX's transpose of a broadcast, would add the older columns n times."""
+  return jnp.broadcast_to(h, (n, *h.shape))
+
+
+def _shared_fwd(h, n):
+  return shared(h, n), None
+
+
+def _shared_bwd(n, _, updates):
+  return (jnp.max(updates, axis=0),)
+
+
+shared.defvjp(_shared_fwd, _shared_bwd)
