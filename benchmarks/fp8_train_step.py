@@ -17,6 +17,8 @@ runs them as calls of their own: the blockwise recipe's FC2 forward and data gra
            in adam's pass: no quantizer's pass in the step; tensorwise by the last weights' maximum), which
            takes the weights' 16-bit gradients as the call gives them; its state is donated, so the update
            writes in place, as a training loop's would
+  tensorwise_delayed_adam  tensorwise_adam with delayed scaling (Fp8Recipe(scaling="delayed")): the amax
+           history [4, 16] carried from step to step, each step's gradient of it the next one
   RECIPE_adam_default  what a user who turns FP8 on gets (docs/fp8.md, "Weights written by the
            optimizer"): the recipe's default rule (when="faster", products in FP8 only at the rows per expert
            where they measured faster), and RECIPE_adam's step where Fp8Recipe.optimizer_writes_fp8, else
@@ -40,7 +42,8 @@ import fp8_in_turn
 import jax_impls
 
 RECIPES = ("tensorwise", "blockwise", "blockwise_wgrad16")
-ADAM = tuple(f"{r}_adam{rule}" for r in ("tensorwise", "blockwise") for rule in ("", "_default"))
+ADAM = tuple(f"{r}_adam{rule}" for r in ("tensorwise", "blockwise") for rule in ("", "_default")) + (
+    "tensorwise_delayed_adam",)
 VARIANTS = ("bf16", "bf16_donated") + RECIPES + ADAM
 LEARNING_RATE = 1e-4
 
@@ -52,6 +55,8 @@ def _recipe(name: str):
   name = name.removesuffix("_adam")
   if name == "blockwise_wgrad16":
     return jaxmlp.Fp8Recipe("blockwise", when="always", fp8_weight_gradients=False)
+  if name == "tensorwise_delayed":
+    return jaxmlp.Fp8Recipe("tensorwise", when="always", scaling="delayed")
   return jaxmlp.Fp8Recipe(name, when="always")
 
 
@@ -103,23 +108,29 @@ def step_and_state(variant: str, x, masters, opt_state, dy, gs):
       return jax.jit(lambda *state: step(state), donate_argnums=(0, 1, 2)), jax.tree.map(jnp.copy, first)
     return jax.jit(step), (first,)
 
-  if variant in ADAM:  # the state as three arguments: the quantized weights (Fp8Weights without their
-    # `weights`, which the step puts the master weights in) are not donated
-    def step(w, opt, quantized):
+  if variant in ADAM:  # the state as three arguments (four with delayed scaling's history): the quantized
+    # weights (Fp8Weights without their `weights`, which the step puts the master weights in) are not donated
+    delayed = recipe.scaling == "delayed"
+
+    def step(w, opt, quantized, *history):
       fp8 = lambda a, k: dataclasses.replace(quantized[k], weights=a)
-      y, vjp = jax.vjp(lambda x, a, b: jaxmlp.grouped_mlp(x, fp8(a, "w1"), fp8(b, "w2"), gs, fp8=recipe),
-                       x, *(w[k].astype(jnp.bfloat16) for k in ("w1", "w2")))  # 16-bit gradients: no conversion
+      call = lambda x, a, b, *h: jaxmlp.grouped_mlp(x, fp8(a, "w1"), fp8(b, "w2"), gs, fp8=recipe,
+                                                    **({"fp8_history": h[0]} if h else {}))
+      # 16-bit gradients: no conversion
+      y, vjp = jax.vjp(call, x, *(w[k].astype(jnp.bfloat16) for k in ("w1", "w2")), *history)
       dx, *g = vjp(dy)
+      history, g = tuple(g[2:]), g[:2]
       new = {k: jaxmlp.fp8_adam_step(w[k], gk, opt[k], learning_rate=LEARNING_RATE, dtype=jnp.bfloat16,
                                      fp8=quantized[k] if recipe.name == "tensorwise" else recipe)
              for k, gk in zip(("w1", "w2"), g)}
       w, opt = ({k: v[i] for k, v in new.items()} for i in range(2))
-      return (w, opt, {k: dataclasses.replace(v[2], weights=None) for k, v in new.items()}), (y, dx)
+      return (w, opt, {k: dataclasses.replace(v[2], weights=None) for k, v in new.items()}, *history), (y, dx)
     adam = opt_state[0]  # optax.adam's state: (ScaleByAdamState over the dict, EmptyState)
     per_weight = {k: adam._replace(mu=adam.mu[k], nu=adam.nu[k]) for k in masters}
     quantized = {k: dataclasses.replace(jaxmlp.fp8_weights(v, recipe, jnp.bfloat16), weights=None)
                  for k, v in masters.items()}
-    return jax.jit(step, donate_argnums=(0, 1)), (*jax.tree.map(jnp.copy, (masters, per_weight)), quantized)
+    history = (jaxmlp.fp8_history(16),) if delayed else ()
+    return jax.jit(step, donate_argnums=(0, 1)), (*jax.tree.map(jnp.copy, (masters, per_weight)), quantized, *history)
 
   def step(state):
     w, opt = state

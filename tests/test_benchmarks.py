@@ -447,7 +447,10 @@ def test_fp8_train_step_variants_update_the_master_weights(monkeypatch):
     if fp8_train_step.carries_state(variant, s.M, s.E):  # donated: the weights and adam's state, updated in place
       assert all(v.is_deleted() for v in jax.tree.leaves(state[:2])), variant
     assert [o.shape for o in outputs] == [x.shape, x.shape], variant
-    if variant in fp8_train_step.RECIPES + ("blockwise_adam", "tensorwise_adam") and jax.default_backend() == "cpu":
+    if variant == "tensorwise_delayed_adam":  # the next step's history: this step's four amaxes, then zeros
+      assert np.all(np.asarray(new[3])[:, 0] > 0) and not np.any(np.asarray(new[3])[:, 1:])
+    if variant in fp8_train_step.RECIPES + ("blockwise_adam", "tensorwise_adam", "tensorwise_delayed_adam") \
+        and jax.default_backend() == "cpu":
       # the recipe's six products, one call each, all run
       assert compiled.as_text().count('custom_call_target="jaxmlp_gemm"') == 6, variant
     if variant == "bf16":
