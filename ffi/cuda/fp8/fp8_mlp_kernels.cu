@@ -34,6 +34,15 @@ __device__ __forceinline__ void ReduceAbsMax(float v, float* amax) {
   if (threadIdx.x % 32 == 0 && v > 0.0f) AtomicMaxNonNegative(amax, v);
 }
 
+// The same with one atomic per block of kWarps full warps, every thread reaching it, for the quantizers of
+// many blocks: thousands of blocks' atomics on one address serialize in the L2 (an atomic a warp took
+// QuantizeElementwiseKernel from 48 to 135 us at qwen3's x: docs/performance.md, "Kernel measurements").
+template <int kWarps>
+__device__ __forceinline__ void BlockReduceAbsMax(float v, float* amax) {
+  v = BlockMax<kWarps>(v);
+  if (threadIdx.x == 0 && v > 0.0f) AtomicMaxNonNegative(amax, v);
+}
+
 template <int V>
 struct alignas(V) Bytes {
   uint8_t b[V];
@@ -86,8 +95,10 @@ __global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int6
 
 // Quantization into the input's layout alone: 16-byte loads, V-byte stores, rows past the valid ones
 // skipped. C % V == 0. seen: where given, max |v| of the rows quantized reaches it (delayed scaling).
+// Blocks of kElementwiseThreads.
+constexpr int kElementwiseThreads = 256;
 template <typename T, int V>
-__global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out,
+__global__ void __launch_bounds__(kElementwiseThreads) QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out,
                                           Fp8Outputs o, float* seen) {
   if (scale_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = amax ? DequantScale(*amax) : 1.0f;
   const int64_t count = (o.row_offsets ? o.row_offsets[o.E] : R) * C;
@@ -105,7 +116,7 @@ __global__ void QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, cons
     }
     *reinterpret_cast<Bytes<V>*>(out + i) = q;
   }
-  if (seen) ReduceAbsMax(m, seen);
+  if (seen) BlockReduceAbsMax<kElementwiseThreads / 32>(m, seen);  // the whole grid alike
 }
 
 // One 128 x 128 tile of v per block, rows along blockIdx.x. Each thread loads its 16-byte chunks of the
@@ -187,7 +198,7 @@ __global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v
     }
     *reinterpret_cast<Bytes<V>*>(&tile[Swizzled(rr, cc)]) = q;  // V <= 16: within one chunk
   }
-  if (seen) ReduceAbsMax(m, seen);  // whole warps: every thread of the block reaches it
+  if (seen) BlockReduceAbsMax<kTileThreads / 32>(m, seen);  // every thread of the block reaches it
   if (!o.cols_out) return;  // the rows alone: gathered ones, which QuantizeElementwiseKernel does not read
   __syncthreads();
   // kTile columns x kTile / 16 chunks of 16 rows = 4 kTileThreads chunks: four per thread, a column each.
@@ -448,8 +459,9 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
       QuantizeTileKernel<T><<<grid, kTileThreads, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out,
                                                                from, seen);
     else
-      QuantizeElementwiseKernel<T, V><<<unsigned(std::clamp<int64_t>(R * C / (256 * V), 1, 16384)), 256, 0, stream>>>(
-          static_cast<const T*>(v), R, C, amax, scale_out, out, seen);
+      QuantizeElementwiseKernel<T, V>
+          <<<unsigned(std::clamp<int64_t>(R * C / (kElementwiseThreads * V), 1, 16384)), kElementwiseThreads, 0,
+             stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out, seen);
   };
   if (t == ffi::DataType::F8E4M3FN) launch(Fp8{});
   else By16BitType(t, launch);
