@@ -98,8 +98,9 @@ __global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int6
 // Blocks of kElementwiseThreads.
 constexpr int kElementwiseThreads = 256;
 template <typename T, int V>
-__global__ void __launch_bounds__(kElementwiseThreads) QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out,
-                                          Fp8Outputs o, float* seen) {
+__global__ void __launch_bounds__(kElementwiseThreads)
+    QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out, Fp8Outputs o,
+                              float* seen) {
   if (scale_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = amax ? DequantScale(*amax) : 1.0f;
   const int64_t count = (o.row_offsets ? o.row_offsets[o.E] : R) * C;
   const float inv = InverseScale(amax);
