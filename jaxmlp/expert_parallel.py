@@ -28,8 +28,9 @@ Both give the single-device layer's results (jaxmlp.moe.moe) on all T tokens, up
   - the router losses are those of all T tokens (global counts, probabilities averaged over devices);
   - the router weights multiply the expert outputs at the combine, not inside the grouped MLP; with
     "all_gather" each device's partial sums are rounded to the computation dtype before they are added;
-  - FP8 delayed scaling (an fp8_history): every device and chunk scales by the one history, and its update
-    holds the largest amaxes any of them observed (jaxmlp.fp8.delayed.shared), those of all rows.
+  - FP8 delayed scaling (an fp8_history): every device and chunk scales by the one history (where a row of
+    it holds no amax yet, each by its own rows' amax), and its update holds the largest amaxes any of them
+    observed (jaxmlp.fp8.delayed.shared), those of all rows.
 Static bounds (T tokens in all, T/P per device, k = top_k, E/P local experts): the grouped MLP runs on
 R = T * min(k, E/P) rows (a token's k experts are distinct), bounded by E/P * C with a capacity; the
 gathered tokens take T rows. Dropless routing thus sizes the buffers for every token picking this

@@ -14,6 +14,7 @@ from fp8_cases import (CASES, CUDA_TOLERANCE, DTYPES, check_against_model, input
 import jaxmlp
 import numpy_fp8_reference as fp8_ref
 from jaxmlp import dispatch
+from jaxmlp.fp8 import delayed
 
 H = 3  # the histories' length
 SEEN_TOLERANCE = 2e-2
@@ -179,6 +180,29 @@ def test_delayed_scaling_over_micro_batches_in_one_gradient(platform, rng):
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
   largest = np.max([np.asarray(update)[:, 0] for _, update in alone], axis=0)
   np.testing.assert_array_equal(np.asarray(new), np.concatenate([largest[:, None], np.asarray(past)[:, :-1]], 1))
+
+
+def test_a_shared_history_takes_the_largest_update():
+  """delayed.shared(h, n): n copies of h forward; backward, the element-wise maximum of the n cotangents (the
+  calls' updates), where a broadcast's would be their sum."""
+  rng = np.random.default_rng(0)
+  h = jnp.asarray(rng.uniform(0.5, 2.0, (4, H)), jnp.float32)
+  updates = jnp.asarray(rng.uniform(0.0, 4.0, (3, 4, H)), jnp.float32)
+  rows, vjp = jax.vjp(lambda h: delayed.shared(h, 3), h)
+  np.testing.assert_array_equal(rows, np.broadcast_to(np.asarray(h), (3, 4, H)))
+  np.testing.assert_array_equal(vjp(updates)[0], np.asarray(updates).max(axis=0))
+
+
+def test_an_empty_problem_keeps_the_history(rng):
+  """No rows (M 0): nothing is quantized or observed, in jaxmlp.grouped_mlp and the reference alike; the
+  history comes back unchanged."""
+  w1, w2 = jnp.ones((2, 16, 64), jnp.bfloat16), jnp.ones((2, 32, 16), jnp.bfloat16)
+  past = jnp.asarray(rng.uniform(0.5, 2.0, (4, H)), jnp.float32)
+  for fn in (jaxmlp.grouped_mlp, jaxmlp.reference.grouped_mlp):
+    call = lambda x, h: fn(x, w1, w2, jnp.zeros((2,), jnp.int32), fp8=_delayed(), fp8_history=h)
+    y, vjp = jax.vjp(call, jnp.zeros((0, 16), jnp.bfloat16), past)
+    assert y.shape == (0, 16)
+    np.testing.assert_array_equal(vjp(y)[1], past)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -92,7 +92,9 @@ unchanged.defvjp(_unchanged_fwd, _unchanged_bwd)
 def shared(h: jax.Array, n: int) -> jax.Array:
   """The history h for n calls that each observe a part of the tensors: n copies [n, 4, H], one a call,
   whose gradient is the largest of their n updates (each call's amaxes are those of its part; the largest
-  is the amax of the whole). Its sum, JAX's transpose of a broadcast, would add the older columns n times."""
+  is the amax of the whole). Its sum, JAX's transpose of a broadcast, would add the older columns n times.
+  The n calls run alike, all in FP8 or all in x's dtype (calls of one shape do): the maximum of a shifted
+  update and an unchanged history would mix their columns."""
   return jnp.broadcast_to(h, (n, *h.shape))
 
 
