@@ -184,7 +184,7 @@ def test_fp8_runs_only_where_it_pays_by_default(platform, rng, monkeypatch, reci
   16-bit weight gradients below MIN_ROWS_FP8_WEIGHT_GRADIENTS: test_fp8_weight_gradients.py)."""
   monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
   need = jaxmlp.fp8.recipe.MIN_ROWS_PER_EXPERT[recipe, cached]
-  fp8_wgrad = need >= jaxmlp.fp8.recipe.MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe]
+  fp8_wgrad = need >= jaxmlp.fp8.recipe.MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe, cached]
   E, d, f = 2, 32, 32
 
   def call(fp8):

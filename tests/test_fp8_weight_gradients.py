@@ -50,8 +50,9 @@ def test_16bit_weight_gradients_follow_the_recipe(platform, rng, recipe, case, a
 @pytest.mark.parametrize("recipe", list(WGRAD16))
 def test_the_rule_decides_each_products_precision(recipe):
   """Fp8Recipe.as_run: None below the recipe's rows; the weight gradients in FP8 from
-  MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert, or as the recipe says."""
-  E, need = 4, MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe]
+  MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert (with the weights given, or quantized in the call), or as the
+  recipe says."""
+  E, need = 4, MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe, True]
   cached = jaxmlp.Fp8Recipe(recipe, when="faster")
   assert MIN_ROWS_PER_EXPERT[recipe, True] < need  # a range where only the weight gradients go 16-bit
   assert cached.as_run(MIN_ROWS_PER_EXPERT[recipe, True] * E - 1, E, True) is None
@@ -60,6 +61,12 @@ def test_the_rule_decides_each_products_precision(recipe):
   assert dataclasses.replace(cached, fp8_weight_gradients=True).as_run(need * E - 1, E, True).fp8_weight_gradients
   assert jaxmlp.Fp8Recipe(recipe, when="always").as_run(16, E, False).fp8_weight_gradients is True
   assert WGRAD16[recipe].as_run(need * E * 8, E, False).fp8_weight_gradients is False
+  # Weights quantized in the call: tensorwise runs FP8 from 1024 rows, its weight gradients from 2048.
+  per_call, runs = MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe, False], MIN_ROWS_PER_EXPERT[recipe, False]
+  if per_call > runs:
+    assert cached.as_run(runs * E, E, False).fp8_weight_gradients is False
+    assert cached.as_run(per_call * E - 1, E, False).fp8_weight_gradients is False
+  assert cached.as_run(max(per_call, runs) * E, E, False).fp8_weight_gradients is True
 
 
 @pytest.mark.parametrize("recipe", list(WGRAD16))
@@ -69,7 +76,7 @@ def test_by_default_16bit_weight_gradients_below_their_rows(rng, monkeypatch, re
   the results of fp8_weight_gradients=False bit for bit, from there on those of True."""
   monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
   E, d, f = 2, 32, 32
-  M = MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe] * E + rows
+  M = MIN_ROWS_FP8_WEIGHT_GRADIENTS[recipe, True] * E + rows
   args, gs, dy = inputs(rng, M, d, f, [M // 2, M - M // 2], "swiglu", jnp.bfloat16)
 
   def call(fp8):

@@ -23,10 +23,12 @@ SCALINGS = ("current", "delayed")
 MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 256,
                        ("blockwise", False): 2048, ("blockwise", True): 512}
 # when="faster", per product: the rows per expert from which each recipe's step measured as fast with FP8
-# weight gradients as with 16-bit ones (docs/fp8.md, "When FP8 runs": below, the FP8 products are slower or
-# no faster, and their operands' transposed or 128 x 1 quantizations cost passes); below, a call that runs in
-# FP8 runs its weight gradients in x's dtype.
-MIN_ROWS_FP8_WEIGHT_GRADIENTS = {"tensorwise": 1024, "blockwise": 1024}
+# weight gradients as with 16-bit ones, with the weights quantized in the call or given (docs/fp8.md, "When
+# FP8 runs": below, the FP8 products are slower or no faster, and their operands' transposed or 128 x 1
+# quantizations cost passes; a tensorwise call that quantizes its weights at 1024 rows fell under bf16 with
+# skewed routing); below, a call that runs in FP8 runs its weight gradients in x's dtype.
+MIN_ROWS_FP8_WEIGHT_GRADIENTS = {("tensorwise", False): 2048, ("tensorwise", True): 1024,
+                                 ("blockwise", False): 1024, ("blockwise", True): 1024}
 # when="faster", a training step of one micro-batch: the rows per expert of its calls from which the step with
 # jaxmlp.fp8_adam_step writing the weights' FP8 copy measured at least as fast as bf16's, optax's update
 # writing their 16-bit copy (docs/fp8.md, "Weights written by the optimizer": below, the optimizer's kernel
@@ -54,7 +56,8 @@ class Fp8Recipe:
   fp8_weight_gradients: whether the two weight gradients of a call that runs in FP8 are FP8 products (True)
     or products of x's dtype (False: dw1 = x^T dh and dw2 = a^T dy of 16-bit operands, dh and a rounded to
     x's dtype, as fp8=None computes them from this call's h and da). None: by when: "always", FP8; "faster",
-    FP8 from MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert.
+    FP8 from MIN_ROWS_FP8_WEIGHT_GRADIENTS rows per expert (with the weights quantized in the call or
+    given).
   scaling: the tensorwise recipe's activations (x, a, dy, dh): "current", each by its own amax in the same
     call (stateless); "delayed", by an amax history the call takes as grouped_mlp's fp8_history and
     updates through its gradient (jaxmlp.fp8.delayed): no amax passes. The blockwise recipe's block scales
@@ -103,7 +106,7 @@ class Fp8Recipe:
       return None
     fp8_wgrad = self.fp8_weight_gradients
     if fp8_wgrad is None:
-      fp8_wgrad = self._by_rows(M, E, MIN_ROWS_FP8_WEIGHT_GRADIENTS[self.name])
+      fp8_wgrad = self._by_rows(M, E, MIN_ROWS_FP8_WEIGHT_GRADIENTS[self.name, cached])
     return dataclasses.replace(self, fp8_weight_gradients=fp8_wgrad)
 
   def _by_rows(self, M: int, E: int, rows_per_expert: int) -> bool:
@@ -190,7 +193,8 @@ def fp8_when() -> str:
     return "always (JAXMLP_FP8_WHEN): every call with an FP8 recipe runs in FP8"
   rows = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
                    for (name, cached), need in MIN_ROWS_PER_EXPERT.items())
-  wgrad = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_FP8_WEIGHT_GRADIENTS.items())
+  wgrad = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
+                    for (name, cached), need in MIN_ROWS_FP8_WEIGHT_GRADIENTS.items())
   step = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_OPTIMIZER_WRITES_FP8.items())
   return (f"{when}: a call with an FP8 recipe runs in FP8 from these rows per expert on ({rows}), in x's dtype "
           f"below them; its weight gradients are FP8 products from these on ({wgrad}), "
