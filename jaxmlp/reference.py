@@ -96,17 +96,13 @@ def _fp8_mlp(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, rec
   return _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe)[0]
 
 
-def _given_amaxes(history) -> dict:
-  return {} if history is None else dict(delayed=delayed.amaxes(history))
-
-
 def _fp8_mlp_fwd(x, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe):
   emulation = recipe.scheme.emulation(_ragged_dot_gemm)
   w1q = recipe.scheme.quantize_weights(w1) if w1q is None else w1q
   w2q = recipe.scheme.quantize_weights(w2) if w2q is None else w2q
   groups = _groups.Groups.of(group_sizes, x.shape[0])
   y, residuals = emulation.forward(x, w1q, w2q, groups, b1, b2, scales, act, recipe, None, True, True,
-                                   **_given_amaxes(history))
+                                   **delayed.given(history))
   return y, (residuals, groups, b1, b2, scales, history)
 
 
@@ -115,7 +111,7 @@ def _fp8_mlp_bwd(act, recipe, saved, dy):
   emulation = recipe.scheme.emulation(_ragged_dot_gemm)
   dx, dw1, dw2, db1, db2, dscales, *seen = emulation.backward(
       residuals, groups, b1, b2, scales, act, recipe, None, dy.astype(residuals[0].dtype), True,
-      **_given_amaxes(history))
+      **delayed.given(history))
   new_history = None if history is None else delayed.updated(history, seen[0])
   return dx, dw1, dw2, None, None, integer_cotangent(groups.given), db1, db2, dscales, new_history
 

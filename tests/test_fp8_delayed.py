@@ -182,10 +182,9 @@ def test_delayed_scaling_over_micro_batches_in_one_gradient(platform, rng):
   np.testing.assert_array_equal(np.asarray(new), np.concatenate([largest[:, None], np.asarray(past)[:, :-1]], 1))
 
 
-def test_a_shared_history_takes_the_largest_update():
+def test_a_shared_history_takes_the_largest_update(rng):
   """delayed.shared(h, n): n copies of h forward; backward, the element-wise maximum of the n cotangents (the
   calls' updates), where a broadcast's would be their sum."""
-  rng = np.random.default_rng(0)
   h = jnp.asarray(rng.uniform(0.5, 2.0, (4, H)), jnp.float32)
   updates = jnp.asarray(rng.uniform(0.0, 4.0, (3, 4, H)), jnp.float32)
   rows, vjp = jax.vjp(lambda h: delayed.shared(h, 3), h)

@@ -47,6 +47,12 @@ def amaxes(h: jax.Array) -> jax.Array:
   return jnp.where(m > 0, m, 0.0).astype(jnp.float32)
 
 
+def given(h: jax.Array | None) -> dict:
+  """The recipes' implementations' keyword for a history: the amaxes to scale by (`delayed`), or nothing
+  (current scaling)."""
+  return {} if h is None else dict(delayed=amaxes(h))
+
+
 def updated(h: jax.Array, seen: jax.Array) -> jax.Array:
   """The history after a call that observed the amaxes `seen` [4]: newest first, the oldest dropped."""
   return jnp.concatenate([seen.astype(jnp.float32)[:, None], h[:, :-1]], axis=1)

@@ -100,11 +100,6 @@ def _mlp_fwd(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, 
                   zero_padding, residuals=True)
 
 
-def _delayed(history) -> dict:
-  """The implementations' keyword for a history: the amaxes to scale by, or nothing (current scaling)."""
-  return {} if history is None else dict(delayed=delayed.amaxes(history))
-
-
 def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, act, recipe, shape, zero_padding,
              residuals: bool):
   """(y, what the backward takes: the recipe's residuals, or None without `residuals`, and the operands it
@@ -116,7 +111,7 @@ def _forward(x, gather, w1, w2, w1q, w2q, group_sizes, b1, b2, scales, history, 
 
   def on(implementation, reads_tokens: bool):
     def run(x, *a, history):
-      kw = _delayed(history)
+      kw = delayed.given(history)
       if slots and reads_tokens:
         kw["gather"] = (a[0], gather.row_of_slot.shape[1])
       elif slots:
@@ -135,7 +130,7 @@ def _mlp_bwd(act, recipe, shape, zero_padding, saved, dy):
 
   def on(implementation):
     return lambda residuals, groups, b1, b2, scales, dy, history: implementation.backward(
-        residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding, **_delayed(history))
+        residuals, groups, b1, b2, scales, act, recipe, shape, dy, zero_padding, **delayed.given(history))
 
   dy = dy.astype(residuals[0].dtype)
   dx, dw1, dw2, db1, db2, dscales, *seen = on_platforms(
