@@ -8,6 +8,8 @@ correctness against the reference, compiled memory, forward and fwd+bwd function
   jaxmlp_fp8_cached, jaxmlp_fp8_blockwise_cached  the same with the weights quantized before the step
               (jaxmlp.fp8_weights, not timed): a micro-batch's cost where the weights are quantized once per
               optimizer step over many micro-batches
+  jaxmlp_fp8_default_cached  jaxmlp_fp8_cached under the recipe's own rule (when="faster": in FP8 or bf16,
+              and each product's precision, as a user gets them; jaxmlp_fp8_cached runs when="always")
   jaxmlp_fp8_cached_fast_bwd  jaxmlp_fp8_cached with fast accumulation in the backward's products too
               (Fp8Recipe.backward_fast_accumulation)
   jaxmlp_fp8_delayed, jaxmlp_fp8_delayed_cached  jaxmlp_fp8(_cached) with delayed scaling
@@ -39,6 +41,7 @@ from cases import TOLERANCE
 from timing import measure
 
 JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise_cached",
+             "jaxmlp_fp8_default_cached",
              "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_delayed", "jaxmlp_fp8_delayed_cached",
              "jaxmlp_fp8_delayed_cached_fast_bwd", "jaxmlp_fp8_delayed_wgrad16_cached", "jaxmlp_fp8_wgrad16", "jaxmlp_fp8_wgrad16_cached",
              "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached", "jaxmlp_master",
@@ -46,6 +49,7 @@ JAX_IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_cached"
              "tokamax", "dense")
 # The recipe of each FP8 implementation that takes its weights quantized (jaxmlp.fp8_weights) as inputs.
 CACHED_WEIGHTS = {"jaxmlp_fp8_cached": "tensorwise", "jaxmlp_fp8_blockwise_cached": "blockwise",
+                  "jaxmlp_fp8_default_cached": "tensorwise",
                   "jaxmlp_fp8_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_delayed_cached": "tensorwise",
                   "jaxmlp_fp8_delayed_cached_fast_bwd": "tensorwise", "jaxmlp_fp8_delayed_wgrad16_cached": "tensorwise",
                   "jaxmlp_fp8_wgrad16_cached": "tensorwise",
@@ -74,6 +78,8 @@ def forward(impl: str):
                                                     jaxmlp.fp8_weights(w2, fp8, x.dtype), gs, fp8=fp8)
   if impl in ("jaxmlp_fp8", "jaxmlp_fp8_cached"):
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", when="always"))
+  if impl == "jaxmlp_fp8_default_cached":
+    return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", when="faster"))
   if impl == "jaxmlp_fp8_cached_fast_bwd":
     return functools.partial(jaxmlp.grouped_mlp, fp8=jaxmlp.Fp8Recipe("tensorwise", backward_fast_accumulation=True,
                                                                       when="always"))

@@ -35,6 +35,7 @@ OURS = ("SetupKernel", "ActForwardKernel", "ActBackwardKernel", "ZeroEmptyGroups
         # the MoE layer's (ffi/cuda/moe/*_kernels.cu)
         "TopKKernel", "CountKernel", "ScanKernel", "RankKernel", "ScatterRowsKernel", "CombineKernel")
 IMPLS = ("jaxmlp", "jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
+         "jaxmlp_fp8_default_cached",
          "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_delayed", "jaxmlp_fp8_delayed_cached",
          "jaxmlp_fp8_delayed_cached_fast_bwd", "jaxmlp_fp8_delayed_wgrad16_cached", "jaxmlp_fp8_wgrad16",
          "jaxmlp_fp8_wgrad16_cached", "jaxmlp_fp8_blockwise_wgrad16", "jaxmlp_fp8_blockwise_wgrad16_cached",

@@ -180,15 +180,18 @@ def split_over(fn, axis: str, in_specs, out_specs):
 
 
 def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array, *, top_k: int, num_experts: int,
-                         devices: int, chunks: int, cached: bool) -> bool:
+                         devices: int, chunks: int, cached: bool, d_ff: int, gated: bool) -> bool:
   """Whether the MoE modules' `fp8_exchange=asked` takes effect: the experts run their FP8 recipe `fp8`
   (Fp8Recipe.runs_fp8 at the rows a device's grouped MLP holds on average, the T k choices of all T tokens
-  over its E/P experts, in each of `chunks`: what _gathered_experts' buffers are expected to hold, _padded;
-  cached: their weights given as Fp8Weights), the all_gather exchange, and tokens whose rows e4m3 carries
-  exactly on arrival (_e4m3_rows_fit). Experts that run in the tokens' dtype get their rows in it."""
+  over its E/P experts of d (F1 + f) weights each, in each of `chunks`: what _gathered_experts' buffers are
+  expected to hold, _padded; cached: their weights given as Fp8Weights), the all_gather exchange, and tokens
+  whose rows e4m3 carries exactly on arrival (_e4m3_rows_fit). Experts that run in the tokens' dtype get
+  their rows in it."""
   recipe = resolve_fp8(fp8)
+  local_experts, d = num_experts // devices, tokens.shape[1]
   return (asked and recipe is not None and exchange == "all_gather" and _e4m3_rows_fit(tokens)
-          and recipe.runs_fp8(tokens.shape[0] * top_k // devices // chunks, num_experts // devices, cached))
+          and recipe.runs_fp8(tokens.shape[0] * top_k // devices // chunks, local_experts, cached,
+                              local_experts * d * ((2 if gated else 1) * d_ff + d_ff)))
 
 
 def _e4m3_rows_fit(tokens) -> bool:

@@ -177,7 +177,8 @@ class MoE(nn.Module):
           chunks_name="expert_chunks",
           fp8_exchange=fp8_exchange_applies(self.fp8_exchange, self.fp8, self.expert_exchange, tokens,
                                             top_k=self.top_k, num_experts=self.num_experts, devices=devices,
-                                            chunks=self.expert_chunks, cached=fp8_weights is not None),
+                                            chunks=self.expert_chunks, cached=fp8_weights is not None,
+                                            d_ff=self.d_ff, gated=resolve(self.activation).gated),
           fp8_history=fp8_history, **options)
     else:
       y, aux = moe(tokens, logits, functools.partial(experts, fp8_weights=fp8_weights, zero_padding=False,

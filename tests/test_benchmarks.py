@@ -116,7 +116,7 @@ def test_benchmark_fp8_impls_with_weights_quantized_before_the_step(monkeypatch)
   shape = cases.ALL_SHAPES["tiny"]
   timing = dict(repeats=1, max_call_s=1.0, budget_s=0.01, sets=1)
   impls = ["jaxmlp_fp8", "jaxmlp_fp8_cached", "jaxmlp_fp8_blockwise", "jaxmlp_fp8_blockwise_cached",
-           "jaxmlp_fp8_cached_fast_bwd"]
+           "jaxmlp_fp8_cached_fast_bwd", "jaxmlp_fp8_default_cached"]
   results = jax_impls.run_case(shape, cases.group_sizes("skewed", shape.E, shape.M), impls, "bfloat16", timing,
                                lambda *_: None)
   for impl in impls:

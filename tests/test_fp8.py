@@ -213,6 +213,37 @@ def test_fp8_runs_only_where_it_pays_by_default(platform, rng, monkeypatch, reci
   np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(bf16, np.float32))
 
 
+def test_fp8_runs_with_the_weights_given_from_their_count(platform, rng, monkeypatch):
+  """when="faster", tensorwise, the weights given as Fp8Weights, fewer rows per expert than MIN_ROWS_PER_EXPERT:
+  where the experts hold MIN_WEIGHTS_STREAMED weights (here lowered to the call's own E d (2f + f)) the call and
+  the reference give the FP8 results of when="always" with 16-bit weight gradients, bit for bit; with one
+  weight fewer to the threshold, the bf16 results."""
+  monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)
+  E, d, f, M = 2, 32, 32, 64  # 32 rows per expert, under the recipe's 256
+  assert M < jaxmlp.fp8.recipe.MIN_ROWS_PER_EXPERT["tensorwise", True] * E
+  args, gs, dy = inputs(rng, M, d, f, [M // 2, M - M // 2], "swiglu", jnp.bfloat16)
+
+  def call(fp8):
+    def mlp(x, w1, w2, sizes, **kw):
+      w1, w2 = (jaxmlp.fp8_weights(w, "tensorwise") for w in (w1, w2))
+      return jaxmlp.grouped_mlp(x, w1, w2, sizes, fp8=fp8, **kw)
+    return mlp
+
+  fp8 = run(call(jaxmlp.Fp8Recipe("tensorwise", when="always", fp8_weight_gradients=False)), args, gs, dy, "swiglu")
+  bf16 = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")
+  assert rel_error(fp8[0], bf16[0]) > 1e-3  # the two differ: the test can tell them apart
+  weights = E * d * 3 * f
+  for threshold, want in ((weights, fp8), (weights + 1, bf16)):
+    monkeypatch.setitem(jaxmlp.fp8.recipe.MIN_WEIGHTS_STREAMED, "tensorwise", threshold)
+    got = run(call("tensorwise"), args, gs, dy, "swiglu")
+    for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in want[1]]:
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=f"{threshold}: {k}")
+    w1q, w2q = (jaxmlp.fp8_weights(args[k], "tensorwise") for k in ("w1", "w2"))
+    reference = jaxmlp.reference.grouped_mlp(args["x"], w1q, w2q, gs, fp8="tensorwise")
+    reference_bf16 = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs)
+    assert (rel_error(reference, reference_bf16) == 0) == (want is bf16)
+
+
 def test_fp8_when_bad_values_name_the_setting(monkeypatch):
   with pytest.raises(ValueError, match="fp8: when='sometimes'"):
     jaxmlp.Fp8Recipe("tensorwise", when="sometimes")

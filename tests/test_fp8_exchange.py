@@ -16,7 +16,7 @@ import jaxmlp.linen
 import jaxmlp.nnx
 from jaxmlp import expert_parallel
 from jaxmlp.fp8 import exchange
-from jaxmlp.fp8.recipe import MIN_ROWS_PER_EXPERT
+from jaxmlp.fp8.recipe import MIN_ROWS_PER_EXPERT, MIN_WEIGHTS_STREAMED
 
 AXIS = "expert"
 E, D, F = 16, 144, 32  # D: a row of one whole 128-column block and one cut short
@@ -155,9 +155,10 @@ def test_fp8_exchange_applies_where_the_experts_run_fp8():
   always = jaxmlp.Fp8Recipe("blockwise", when="always")
 
   def applies(fp8=always, exchange_="all_gather", dtype=jnp.bfloat16, d=D, tokens=64, asked=True, cached=False,
-              chunks=1):
+              chunks=1, d_ff=F):
     return expert_parallel.fp8_exchange_applies(asked, fp8, exchange_, jnp.zeros((tokens, d), dtype), top_k=8,
-                                                num_experts=128, devices=4, chunks=chunks, cached=cached)
+                                                num_experts=128, devices=4, chunks=chunks, cached=cached,
+                                                d_ff=d_ff, gated=True)
 
   assert applies() and applies(jaxmlp.Fp8Recipe("tensorwise", when="always"), dtype=jnp.float32)
   assert not applies(None) and not applies(asked=False)
@@ -168,6 +169,13 @@ def test_fp8_exchange_applies_where_the_experts_run_fp8():
   tokens = MIN_ROWS_PER_EXPERT["blockwise", False] * 32 * 4 // 8
   assert not applies(faster, tokens=tokens - 4) and applies(faster, tokens=tokens)
   assert applies(faster, tokens=MIN_ROWS_PER_EXPERT["blockwise", True] * 32 * 4 // 8, cached=True)
+  # Tensorwise with the weights given, below its rows: where a device's 32 experts hold MIN_WEIGHTS_STREAMED
+  # weights, d (2 f + f) each, as the experts' own rule decides
+  faster_tw, streamed = jaxmlp.Fp8Recipe("tensorwise", when="faster"), MIN_WEIGHTS_STREAMED["tensorwise"]
+  d_ff = -(-streamed // (32 * D * 3))
+  assert applies(faster_tw, tokens=64, cached=True, d_ff=d_ff)
+  assert not applies(faster_tw, tokens=64, cached=True, d_ff=d_ff - 1)
+  assert not applies(faster_tw, tokens=64, d_ff=d_ff)  # the weights quantized in the call: by rows alone
   # in chunks, each chunk's rows (as many as the experts' buffers are expected to hold: _padded)
   assert applies(faster, tokens=2 * tokens, chunks=2) and not applies(faster, tokens=2 * tokens - 8, chunks=2)
 

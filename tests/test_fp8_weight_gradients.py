@@ -17,7 +17,7 @@ import jaxmlp
 import numpy_reference as ref
 from jaxmlp._groups import Groups
 from jaxmlp.fp8 import blockwise
-from jaxmlp.fp8.recipe import MIN_ROWS_FP8_WEIGHT_GRADIENTS, MIN_ROWS_PER_EXPERT
+from jaxmlp.fp8.recipe import MIN_ROWS_FP8_WEIGHT_GRADIENTS, MIN_ROWS_PER_EXPERT, MIN_WEIGHTS_STREAMED
 
 WGRAD16 = {name: jaxmlp.Fp8Recipe(name, fast_accumulation=False, fp8_weight_gradients=False)
            for name in ("tensorwise", "blockwise")}
@@ -67,6 +67,24 @@ def test_the_rule_decides_each_products_precision(recipe):
     assert cached.as_run(runs * E, E, False).fp8_weight_gradients is False
     assert cached.as_run(per_call * E - 1, E, False).fp8_weight_gradients is False
   assert cached.as_run(max(per_call, runs) * E, E, False).fp8_weight_gradients is True
+
+
+def test_with_the_weights_given_many_weights_run_fp8_at_any_rows(monkeypatch):
+  """MIN_WEIGHTS_STREAMED: below its rows per expert a tensorwise call with its weights given still runs in
+  FP8, its weight gradients 16-bit, where its experts hold that many weights; not with FP8 weight gradients
+  asked, nor with the weights quantized in the call or unknown, nor for blockwise."""
+  E, streamed = 4, MIN_WEIGHTS_STREAMED["tensorwise"]
+  faster = jaxmlp.Fp8Recipe("tensorwise", when="faster")
+  for rows in (E, MIN_ROWS_PER_EXPERT["tensorwise", True] * E - 1):
+    assert faster.as_run(rows, E, True, streamed).fp8_weight_gradients is False
+    assert dataclasses.replace(faster, fp8_weight_gradients=False).as_run(rows, E, True, streamed) is not None
+    for run in (faster.as_run(rows, E, True, streamed - 1), faster.as_run(rows, E, True),
+                faster.as_run(rows, E, False, streamed),
+                dataclasses.replace(faster, fp8_weight_gradients=True).as_run(rows, E, True, streamed),
+                jaxmlp.Fp8Recipe("blockwise", when="faster").as_run(rows, E, True, streamed << 8)):
+      assert run is None
+  monkeypatch.delenv("JAXMLP_FP8_WHEN", raising=False)  # which conftest sets to "always"
+  assert f"tensorwise {streamed}" in jaxmlp.backend_info()["fp8_when"]
 
 
 @pytest.mark.parametrize("recipe", list(WGRAD16))

@@ -29,6 +29,12 @@ MIN_ROWS_PER_EXPERT = {("tensorwise", False): 1024, ("tensorwise", True): 256,
 # skewed routing); below, a call that runs in FP8 runs its weight gradients in x's dtype.
 MIN_ROWS_FP8_WEIGHT_GRADIENTS = {("tensorwise", False): 2048, ("tensorwise", True): 1024,
                                  ("blockwise", False): 1024, ("blockwise", True): 1024}
+# when="faster", weights given (Fp8Weights): the expert weights (E d (F1 + f)) from which a call of the recipe
+# runs in FP8 below MIN_ROWS_PER_EXPERT too, its weight gradients 16-bit (unless asked in FP8). With few rows an
+# expert the forward's and the data gradients' products stream the weights, and e4m3 halves those bytes; at
+# ~2e8 weights and fewer the call's added passes and launches cancel that (docs/fp8.md, "When FP8 runs"). The
+# blockwise recipe measured too thin a margin there for a rule.
+MIN_WEIGHTS_STREAMED = {"tensorwise": 1 << 28}
 # when="faster", a training step of one micro-batch: the rows per expert of its calls from which the step with
 # jaxmlp.fp8_adam_step writing the weights' FP8 copy measured at least as fast as bf16's, optax's update
 # writing their 16-bit copy (docs/fp8.md, "Weights written by the optimizer": below, the optimizer's kernel
@@ -50,7 +56,8 @@ class Fp8Recipe:
     default, as in TransformerEngine, which keeps the precise accumulator for gradients; on, the weight
     gradients' products run faster (docs/fp8.md).
   when: "faster": FP8 only where it was measured at least as fast as bf16 at the call's rows per expert
-    (MIN_ROWS_PER_EXPERT; fewer rows run in x's dtype, with its results), and per product
+    (MIN_ROWS_PER_EXPERT, or with the weights given their number, MIN_WEIGHTS_STREAMED; elsewhere the call
+    runs in x's dtype, with its results), and per product
     (fp8_weight_gradients); "always": all six products in FP8 at every shape, for its numerics regardless
     of speed. None: the environment's JAXMLP_FP8_WHEN, else "faster".
   fp8_weight_gradients: whether the two weight gradients of a call that runs in FP8 are FP8 products (True)
@@ -86,9 +93,16 @@ class Fp8Recipe:
         raise TypeError(f"fp8: fp8_weight_gradients={self.fp8_weight_gradients!r}; expected None, True or False")
       object.__setattr__(self, "fp8_weight_gradients", bool(self.fp8_weight_gradients))  # np.False_ too
 
-  def runs_fp8(self, M: int, E: int, cached: bool) -> bool:
-    """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights)."""
-    return self._by_rows(M, E, MIN_ROWS_PER_EXPERT[self.name, cached])
+  def runs_fp8(self, M: int, E: int, cached: bool, weights: int | None = None) -> bool:
+    """Whether a call over M rows and E experts runs in FP8 (cached: both weights given as Fp8Weights;
+    weights: how many expert weights the call holds, E d (F1 + f), where known: MIN_WEIGHTS_STREAMED)."""
+    if self._by_rows(M, E, MIN_ROWS_PER_EXPERT[self.name, cached]):
+      return True
+    streamed = MIN_WEIGHTS_STREAMED.get(self.name)
+    # Below MIN_ROWS_PER_EXPERT the rule's weight gradients are 16-bit (MIN_ROWS_FP8_WEIGHT_GRADIENTS): the
+    # measured gain is theirs.
+    return (cached and streamed is not None and weights is not None and weights >= streamed
+            and self.fp8_weight_gradients is not True)
 
   def optimizer_writes_fp8(self, M: int, E: int) -> bool:
     """Whether a training step of one micro-batch, over calls of M rows and E experts, should take its FP8
@@ -99,10 +113,10 @@ class Fp8Recipe:
     optimizer pass, and runs_fp8(M, E, cached=True) is the bound."""
     return self.runs_fp8(M, E, cached=True) and self._by_rows(M, E, MIN_ROWS_OPTIMIZER_WRITES_FP8[self.name])
 
-  def as_run(self, M: int, E: int, cached: bool) -> Fp8Recipe | None:
-    """The recipe as a call over M rows and E experts runs it: None where it runs in x's dtype (runs_fp8),
-    else with fp8_weight_gradients decided."""
-    if not self.runs_fp8(M, E, cached):
+  def as_run(self, M: int, E: int, cached: bool, weights: int | None = None) -> Fp8Recipe | None:
+    """The recipe as a call over M rows and E experts (and `weights` expert weights, where known) runs it:
+    None where it runs in x's dtype (runs_fp8), else with fp8_weight_gradients decided."""
+    if not self.runs_fp8(M, E, cached, weights):
       return None
     fp8_wgrad = self.fp8_weight_gradients
     if fp8_wgrad is None:
@@ -196,8 +210,10 @@ def fp8_when() -> str:
   wgrad = ", ".join(f"{name} {need}{' with Fp8Weights' if cached else ''}"
                     for (name, cached), need in MIN_ROWS_FP8_WEIGHT_GRADIENTS.items())
   step = ", ".join(f"{name} {need}" for name, need in MIN_ROWS_OPTIMIZER_WRITES_FP8.items())
+  streamed = ", ".join(f"{name} {need}" for name, need in MIN_WEIGHTS_STREAMED.items())
   return (f"{when}: a call with an FP8 recipe runs in FP8 from these rows per expert on ({rows}), in x's dtype "
-          f"below them; its weight gradients are FP8 products from these on ({wgrad}), "
+          f"below them unless its Fp8Weights number at least ({streamed}) expert weights (then with 16-bit "
+          f"weight gradients); its weight gradients are FP8 products from these on ({wgrad}), "
           "products of x's dtype below; unless its Fp8Recipe says when='always' or fp8_weight_gradients. "
           f"Fp8Recipe.optimizer_writes_fp8, a step of one micro-batch with fp8_adam_step: from ({step})")
 
@@ -207,7 +223,12 @@ def as_run(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> Fp8Reci
   expert-parallel layer's buffer holds more, jaxmlp._gemm_path.padded_buffers); None where the call runs in
   x's dtype, or without a recipe."""
   cached = isinstance(w1, Fp8Weights) and isinstance(w2, Fp8Weights)
-  return None if recipe is None else recipe.as_run(shape.rows_in_use, shape.E, cached)
+  return None if recipe is None else recipe.as_run(shape.rows_in_use, shape.E, cached, expert_weights(shape))
+
+
+def expert_weights(shape: _checks.MlpShape) -> int:
+  """How many weights a call's experts hold: w1's E d F1 and w2's E f d (MIN_WEIGHTS_STREAMED)."""
+  return shape.E * shape.d * (shape.F1 + shape.f)
 
 
 def weights_of(w):
