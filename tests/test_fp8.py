@@ -233,14 +233,14 @@ def test_fp8_runs_with_the_weights_given_from_their_count(platform, rng, monkeyp
   bf16 = run(jaxmlp.grouped_mlp, args, gs, dy, "swiglu")
   assert rel_error(fp8[0], bf16[0]) > 1e-3  # the two differ: the test can tell them apart
   weights = E * d * 3 * f
+  w1q, w2q = (jaxmlp.fp8_weights(args[k], "tensorwise") for k in ("w1", "w2"))
+  reference_bf16 = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs)
   for threshold, want in ((weights, fp8), (weights + 1, bf16)):
     monkeypatch.setitem(jaxmlp.fp8.recipe.MIN_WEIGHTS_STREAMED, "tensorwise", threshold)
     got = run(call("tensorwise"), args, gs, dy, "swiglu")
     for k, g, w in [("y", got[0], want[0])] + [(k, got[1][k], want[1][k]) for k in want[1]]:
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=f"{threshold}: {k}")
-    w1q, w2q = (jaxmlp.fp8_weights(args[k], "tensorwise") for k in ("w1", "w2"))
     reference = jaxmlp.reference.grouped_mlp(args["x"], w1q, w2q, gs, fp8="tensorwise")
-    reference_bf16 = jaxmlp.reference.grouped_mlp(args["x"], args["w1"], args["w2"], gs)
     assert (rel_error(reference, reference_bf16) == 0) == (want is bf16)
 
 
