@@ -58,7 +58,9 @@ def parse_args():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--shapes", help=f"comma-separated, from {', '.join(cases.ALL_SHAPES)}, or {cases.CUSTOM_SHAPE} "
                  f"(default: {', '.join(cases.GPU_SHAPES)} on a GPU, {', '.join(cases.CPU_SHAPES)} on the CPU)")
-  p.add_argument("--routing", default=",".join(cases.ROUTINGS), help="balanced, skewed or both")
+  p.add_argument("--routing", default=",".join(cases.DEFAULT_ROUTINGS),
+                 help=f"comma-separated, from {', '.join(cases.ROUTINGS)} "
+                 f"(default: {', '.join(cases.DEFAULT_ROUTINGS)})")
   p.add_argument("--impls", help=f"comma-separated, from {', '.join(IMPLS)} (default: all that are installed; "
                  "without a GPU all but the torch and FP8 ones)")
   p.add_argument("--repeats", type=int, help="timed samples per measurement (default 10 on GPU, 5 on CPU)")

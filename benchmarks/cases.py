@@ -33,7 +33,8 @@ CPU_SHAPES = {s.name: s for s in (
     Shape("tiny-wide", 8, 128, 256, 256),
 )}
 ALL_SHAPES = {**GPU_SHAPES, **CPU_SHAPES}
-ROUTINGS = ("balanced", "skewed")
+ROUTINGS = ("balanced", "skewed", "ragged")
+DEFAULT_ROUTINGS = ("balanced", "skewed")  # bench.py's, the RESULTS tables' routings
 # Largest acceptable relative error against a reference, per dtype: rounding the stored intermediates
 # to bf16 gives ~4e-3; a wrong group offset or a missing term gives O(1).
 # FP8 (e4m3, 3 mantissa bits) products of bf16 data: ~3-5e-2 against the bf16 reference (tests/test_fp8.py
@@ -58,6 +59,15 @@ def group_sizes(routing: str, E: int, M: int) -> np.ndarray:
   if routing == "balanced":
     sizes = np.full(E, M // E, np.int64)
     sizes[:M % E] += 1  # spread the remainder over the first experts
+  elif routing == "ragged":
+    # A router's balance: each expert about M / E rows (a load of 1 +- 1/8 at random), so that the groups
+    # are not multiples of 16; balanced's are at every reference shape, which takes kernels' aligned fast
+    # paths where a router's sizes take their general ones (benchmarks/RESULTS-fp8.md, the tile quantizer
+    # under skewed routing).
+    rng = np.random.default_rng(1)
+    load = 1.0 + rng.uniform(-0.125, 0.125, E)
+    sizes = np.floor(load / load.sum() * M).astype(np.int64)
+    sizes[:M - sizes.sum()] += 1  # fewer than E rows left over: one more to each of the first experts
   elif routing == "skewed":
     # Zipf-like load (expert of rank r gets ~ 1/r^1.2 of the tokens) in a fixed random expert order,
     # with one expert in eight receiving nothing: routers do leave experts idle, and empty groups are a

@@ -44,6 +44,23 @@ def test_benchmark_rejects_bad_arguments(tmp_path):
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
+def test_routings_sum_to_the_rows_and_ragged_is_no_multiple_of_16(monkeypatch):
+  """cases.group_sizes: every routing's sizes are non-negative and sum to M; "ragged" keeps each expert within
+  15% of M / E but, unlike "balanced" at the reference shapes, off multiples of 16."""
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import numpy as np
+  import cases
+
+  for shape in cases.GPU_SHAPES:
+    s = cases.ALL_SHAPES[shape]
+    for routing in cases.ROUTINGS:
+      sizes = cases.group_sizes(routing, s.E, s.M)
+      assert sizes.sum() == s.M and (sizes >= 0).all() and len(sizes) == s.E, (shape, routing)
+    ragged, mean = cases.group_sizes("ragged", s.E, s.M), s.M / s.E
+    assert (np.abs(ragged - mean) <= 0.15 * mean).all(), shape
+    assert (ragged % 16 != 0).mean() > 0.5 and (cases.group_sizes("balanced", s.E, s.M) % 16 == 0).all(), shape
+
+
 def test_benchmark_refuses_programs_larger_than_the_device_once(monkeypatch):
   """A program that plans more memory than the device has is refused before XLA's autotuner runs, and
   the refusal is remembered: the second routing of a shape and the reference check do not compile it again."""
@@ -73,8 +90,8 @@ def test_benchmark_refuses_programs_larger_than_the_device_once(monkeypatch):
     for impl in ("jaxmlp", "ragged_dot"):
       assert results[impl]["status"] == "error"
       assert "MemoryError: fwd needs" in results[impl]["error"] and "JAX may use 0.0 GiB" in results[impl]["error"]
-  assert len(gated) == 2, gated  # jaxmlp and ragged_dot, once each over both routings
-  assert len(reported) == 2 * 2 * 2 and all("error" in t for _, _, t in reported)
+  assert len(gated) == 2, gated  # jaxmlp and ragged_dot, once each over all routings
+  assert len(reported) == 2 * 2 * len(cases.ROUTINGS) and all("error" in t for _, _, t in reported)
   # What is remembered of a failure must not keep the case's inputs on the device (an exception's
   # traceback would: on an 80 GB H100 that ran the last shapes out of memory).
   del results
