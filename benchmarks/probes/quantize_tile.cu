@@ -186,8 +186,7 @@ static std::vector<int64_t> Skewed(int E, int64_t total, uint32_t seed) {
   double s = 0;
   for (double x : w) s += x;
   std::vector<int64_t> sizes(E);
-  int64_t used = 0;
-  for (int e = 0; e < E; ++e) used += sizes[e] = int64_t(w[e] / s * total * 0.97);  // padding rows at the end
+  for (int e = 0; e < E; ++e) sizes[e] = int64_t(w[e] / s * total * 0.97);  // padding rows at the end
   return sizes;
 }
 
