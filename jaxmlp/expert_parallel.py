@@ -50,7 +50,7 @@ from . import _checks, _gemm_path
 from .dispatch import combine, dispatch
 from .fp8 import delayed
 from .fp8 import exchange as fp8_exchange_ops
-from .fp8.recipe import resolve as resolve_fp8
+from .fp8.recipe import expert_weights, resolve as resolve_fp8
 from .moe import history_kwarg, route, router_losses
 from .reference_moe import sort_by_expert
 
@@ -191,7 +191,7 @@ def fp8_exchange_applies(asked: bool, fp8, exchange: str, tokens: jax.Array, *, 
   local_experts, d = num_experts // devices, tokens.shape[1]
   return (asked and recipe is not None and exchange == "all_gather" and _e4m3_rows_fit(tokens)
           and recipe.runs_fp8(tokens.shape[0] * top_k // devices // chunks, local_experts, cached,
-                              local_experts * d * ((2 if gated else 1) * d_ff + d_ff)))
+                              expert_weights(local_experts, d, d_ff, (2 if gated else 1) * d_ff)))
 
 
 def _e4m3_rows_fit(tokens) -> bool:

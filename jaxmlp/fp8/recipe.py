@@ -223,12 +223,13 @@ def as_run(recipe: Fp8Recipe | None, shape: _checks.MlpShape, w1, w2) -> Fp8Reci
   expert-parallel layer's buffer holds more, jaxmlp._gemm_path.padded_buffers); None where the call runs in
   x's dtype, or without a recipe."""
   cached = isinstance(w1, Fp8Weights) and isinstance(w2, Fp8Weights)
-  return None if recipe is None else recipe.as_run(shape.rows_in_use, shape.E, cached, expert_weights(shape))
+  weights = expert_weights(shape.E, shape.d, shape.f, shape.F1)
+  return None if recipe is None else recipe.as_run(shape.rows_in_use, shape.E, cached, weights)
 
 
-def expert_weights(shape: _checks.MlpShape) -> int:
-  """How many weights a call's experts hold: w1's E d F1 and w2's E f d (MIN_WEIGHTS_STREAMED)."""
-  return shape.E * shape.d * (shape.F1 + shape.f)
+def expert_weights(E: int, d: int, f: int, F1: int) -> int:
+  """How many weights E experts hold: w1's E d F1 and w2's E f d (MIN_WEIGHTS_STREAMED)."""
+  return E * d * (F1 + f)
 
 
 def weights_of(w):
