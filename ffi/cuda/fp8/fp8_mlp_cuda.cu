@@ -14,6 +14,7 @@
 
 #include "mlp_checks.h"
 #include "cuda/fp8/fp8_mlp_kernels.h"
+#include "cuda/fp8/fp8_quantize_kernels.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/handler.h"
 #include "cuda/launch.cuh"

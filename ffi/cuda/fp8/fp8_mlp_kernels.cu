@@ -16,215 +16,11 @@
 namespace jaxmlp {
 namespace {
 
-using Fp8 = __nv_fp8_e4m3;
-constexpr int kThreads = 128;   // activation kernels: a block walks whole rows
-constexpr int kMaxBlocks = 1024;  // grid-stride kernels: few blocks, so few atomics on one amax
-
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
-__device__ __forceinline__ float ToFloat(Fp8 v) { return float(v); }
-
-// Round to nearest even, saturating at +-448; NaN stays NaN (jnp.clip then astype in jaxmlp/fp8.py).
-__device__ __forceinline__ uint8_t ToE4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
-
-// The block's maximum reaches *amax with one atomic per warp (fmaxf drops NaN: a NaN input quantizes to
-// NaN whatever the scale, as in the emulation).
-__device__ __forceinline__ void ReduceAbsMax(float v, float* amax) {
-  v = WarpMax(v);
-  if (threadIdx.x % 32 == 0 && v > 0.0f) AtomicMaxNonNegative(amax, v);
-}
-
-// The same with one atomic per block of kWarps full warps, every thread reaching it, for the quantizers of
-// many blocks: thousands of blocks' atomics on one address serialize in the L2 (an atomic a warp took
-// QuantizeElementwiseKernel from 48 to 135 us at qwen3's x: docs/performance.md, "Kernel measurements").
-template <int kWarps>
-__device__ __forceinline__ void BlockReduceAbsMax(float v, float* amax) {
-  v = BlockMax<kWarps>(v);
-  if (threadIdx.x == 0 && v > 0.0f) AtomicMaxNonNegative(amax, v);
-}
-
-template <int V>
-struct alignas(V) Bytes {
-  uint8_t b[V];
-};
+constexpr int kThreads = 128;  // a block walks whole rows
 
 template <typename T>
 __device__ void ZeroRow(T* row, int64_t n) {
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) row[j] = T(0.0f);
-}
-
-// Where row r of a quantizer's input [.., n] starts (Fp8Rows), null for a gathered row of zeros.
-template <typename T>
-__device__ __forceinline__ const T* RowStart(const T* v, int64_t r, int64_t n, const Fp8Rows& from) {
-  if (!from.gather) return v + r * n;
-  const int32_t slot = from.gather[r];
-  return slot >= 0 && slot / from.top_k < from.tokens ? v + int64_t(slot / from.top_k) * n : nullptr;
-}
-
-// Four independent 16-byte loads in flight per thread and iteration: one at a time left the kernel
-// latency-bound at a third of the memory bandwidth. kGathered: the rows as `from` places them (n % V == 0),
-// a zero row skipped.
-template <typename T, int V, bool kGathered>
-__global__ void AbsMaxKernel(const T* v, const int64_t* offsets, int64_t E, int64_t rows, int64_t n, float* amax,
-                             Fp8Rows from, const float* skip) {
-  if (skip && *skip > 0.0f) return;  // the whole grid alike
-  constexpr int kUnroll = 4;
-  const int64_t count = (offsets ? offsets[E] : rows) * n;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x * V;
-  float m = 0.0f;
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count; i += kUnroll * stride) {
-    const T* at[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t e = i + u * stride;
-      const T* row = e < count && kGathered ? RowStart(v, e / n, n, from) : nullptr;
-      at[u] = e >= count ? nullptr : kGathered ? (row ? row + e % n : nullptr) : v + e;
-    }
-    Vec<T, V> x[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (at[u]) x[u] = Load<T, V>(at[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (at[u])
-#pragma unroll
-        for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(ToFloat(x[u].v[k])));
-  }
-  ReduceAbsMax(m, amax);
-}
-
-// Quantization into the input's layout alone: 16-byte loads, V-byte stores, rows past the valid ones
-// skipped. C % V == 0. seen: where given, max |v| of the rows quantized reaches it (delayed scaling).
-// Blocks of kElementwiseThreads.
-constexpr int kElementwiseThreads = 256;
-template <typename T, int V>
-__global__ void __launch_bounds__(kElementwiseThreads)
-    QuantizeElementwiseKernel(const T* v, int64_t R, int64_t C, const float* amax, float* scale_out, Fp8Outputs o,
-                              float* seen) {
-  if (scale_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = amax ? DequantScale(*amax) : 1.0f;
-  const int64_t count = (o.row_offsets ? o.row_offsets[o.E] : R) * C;
-  const float inv = InverseScale(amax);
-  uint8_t* out = static_cast<uint8_t*>(o.rows_out);
-  float m = 0.0f;
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < count;
-       i += int64_t(gridDim.x) * blockDim.x * V) {
-    const Vec<T, V> x = Load<T, V>(v + i);
-    Bytes<V> q;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      q.b[k] = ToE4m3(ToFloat(x.v[k]) * inv);
-      m = fmaxf(m, fabsf(ToFloat(x.v[k])));
-    }
-    *reinterpret_cast<Bytes<V>*>(out + i) = q;
-  }
-  if (seen) BlockReduceAbsMax<kElementwiseThreads / 32>(m, seen);  // the whole grid alike
-}
-
-// One 128 x 128 tile of v per block, rows along blockIdx.x. Each thread loads its 16-byte chunks of the
-// tile's rows (V elements each) all at once, then quantizes them, stores them in the input's layout if asked
-// (128 contiguous bytes a row) and leaves them in shared memory row-major; then each thread gathers 16 rows
-// of one column of the tile, four times, and stores each as one 16-byte store into the transposed layout
-// where those rows are consecutive there and aligned (always for the weights, and for activations in groups
-// whose first row is a multiple of 16), else byte by byte, with the zeros of the padded layout after a
-// group's last row (so no pass zeroes cols_out before). Eight threads store a column's 128 rows, 128
-// contiguous bytes. C % V == 0.
-//
-// Why this size: with 64 x 64 tiles (4 KB of FP8 a block) each block waited on its rows' group lookups and
-// one load per thread before its stores; a 128 x 128 tile spreads those waits over four times the data
-// (docs/performance.md, "Kernel measurements").
-//
-// Shared memory: row r's 16-byte chunk j lies at chunk j ^ (r / 16 % 8): the byte loads of a warp (4
-// columns by the 8 chunks of 16 rows) then touch 8 different banks, one per row (unswizzled, every row of a
-// column is in one bank).
-constexpr int kTile = 128, kTileThreads = 256;
-__device__ __forceinline__ int Swizzled(int row, int col) { return row * kTile + (col ^ (row / 16 % 8 * 16)); }
-template <typename T>
-__global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
-                                                                   float* scale_out, Fp8Outputs o, Fp8Rows from,
-                                                                   float* seen) {
-  constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
-  constexpr int kPasses = kTile / kRowsPerPass;
-  __shared__ alignas(16) uint8_t tile[kTile * kTile];  // [row][column], swizzled
-  __shared__ int64_t dest[kTile];                      // cols_out index of (row, column 0); -1: none
-  __shared__ int8_t padding[kTile];                    // zeros after the row in cols_out
-  const int64_t valid = o.row_offsets ? o.row_offsets[o.E] : R;
-  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
-  if (scale_out && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-    *scale_out = amax ? DequantScale(*amax) : 1.0f;
-  if (r0 >= valid) return;  // the same for the whole block
-  const int cc = (threadIdx.x % kRowThreads) * V, first_row = threadIdx.x / kRowThreads;
-  uint4 x[kPasses];  // 16 bytes a chunk (as uint4: one byte a register would spill the e4m3 chunks)
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int64_t r = r0 + first_row + i * kRowsPerPass;
-    if (r < valid && c0 + cc < C) {
-      const T* row = RowStart(v, r, C, from);
-      x[i] = row ? *reinterpret_cast<const uint4*>(row + c0 + cc) : make_uint4(0, 0, 0, 0);  // e4m3 zeros
-    }
-  }
-  if (o.cols_out && threadIdx.x < kTile) {  // the group lookups while the loads are in flight
-    const int64_t r = r0 + threadIdx.x;
-    int64_t base = -1;
-    int pad = 0;
-    if (r < valid) {
-      const int64_t g = o.row_offsets ? GroupOf(o.row_offsets, o.E, r) : r / o.group_rows;
-      const int64_t first = o.row_offsets ? o.row_offsets[g] : g * o.group_rows;
-      base = g * o.group_stride + (o.col_offsets ? o.col_offsets[g] : 0) + r - first;
-      // The padded layout: a group's columns start at a multiple of 16 and run to one.
-      if (o.col_offsets && r + 1 == o.row_offsets[g + 1]) pad = int((16 - (r + 1 - first) % 16) % 16);
-    }
-    dest[threadIdx.x] = base;
-    padding[threadIdx.x] = int8_t(pad);
-  }
-  const float inv = InverseScale(amax);
-  uint8_t* rows_out = static_cast<uint8_t*>(o.rows_out);
-  float m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int rr = first_row + i * kRowsPerPass;
-    const int64_t r = r0 + rr;
-    Bytes<V> q{};
-    if (r < valid && c0 + cc < C) {
-      if constexpr (std::is_same_v<T, Fp8>) {  // a transposition of e4m3 data (amax null): its bytes
-        q = *reinterpret_cast<const Bytes<V>*>(&x[i]);
-      } else {
-        const Vec<T, V>& xv = *reinterpret_cast<const Vec<T, V>*>(&x[i]);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          q.b[k] = ToE4m3(ToFloat(xv.v[k]) * inv);
-          m = fmaxf(m, fabsf(ToFloat(xv.v[k])));
-        }
-      }
-      if (rows_out) *reinterpret_cast<Bytes<V>*>(rows_out + r * C + c0 + cc) = q;
-    }
-    *reinterpret_cast<Bytes<V>*>(&tile[Swizzled(rr, cc)]) = q;  // V <= 16: within one chunk
-  }
-  if (seen) BlockReduceAbsMax<kTileThreads / 32>(m, seen);  // every thread of the block reaches it
-  if (!o.cols_out) return;  // the rows alone: gathered ones, which QuantizeElementwiseKernel does not read
-  __syncthreads();
-  // kTile columns x kTile / 16 chunks of 16 rows = 4 kTileThreads chunks: four per thread, a column each.
-  constexpr int kChunks = kTile / 16;
-#pragma unroll 1
-  for (int pass = 0; pass < kTile * kChunks / kTileThreads; ++pass) {
-    const int unit = pass * kTileThreads + threadIdx.x;
-    const int col = unit / kChunks, first = (unit % kChunks) * 16;
-    if (c0 + col >= C) break;  // the columns grow with the pass
-    uint32_t packed[4] = {};
-#pragma unroll
-    for (int k = 0; k < 16; ++k) packed[k / 4] |= uint32_t(tile[Swizzled(first + k, col)]) << (8 * (k % 4));
-    uint8_t* cols_out = static_cast<uint8_t*>(o.cols_out) + (c0 + col) * o.ld;
-    const int64_t d0 = dest[first], d15 = dest[first + 15];
-    if (d0 >= 0 && d15 == d0 + 15 && d0 % 16 == 0 && o.ld % 16 == 0) {
-      *reinterpret_cast<uint4*>(cols_out + d0) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    } else {
-      for (int k = 0; k < 16; ++k) {
-        const int64_t d = dest[first + k];
-        if (d < 0) continue;
-        cols_out[d] = uint8_t(packed[k / 4] >> (8 * (k % 4)));
-        for (int z = 1; z <= padding[first + k]; ++z) cols_out[d + z] = 0;
-      }
-    }
-  }
 }
 
 // The activation kernels walk the rows grid-stride, a block per row at a time. Within row `row` of h, each
@@ -414,60 +210,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams 
   }
 }
 
-__global__ void ScalesKernel(const float* amax, int n, float* scale) {
-  if (threadIdx.x < n) scale[threadIdx.x] = DequantScale(amax[threadIdx.x]);
-}
-
-unsigned Blocks(int64_t work, int64_t per_block) {
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, kMaxBlocks)));
-}
-
 }  // namespace
-
-ffi::Error AbsMax(cudaStream_t stream, ffi::DataType t, const void* v, const int64_t* offsets, int64_t E,
-                  int64_t rows, int64_t n, float* amax, const Fp8Rows& from, const float* skip) {
-  if (from.gather && (n % 8 || from.top_k < 1))
-    return ffi::Error::InvalidArgument("jaxmlp: a gathered FP8 amax needs rows of a multiple of 8, top_k >= 1");
-  By16BitType(t, [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int V = 16 / sizeof(T);
-    const unsigned grid = Blocks(rows * n, 256 * V);
-    const T* tv = static_cast<const T*>(v);
-    if (from.gather) AbsMaxKernel<T, V, true><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from, skip);
-    else if (n % V == 0)
-      AbsMaxKernel<T, V, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from, skip);
-    else AbsMaxKernel<T, 1, false><<<grid, 256, 0, stream>>>(tv, offsets, E, rows, n, amax, from, skip);
-  });
-  return CheckCuda(cudaGetLastError(), "launching the FP8 amax kernel");
-}
-
-ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int64_t R, int64_t C, const float* amax,
-                        float* scale_out, const Fp8Outputs& out, const Fp8Rows& from, float* seen) {
-  if (C % 16) return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization needs rows of a multiple of 16 elements");
-  if (seen && t == ffi::DataType::F8E4M3FN)
-    return ffi::Error::InvalidArgument("jaxmlp: an FP8 transposition has no maximum to observe");
-  if (from.gather && (t == ffi::DataType::F8E4M3FN || from.top_k < 1))
-    return ffi::Error::InvalidArgument("jaxmlp: gathered FP8 quantization reads 16-bit tokens, top_k >= 1");
-  const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
-  if (row_tiles > INT32_MAX || col_tiles > 65535)
-    return ffi::Error::InvalidArgument("jaxmlp: FP8 quantization of a [" + std::to_string(R) + ", " +
-                                       std::to_string(C) + "] tensor exceeds the grid");
-  const dim3 grid(unsigned(std::max<int64_t>(row_tiles, 1)), unsigned(std::max<int64_t>(col_tiles, 1)));
-  auto launch = [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int V = 16 / sizeof(T);
-    if (out.cols_out || from.gather)
-      QuantizeTileKernel<T><<<grid, kTileThreads, 0, stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out,
-                                                               from, seen);
-    else
-      QuantizeElementwiseKernel<T, V>
-          <<<unsigned(std::clamp<int64_t>(R * C / (kElementwiseThreads * V), 1, 16384)), kElementwiseThreads, 0,
-             stream>>>(static_cast<const T*>(v), R, C, amax, scale_out, out, seen);
-  };
-  if (t == ffi::DataType::F8E4M3FN) launch(Fp8{});
-  else By16BitType(t, launch);
-  return CheckCuda(cudaGetLastError(), "launching the FP8 quantization kernel");
-}
 
 // Launches kernel<T, V, Act> chosen at run time; V = 8 (16-byte loads): the FP8 path needs f % 16 == 0.
 #define JAXMLP_ACT_LAUNCH(KERNEL, GRID, ...)                                                   \
@@ -478,24 +221,11 @@ ffi::Error QuantizeRows(cudaStream_t stream, ffi::DataType t, const void* v, int
     });                                                                                        \
   })
 
-__global__ void ZeroPaddedTailKernel(uint8_t* cols, int64_t R, int64_t ld, const int64_t* padded_end) {
-  const int64_t end = std::clamp<int64_t>(*padded_end, 0, ld);
-  for (int64_t r = blockIdx.x; r < R; r += gridDim.x)
-    for (int64_t j = end + threadIdx.x; j < ld; j += blockDim.x) cols[r * ld + j] = 0;
-}
-
-ffi::Error ZeroPaddedTail(cudaStream_t stream, void* cols, int64_t R, int64_t ld, const int64_t* padded_end) {
-  if (R == 0 || ld == 0) return ffi::Error::Success();
-  ZeroPaddedTailKernel<<<unsigned(std::min<int64_t>(R, 4096)), 256, 0, stream>>>(static_cast<uint8_t*>(cols), R, ld,
-                                                                                 padded_end);
-  return CheckCuda(cudaGetLastError(), "launching the padded layout's tail zeroing");
-}
-
 ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                             int64_t E, int64_t M, int64_t f, int64_t d, void* h, const void* b1, const void* scales,
                             void* y, const void* b2, float* amax_a, const float* given_a, float* scale_a,
                             void* aq) {
-  JAXMLP_ACT_LAUNCH(ActAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<T*>(h),
+  JAXMLP_ACT_LAUNCH(ActAbsMaxKernel, AmaxGridBlocks(M, 1), p, offsets, E, M, f, d, static_cast<T*>(h),
                     static_cast<const T*>(b1), static_cast<const T*>(scales), static_cast<T*>(y),
                     static_cast<const T*>(b2), amax_a, given_a, scale_a, static_cast<uint8_t*>(aq));
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation amax kernel");
@@ -504,7 +234,7 @@ ffi::Error ActivationAbsMax(cudaStream_t stream, ffi::DataType t, const ActParam
 ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                               int64_t E, int64_t M, int64_t f, const void* h, const void* scales, const float* amax_a,
                               float* scale_a, void* aq, const float* skip, float* amax_out) {
-  JAXMLP_ACT_LAUNCH(ActQuantizeKernel, Blocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
+  JAXMLP_ACT_LAUNCH(ActQuantizeKernel, AmaxGridBlocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
                     static_cast<const T*>(scales), amax_a, scale_a, static_cast<uint8_t*>(aq), skip, amax_out);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation kernel");
 }
@@ -514,7 +244,7 @@ ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const 
                                     const void* scales, const float* amax_a, const void* dy, const void* b2,
                                     void* aq, void* a16, void* dscales, void* dx, float* amax_dh,
                                     const float* given_dh, float* scale_dh, void* dhq, void* dh) {
-  JAXMLP_ACT_LAUNCH(ActBackwardAbsMaxKernel, Blocks(M, 1), p, offsets, E, M, f, d, static_cast<const T*>(h),
+  JAXMLP_ACT_LAUNCH(ActBackwardAbsMaxKernel, AmaxGridBlocks(M, 1), p, offsets, E, M, f, d, static_cast<const T*>(h),
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_a, static_cast<const T*>(dy),
                     static_cast<const T*>(b2), static_cast<uint8_t*>(aq), static_cast<T*>(a16),
                     static_cast<T*>(dscales), static_cast<T*>(dx), amax_dh, given_dh, scale_dh,
@@ -526,15 +256,10 @@ ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, cons
                                       int64_t E, int64_t M, int64_t f, const void* h, const void* da,
                                       const void* scales, const float* amax_dh, float* scale_dh, void* dhq,
                                       void* dh, const float* skip) {
-  JAXMLP_ACT_LAUNCH(ActBackwardQuantizeKernel, Blocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
+  JAXMLP_ACT_LAUNCH(ActBackwardQuantizeKernel, AmaxGridBlocks(M, 1), p, offsets, E, f, static_cast<const T*>(h),
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_dh, scale_dh,
                     static_cast<uint8_t*>(dhq), static_cast<T*>(dh), skip);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation gradient kernel");
-}
-
-ffi::Error ScalesOf(cudaStream_t stream, const float* amax, int n, float* scale) {
-  ScalesKernel<<<1, 32, 0, stream>>>(amax, n, scale);
-  return CheckCuda(cudaGetLastError(), "launching the FP8 scales kernel");
 }
 
 }  // namespace jaxmlp
