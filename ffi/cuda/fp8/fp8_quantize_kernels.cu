@@ -95,13 +95,15 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 //            for a window the tile shares with a neighbour or another group: at most two a column and group.
 // Either is right for any layout; the choice is speed alone. C % V == 0.
 //
-// Why two ways: in chunks, every chunk of a group that starts off a multiple of 16 stores 16 bytes one by one:
-// skewed groups at dsv3's x 3.5x the balanced time (1,151 against 333 us), windows 504 us. Windows alone
-// cost 20% at balanced routing (their scan and the stores' indexing): 403 against 333 us.
+// Why two ways: in chunks, every chunk of a group that starts off a multiple of 16 stores 16 bytes one by one
+// (3.5x the time of aligned groups at dsv3's x, windows 1.5x); windows alone cost 20% on aligned tiles, their
+// scan and the stores' indexing.
 //
 // Why this size: with 64 x 64 tiles (4 KB of FP8 a block) each block waited on its rows' group lookups and
-// one load per thread before its stores; a 128 x 128 tile spreads those waits over four times the data
-// (docs/performance.md, "Kernel measurements").
+// one load per thread before its stores; a 128 x 128 tile spreads those waits over four times the data. Why
+// 4 blocks an SM (64 registers): a block's phases (loads, quantization, transposed stores) run in turn, so
+// more blocks keep more loads in flight; 3 were 5-11% slower, 5 spill (docs/performance.md, "Kernel
+// measurements").
 //
 // Shared memory: row r's 16-byte chunk j lies at chunk j ^ (r / 16 % 8): the byte loads of a warp (4
 // columns by the 8 chunks of 16 rows) then touch 8 different banks, one per row (unswizzled, every row of a
@@ -141,7 +143,7 @@ __device__ __forceinline__ int TransposedWindows(const int64_t* dest, const int8
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kTileThreads, 3) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
+__global__ void __launch_bounds__(kTileThreads, 4) QuantizeTileKernel(const T* v, int64_t R, int64_t C, const float* amax,
                                                                    float* scale_out, Fp8Outputs o, Fp8Rows from,
                                                                    float* seen) {
   constexpr int V = 16 / sizeof(T), kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
