@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 // Either is right for any layout; the choice is speed alone. C % V == 0.
 //
 // Why two ways: in chunks, every chunk of a group that starts off a multiple of 16 stores 16 bytes one by one
-// (3.5x the time of aligned groups at dsv3's x, windows 1.5x); windows alone cost 20% on aligned tiles, their
+// (3.5x the time of aligned groups at dsv3's x, windows 1.4x); windows alone cost 20% on aligned tiles, their
 // scan and the stores' indexing.
 //
 // Why this size: with 64 x 64 tiles (4 KB of FP8 a block) each block waited on its rows' group lookups and
