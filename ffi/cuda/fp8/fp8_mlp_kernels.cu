@@ -1,10 +1,5 @@
 #include "cuda/fp8/fp8_mlp_kernels.h"
 
-#include <cuda_fp8.h>
-
-#include <algorithm>
-#include <type_traits>
-
 #include "activations.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/elements.cuh"

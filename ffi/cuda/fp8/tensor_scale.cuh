@@ -48,7 +48,7 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162fl
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
 __device__ __forceinline__ float ToFloat(Fp8 v) { return float(v); }
 
-// Round to nearest even, saturating at +-448; NaN stays NaN (jnp.clip then astype in jaxmlp/fp8.py).
+// Round to nearest even, saturating at +-448; NaN stays NaN (jnp.clip then astype in jaxmlp/fp8/quantize.py).
 __device__ __forceinline__ uint8_t ToE4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
 
 // The block's maximum reaches *amax with one atomic per warp (fmaxf drops NaN: a NaN input quantizes to
