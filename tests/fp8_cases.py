@@ -21,7 +21,8 @@ CASES = {
 }
 # For the blockwise recipe also: rows of several 128-column blocks, the last one short (d = 272, F1 = 288),
 # and groups of several 128-row blocks, the last one short; then f a multiple of 128 (the CUDA quantizer of
-# the gated dh pairs each gate tile with its up tile then).
+# the gated dh pairs each gate tile with its up tile then). "blocks" also takes the tensorwise recipe's
+# backward activation over several 128 x 128 tiles of a, the last ones short in both directions.
 BLOCK_CASES = {**CASES, "blocks": (448, 272, 144, [300, 0, 37, 63, 1]),
                "whole_blocks": (384, 128, 256, [200, 0, 150])}
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}

@@ -43,6 +43,7 @@ def test_fp8_follows_the_recipe(platform, rng, recipe, case, act, dtype):
 @pytest.mark.matrix
 @pytest.mark.parametrize("recipe, case", [("tensorwise", "uneven"),
                                           pytest.param("tensorwise", "skewed", marks=pytest.mark.full),
+                                          pytest.param("tensorwise", "blocks", marks=pytest.mark.full),
                                           pytest.param("blockwise", "blocks", marks=pytest.mark.full),
                                           ("blockwise", "uneven")])
 @pytest.mark.parametrize("biases, act, with_scales", [("both", "clamped_swiglu", True), ("both", "gelu", False),

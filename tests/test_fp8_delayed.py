@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fp8_cases import (CASES, CUDA_TOLERANCE, DTYPES, check_against_model, inputs,
+from fp8_cases import (BLOCK_CASES, CASES, CUDA_TOLERANCE, DTYPES, check_against_model, inputs,
                        platform, run)  # noqa: F401 (a fixture)
 
 import jaxmlp
@@ -36,7 +36,8 @@ HISTORIES = {
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("case", ["uneven", pytest.param("skewed", marks=pytest.mark.full),
-                                  pytest.param("all_empty", marks=pytest.mark.full)])
+                                  pytest.param("all_empty", marks=pytest.mark.full),
+                                  pytest.param("blocks", marks=pytest.mark.full)])
 @pytest.mark.parametrize("history", list(HISTORIES))
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
@@ -57,7 +58,7 @@ def test_the_reference_scales_by_the_history(rng, history):
 
 
 def check_follows_the_recipe(fn, platform, rng, case, history, fp8_wgrad, act, dtype):
-  M, d, f, sizes = CASES[case]
+  M, d, f, sizes = BLOCK_CASES[case]
   args, gs, dy = inputs(rng, M, d, f, sizes, act, jnp.dtype(dtype))
   n = {k: np.asarray(v, np.float64) for k, v in args.items() if v is not None}
   model = functools.partial(fp8_ref.grouped_mlp, n["x"], n["w1"], n["w2"], sizes, act, n.get("scales"),

@@ -123,13 +123,14 @@ NB_MODULE(_cuda, m) {
   m.def(
       "mlp_fp8_workspace_bytes",
       [](bool forward, bool engine, bool fp8_wgrad, int64_t M, int64_t d, int64_t f, int64_t F1, int64_t E,
-         int dtype_code, bool has_b1, bool has_b2) {
-        jaxmlp::MlpDims dims{M, d, f, F1, E, has_b1, has_b2, false};
+         int dtype_code, bool has_b1, bool has_b2, bool has_scales) {
+        jaxmlp::MlpDims dims{M, d, f, F1, E, has_b1, has_b2, has_scales};
         return jaxmlp::MlpFp8WorkspaceBytes(forward, engine, fp8_wgrad, dims,
                                             jaxmlp::ElementBytes(jaxmlp::DType(dtype_code)));
       },
       "Scratch bytes of one FP8 grouped-MLP call (engine: its row products on the CUTLASS engine; fp8_wgrad: FP8 "
-      "weight gradients; dtype_code: jaxmlp._cpu.DType bfloat16 or float16; has_b1, has_b2: the biases given).");
+      "weight gradients; dtype_code: jaxmlp._cpu.DType bfloat16 or float16; has_b1, has_b2, has_scales: the biases "
+      "and row scales given).");
   m.def("gemm_fp8_blocks_workspace_bytes", &jaxmlp::GemmFp8BlocksWorkspaceBytes, nb::arg("op"), nb::arg("M"),
         nb::arg("E"), nb::arg("N"),
         "Scratch bytes of one block-scaled FP8 product (op: jaxmlp._cpu.GemmOp nt, or tn_padded: tn over padded "

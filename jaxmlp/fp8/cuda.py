@@ -80,7 +80,7 @@ def _mlp_forward(x, w1q, w2q, groups: Groups, b1, b2, scales, act: Activation, r
   engine, fp8_wgrad = _gemm_path.fp8_on_engine(dt, s.d, s.f), fp8_weight_gradients(recipe)
   assert gather is None or reads_tokens(recipe, residuals), "the backward would need the rows"
   ws = cuda.mlp_fp8_workspace_bytes(True, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
-                                    False, False)
+                                    False, False, False)
   xt = (s.d, tensorwise.padded_length(s.M, s.E, tensorwise.PAD)) if residuals and fp8_wgrad else ABSENT
   outs = [((s.M, s.d), dt), ((s.M, s.F1), dt), ((4,), jnp.float32), (xt, E4M3),
           ((2,) if delayed is not None else ABSENT, jnp.float32)]
@@ -105,7 +105,7 @@ def _mlp_backward(residuals, groups: Groups, b1, b2, scales, act: Activation, re
   dt = h.dtype
   engine, fp8_wgrad = _gemm_path.fp8_on_engine(dt, s.d, s.f), fp8_weight_gradients(recipe)
   ws = cuda.mlp_fp8_workspace_bytes(False, engine, fp8_wgrad, s.M, s.d, s.f, s.F1, s.E, _library.dtype_code(dt),
-                                    b1 is not None, b2 is not None)
+                                    b1 is not None, b2 is not None, scales is not None)
   outs = [((s.M, s.d), dt), ((s.E, s.d, s.F1), dt), ((s.E, s.f, s.d), dt),
           ((s.E, s.F1) if b1 is not None else ABSENT, dt), ((s.E, s.d) if b2 is not None else ABSENT, dt),
           ((s.M,) if scales is not None else ABSENT, dt), ((2,) if delayed is not None else ABSENT, jnp.float32)]

@@ -48,22 +48,24 @@ ForwardScratch CarveForward(Carver& c, const MlpDims& m, void* y) {
 }
 
 // Scratch of the backward: the amaxes of dy and dh, the scales of x, w1, w2, a, dy, dh, the quantized
-// operands in row layout (dyq, dhq) and da; with FP8 weight gradients aq and the transposed copies (dyt, at,
-// dht: [width, L]; x's came from the forward), else a16, a in x.dtype; dh in x.dtype with b1 or 16-bit weight
-// gradients, and BiasGradients' partial sums with biases.
+// operands in row layout (dyq, dhq) and da; with FP8 weight gradients the transposed copies (dyt, at, dht:
+// [width, L]; x's came from the forward) and with row scales their gradients' partial sums (ds_parts), else
+// a16, a in x.dtype; dh in x.dtype with b1 or 16-bit weight gradients, and BiasGradients' partial sums with
+// biases.
 //
 // Most of it lives in results that are written only after it is dead, where it fits (InResult), so that
 // the backward holds little more than bf16's does (docs/fp8.md, "Memory"):
 //   dx's buffer:  dyq, dead once da's product has read it (then the activation's pass writes dx's rows past
 //                 the groups, and dx's product the rest);
-//   dw2's buffer: aq, dead once its transposed copy is written, before the products;
 //   dw1's buffer: da, dead after the activation's passes; then dhq, and at and dyt (FP8 weight gradients)
 //                 or a16: the inputs of dx's and dw2's products, which run before dw1's (MlpFp8Backward).
-// dht and the 16-bit dh stay in the workspace: dw1's product reads them (and BiasGradients, dh).
+// dht, ds_parts and the 16-bit dh stay in the workspace: dw1's product reads dht and dh (and BiasGradients,
+// dh).
 struct BackwardScratch {
   float *amax, *scale;  // [2], [6]
   uint8_t *dyq, *dhq;
-  uint8_t *aq = nullptr, *dyt = nullptr, *at = nullptr, *dht = nullptr;
+  uint8_t *dyt = nullptr, *at = nullptr, *dht = nullptr;
+  float* ds_parts = nullptr;  // [M, Fp8ActTileParts(f)]
   char* da;  // [M, f] in x.dtype
   char* a16 = nullptr;  // [M, f] in x.dtype
   char* dh = nullptr;  // [M, F1] in x.dtype
@@ -102,7 +104,7 @@ BackwardScratch CarveBackward(Carver& c, const MlpDims& m, int esize, bool fp8_w
   place(in_dw1, m.M * m.f * esize, s.da);
   place(in_dw1, m.M * m.F1, s.dhq);
   if (fp8_wgrad) {
-    place(in_dw2, m.M * m.f, s.aq);
+    if (m.has_scales) s.ds_parts = c.Take<float>(m.M * Fp8ActTileParts(m.f));
     place(in_dw1, m.f * L, s.at);
     place(in_dw1, m.d * L, s.dyt);
     s.dht = c.Take<uint8_t>(m.F1 * L);
@@ -361,21 +363,35 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
                                       Activations(s.dyq, s.dyt, gemms, m), {}, late ? observed + 0 : nullptr));
   JAXMLP_RETURN_IF_ERROR(gemms.Run(0));  // da = dy w2^T
   const ActParams p{Act(act), alpha, limit};
-  // Delayed scaling: one pass, dh quantized by the given amax, its own observed (and a second pass by that
-  // for an empty history: ActivationBackwardQuantize returns at once otherwise).
-  JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(
-      stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales), fwd + 3,
-      dy.untyped_data(), DataIfPresent(b2), s.aq, s.a16, m.has_scales ? dscales->untyped_data() : nullptr,
-      dx->untyped_data(), late ? observed + 1 : s.amax + 1, late ? given + 1 : nullptr, late ? sdh : nullptr,
-      late ? s.dhq : nullptr, late ? s.dh : nullptr));
-  JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f, h.untyped_data(),
-                                                    s.da, DataIfPresent(scales), late ? observed + 1 : s.amax + 1,
-                                                    sdh, s.dhq, s.dh, late ? given + 1 : nullptr));
-  if (fp8_wgrad) {  // transposed copies of the FP8 a and dh (exact copies: no scale)
-    JAXMLP_RETURN_IF_ERROR(
-        QuantizeRows(stream, kFp8, s.aq, m.M, m.f, nullptr, nullptr, Activations(nullptr, s.at, gemms, m)));
-    JAXMLP_RETURN_IF_ERROR(
-        QuantizeRows(stream, kFp8, s.dhq, m.M, m.F1, nullptr, nullptr, Activations(nullptr, s.dht, gemms, m)));
+  void* ds = m.has_scales ? dscales->untyped_data() : nullptr;
+  if (fp8_wgrad) {
+    // a's transposed copy, the scale gradients' parts and dh's amax; with a positive history (delayed
+    // scaling) dh's outputs by it, else a second launch quantizes dh by the amax observed. No pass transposes
+    // a or dh after.
+    Fp8ActTiles first;
+    first.layout = Activations(nullptr, nullptr, gemms, m);
+    first.at = s.at, first.ds_parts = s.ds_parts, first.observed = late ? observed + 1 : s.amax + 1;
+    if (late) first.dh_amax = given + 1, first.dh_if_positive = true;
+    first.scale_dh = sdh, first.dhq = s.dhq, first.dht = s.dht, first.dh = s.dh;
+    Fp8ActTiles second = first;
+    second.at = nullptr, second.ds_parts = nullptr, second.observed = nullptr;
+    second.dh_amax = first.observed, second.dh_if_positive = false, second.skip = late ? given + 1 : nullptr;
+    for (const Fp8ActTiles* o : {&first, &second})
+      JAXMLP_RETURN_IF_ERROR(ActivationBackwardTiles(stream, device, t, p, m.M, m.f, h.untyped_data(), s.da,
+                                                     DataIfPresent(scales), fwd + 3, *o));
+    JAXMLP_RETURN_IF_ERROR(ActivationBackwardRows(stream, t, gemms.offsets(), m.E, m.M, m.f, m.d, s.ds_parts,
+                                                  dy.untyped_data(), DataIfPresent(b2), ds, dx->untyped_data()));
+  } else {
+    // Delayed scaling: one pass, dh quantized by the given amax, its own observed (and a second pass by that
+    // for an empty history: ActivationBackwardQuantize returns at once otherwise).
+    JAXMLP_RETURN_IF_ERROR(ActivationBackwardAbsMax(
+        stream, t, p, gemms.offsets(), m.E, m.M, m.f, m.d, h.untyped_data(), s.da, DataIfPresent(scales),
+        dy.untyped_data(), DataIfPresent(b2), s.a16, ds, dx->untyped_data(), late ? observed + 1 : s.amax + 1,
+        late ? given + 1 : nullptr, late ? sdh : nullptr, late ? s.dhq : nullptr, late ? s.dh : nullptr));
+    JAXMLP_RETURN_IF_ERROR(ActivationBackwardQuantize(stream, t, p, gemms.offsets(), m.E, m.M, m.f,
+                                                      h.untyped_data(), s.da, DataIfPresent(scales),
+                                                      late ? observed + 1 : s.amax + 1, sdh, s.dhq, s.dh,
+                                                      late ? given + 1 : nullptr));
   }
   // RunIndependent's promise: none of its products reads another's output. dx (2) and dw2 (1) read dhq, w1,
   // at or a16 and dyt or dy, and write dx and dw2 (what lives there, dyq and aq, is dead by now). dw1's

@@ -1,9 +1,14 @@
 #include "cuda/fp8/fp8_mlp_kernels.h"
 
+#include <algorithm>
+#include <optional>
+#include <string>
+
 #include "activations.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/elements.cuh"
 #include "cuda/fp8/tensor_scale.cuh"
+#include "cuda/fp8/transposed_tile.cuh"
 #include "cuda/group_scan.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/mlp/row_bias.cuh"
@@ -105,20 +110,18 @@ __global__ void __launch_bounds__(kThreads) ActQuantizeKernel(ActParams p, const
   }
 }
 
-// Pass 1 of the backward (see fp8_mlp_kernels.h).
+// Pass 1 of the backward with 16-bit weight gradients (see fp8_mlp_kernels.h).
 // With dhq (delayed scaling) it also does pass 2's work with the scale of *given_dh where that is positive,
 // ActBackwardQuantizeKernel's arithmetic, and *amax_dh gets dh's maximum as observed.
 template <typename T, int V, Act kAct>
 __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p, const int64_t* offsets, int64_t E,
                                                                     int64_t M, int64_t f, int64_t d, const T* h,
-                                                                    const T* da, const T* scales, const float* amax_a,
-                                                                    const T* dy, const T* b2, uint8_t* aq, T* a16,
-                                                                    T* dscales, T* dx, float* amax_dh,
-                                                                    const float* given_dh, float* scale_dh,
-                                                                    uint8_t* dhq, T* dh) {
+                                                                    const T* da, const T* scales, const T* dy,
+                                                                    const T* b2, T* a16, T* dscales, T* dx,
+                                                                    float* amax_dh, const float* given_dh,
+                                                                    float* scale_dh, uint8_t* dhq, T* dh) {
   constexpr bool kGated = IsGated(kAct);
   const int64_t valid = offsets[E], F1 = kGated ? 2 * f : f;
-  const float inv_a = InverseScale(amax_a);
   dhq = dhq && *given_dh > 0.0f ? dhq : nullptr;  // the whole grid alike
   if (dhq && blockIdx.x == 0 && threadIdx.x == 0) *scale_dh = DequantScale(*given_dh);
   const float inv_dh = dhq ? InverseScale(given_dh) : 1.0f;
@@ -133,14 +136,13 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
     float ds = 0.0f;
     ForEachActChunk<T, V, kAct>(p, h, row, f, [&](int64_t j, auto act) {
       const Vec<T, V> dav = Load<T, V>(da + row * f + j);
-      Bytes<V> q, qg, qu;
+      Bytes<V> qg, qu;
       Vec<T, V> a, vg, vu;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const ActGrad r = act(k);
         const float dak = ToFloat(dav.v[k]), g = dak * s, dgate = g * r.dgate, dup = g * r.dup;
         ds += dak * r.val;
-        q.b[k] = ToE4m3(r.val * s * inv_a);
         a.v[k] = T(r.val * s);
         m = fmaxf(m, fabsf(dgate));
         if (kGated) m = fmaxf(m, fabsf(dup));
@@ -149,8 +151,7 @@ __global__ void __launch_bounds__(kThreads) ActBackwardAbsMaxKernel(ActParams p,
         vg.v[k] = T(dgate);
         vu.v[k] = T(dup);
       }
-      if (a16) Store<T, V>(a16 + row * f + j, a);
-      else *reinterpret_cast<Bytes<V>*>(aq + row * f + j) = q;
+      Store<T, V>(a16 + row * f + j, a);
       if (dhq) {
         *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + j) = qg;
         if (kGated) *reinterpret_cast<Bytes<V>*>(dhq + row * F1 + f + j) = qu;
@@ -205,6 +206,131 @@ __global__ void __launch_bounds__(kThreads) ActBackwardQuantizeKernel(ActParams 
   }
 }
 
+// The backward's activation over tiles (ActivationBackwardTiles): block (x, y) takes rows [128 x, +128) and
+// a's columns [128 y, +128) with dh's gate and up columns of the same indices. A thread takes 8 columns of
+// every 16th row of the tile (V = 8: 16-byte loads of h's halves and da), kActTileBatch rows' loads in flight
+// at a time, stores dh's rows where asked and leaves the e4m3 values of a, dh's gate and dh's up in the block's
+// tiles (dynamic shared memory, transposed_tile.cuh's layout), which the block then stores transposed.
+//
+// Why tiles and not ActBackwardAbsMaxKernel's rows: the weight gradients read a and dh transposed, and a
+// row pass left that to QuantizeTileKernel, one more pass that read and wrote them (docs/fp8-performance.md).
+// Why 2 blocks an SM (up to 128 registers): at 3 (80) the gated activations' kernels spill.
+constexpr int kActTileBatch = 2;
+template <typename T, Act kAct>
+__global__ void __launch_bounds__(kTileThreads, 2)
+    ActBackwardTileKernel(ActParams p, int64_t f, const T* h, const T* da, const T* scales, const float* amax_a,
+                          Fp8ActTiles o) {
+  constexpr bool kGated = IsGated(kAct);
+  constexpr int V = 8, kRowThreads = kTile / V, kRowsPerPass = kTileThreads / kRowThreads;
+  constexpr int kPasses = kTile / kRowsPerPass;
+  static_assert(sizeof(T) == 2 && kPasses % kActTileBatch == 0, "16-bit types: 16-byte loads of 8 elements");
+  extern __shared__ __align__(16) uint8_t tiles[];  // a's, dh gate's, dh up's: [kTile][kTile] swizzled each
+  __shared__ int64_t dest[kTile];                   // at's and dht's index of (row, column 0); -1: none
+  __shared__ int8_t padding[kTile];
+  __shared__ uint32_t windows[kTile];
+  if (o.skip && *o.skip > 0.0f) return;  // the whole grid alike, as the next line
+  const bool emit_dh = o.dh_amax && (!o.dh_if_positive || *o.dh_amax > 0.0f);
+  if (emit_dh && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *o.scale_dh = DequantScale(*o.dh_amax);
+  const int64_t F1 = kGated ? 2 * f : f, valid = o.layout.row_offsets[o.layout.E];
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  if (r0 >= valid) return;  // the same for the whole block
+  const bool transposed = o.at || emit_dh;
+  const int64_t base = transposed ? TileDestinations(o.layout, r0, valid, dest, padding) : -1;
+  const int cc = (threadIdx.x % kRowThreads) * V, first_row = threadIdx.x / kRowThreads;
+  const int64_t c = c0 + cc;
+  const bool column_in = c < f;  // f % 16 == 0: a thread's 8 columns are all in or all out
+  const float inv_a = InverseScale(amax_a), inv_dh = emit_dh ? InverseScale(o.dh_amax) : 1.0f;
+  uint8_t* dhq = static_cast<uint8_t*>(o.dhq);
+  T* dh = static_cast<T*>(o.dh);
+  float m = 0.0f;
+#pragma unroll
+  for (int i0 = 0; i0 < kPasses; i0 += kActTileBatch) {
+    Vec<T, V> gate[kActTileBatch], up[kActTileBatch], dav[kActTileBatch];
+    float s[kActTileBatch];
+#pragma unroll
+    for (int b = 0; b < kActTileBatch; ++b) {
+      const int64_t r = r0 + first_row + (i0 + b) * kRowsPerPass;
+      if (r < valid && column_in) {
+        gate[b] = Load<T, V>(h + r * F1 + c);
+        if (kGated) up[b] = Load<T, V>(h + r * F1 + f + c);
+        dav[b] = Load<T, V>(da + r * f + c);
+        s[b] = scales ? ToFloat(scales[r]) : 1.0f;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kActTileBatch; ++b) {
+      const int rr = first_row + (i0 + b) * kRowsPerPass;
+      const int64_t r = r0 + rr;
+      Bytes<V> qa{}, qg{}, qu{};
+      float ds = 0.0f;
+      if (r < valid && column_in) {
+        Vec<T, V> vg, vu;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const ActGrad g = ActivationGradOf<kAct>(p, ToFloat(gate[b].v[k]), kGated ? ToFloat(up[b].v[k]) : 0.0f);
+          const float dak = ToFloat(dav[b].v[k]), gs = dak * s[b], dgate = gs * g.dgate, dup = gs * g.dup;
+          ds += dak * g.val;
+          qa.b[k] = ToE4m3(g.val * s[b] * inv_a);
+          m = fmaxf(m, fabsf(dgate));
+          if (kGated) m = fmaxf(m, fabsf(dup));
+          qg.b[k] = ToE4m3(dgate * inv_dh);
+          qu.b[k] = ToE4m3(dup * inv_dh);
+          vg.v[k] = T(dgate);
+          vu.v[k] = T(dup);
+        }
+        if (emit_dh) {
+          *reinterpret_cast<Bytes<V>*>(dhq + r * F1 + c) = qg;
+          if (kGated) *reinterpret_cast<Bytes<V>*>(dhq + r * F1 + f + c) = qu;
+          if (dh) {
+            Store<T, V>(dh + r * F1 + c, vg);
+            if (kGated) Store<T, V>(dh + r * F1 + f + c, vu);
+          }
+        }
+      }
+      if (o.ds_parts) {  // the row's sum over the tile's columns: its kRowThreads threads, aligned lanes
+#pragma unroll
+        for (int x = kRowThreads / 2; x > 0; x /= 2) ds += __shfl_xor_sync(~0u, ds, x);
+        if (cc == 0 && column_in && r < valid) o.ds_parts[r * gridDim.y + blockIdx.y] = ds;  // (f > 0)
+      }
+      *reinterpret_cast<Bytes<V>*>(&tiles[Swizzled(rr, cc)]) = qa;  // V <= 16: within one chunk
+      *reinterpret_cast<Bytes<V>*>(&tiles[kTile * kTile + Swizzled(rr, cc)]) = qg;
+      if (kGated) *reinterpret_cast<Bytes<V>*>(&tiles[2 * kTile * kTile + Swizzled(rr, cc)]) = qu;
+    }
+  }
+  if (o.observed) BlockReduceAbsMax<kTileThreads / 32>(m, o.observed);  // every thread of the block reaches it
+  if (!transposed) return;
+  const TransposedStores plan = PlanTransposedStores(base, dest, padding, windows);
+  const int64_t ld = o.layout.ld;
+  if (o.at)
+    StoreTransposedTile(plan, tiles, dest, padding, windows, static_cast<uint8_t*>(o.at) + c0 * ld, ld, f - c0);
+  if (!emit_dh) return;
+  uint8_t* dht = static_cast<uint8_t*>(o.dht);
+  StoreTransposedTile(plan, tiles + kTile * kTile, dest, padding, windows, dht + c0 * ld, ld, f - c0);
+  if (kGated)
+    StoreTransposedTile(plan, tiles + 2 * kTile * kTile, dest, padding, windows, dht + (f + c0) * ld, ld, f - c0);
+}
+
+// ActivationBackwardRows: rows grid-stride, a block a row (BlockSum); without dscales only the padding rows.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) ActBackwardRowsKernel(const int64_t* offsets, int64_t E, int64_t M,
+                                                                  int64_t d, const float* ds_parts, int64_t parts,
+                                                                  const T* dy, const T* b2, T* dscales, T* dx) {
+  const int64_t valid = offsets[E];
+  for (int64_t row = (dscales ? 0 : valid) + blockIdx.x; row < M; row += gridDim.x) {
+    if (row >= valid) {
+      ZeroRow(dx + row * d, d);
+      if (dscales && threadIdx.x == 0) dscales[row] = T(0.0f);
+      continue;
+    }
+    float ds = 0.0f;
+    if (threadIdx.x == 0)
+      for (int64_t i = 0; i < parts; ++i) ds += ds_parts[row * parts + i];
+    if (b2) ds += BiasDotShare<T, V>(dy + row * d, b2 + GroupOf(offsets, E, row) * d, d);
+    ds = BlockSum<kThreads / 32>(ds);
+    if (threadIdx.x == 0) dscales[row] = T(ds);
+  }
+}
+
 }  // namespace
 
 // Launches kernel<T, V, Act> chosen at run time; V = 8 (16-byte loads): the FP8 path needs f % 16 == 0.
@@ -236,14 +362,13 @@ ffi::Error ActivationQuantize(cudaStream_t stream, ffi::DataType t, const ActPar
 
 ffi::Error ActivationBackwardAbsMax(cudaStream_t stream, ffi::DataType t, const ActParams& p, const int64_t* offsets,
                                     int64_t E, int64_t M, int64_t f, int64_t d, const void* h, const void* da,
-                                    const void* scales, const float* amax_a, const void* dy, const void* b2,
-                                    void* aq, void* a16, void* dscales, void* dx, float* amax_dh,
-                                    const float* given_dh, float* scale_dh, void* dhq, void* dh) {
+                                    const void* scales, const void* dy, const void* b2, void* a16, void* dscales,
+                                    void* dx, float* amax_dh, const float* given_dh, float* scale_dh, void* dhq,
+                                    void* dh) {
   JAXMLP_ACT_LAUNCH(ActBackwardAbsMaxKernel, AmaxGridBlocks(M, 1), p, offsets, E, M, f, d, static_cast<const T*>(h),
-                    static_cast<const T*>(da), static_cast<const T*>(scales), amax_a, static_cast<const T*>(dy),
-                    static_cast<const T*>(b2), static_cast<uint8_t*>(aq), static_cast<T*>(a16),
-                    static_cast<T*>(dscales), static_cast<T*>(dx), amax_dh, given_dh, scale_dh,
-                    static_cast<uint8_t*>(dhq), static_cast<T*>(dh));
+                    static_cast<const T*>(da), static_cast<const T*>(scales), static_cast<const T*>(dy),
+                    static_cast<const T*>(b2), static_cast<T*>(a16), static_cast<T*>(dscales), static_cast<T*>(dx),
+                    amax_dh, given_dh, scale_dh, static_cast<uint8_t*>(dhq), static_cast<T*>(dh));
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation backward kernel");
 }
 
@@ -255,6 +380,56 @@ ffi::Error ActivationBackwardQuantize(cudaStream_t stream, ffi::DataType t, cons
                     static_cast<const T*>(da), static_cast<const T*>(scales), amax_dh, scale_dh,
                     static_cast<uint8_t*>(dhq), static_cast<T*>(dh), skip);
   return CheckCuda(cudaGetLastError(), "launching the FP8 activation gradient kernel");
+}
+
+ffi::Error ActivationBackwardTiles(cudaStream_t stream, int device, ffi::DataType t, const ActParams& p, int64_t M,
+                                   int64_t f, const void* h, const void* da, const void* scales, const float* amax_a,
+                                   const Fp8ActTiles& o) {
+  if (f % 16) return ffi::Error::InvalidArgument("jaxmlp: the FP8 activation tiles need f a multiple of 16");
+  const int64_t row_tiles = (M + kTile - 1) / kTile, col_tiles = (f + kTile - 1) / kTile;
+  if (row_tiles > INT32_MAX || col_tiles > 65535)
+    return ffi::Error::InvalidArgument("jaxmlp: the FP8 activation tiles of [" + std::to_string(M) + ", " +
+                                       std::to_string(f) + "] exceed the grid");
+  // Block (0, 0) writes *scale_dh whatever M and f.
+  const dim3 grid(unsigned(std::max<int64_t>(row_tiles, 1)), unsigned(std::max<int64_t>(col_tiles, 1)));
+  cudaError_t status = cudaSuccess;
+  By16BitType(t, [&](auto tag) {
+    using T = decltype(tag);
+    ByAct(p.act, [&](auto act) {
+      constexpr Act A = decltype(act)::value;
+      const auto kernel = ActBackwardTileKernel<T, A>;
+      // 32 or 48 KB of tiles and the block's other shared memory: over the 48 KB a launch gets without asking
+      // (gated), asked once per device and kernel (launch.cuh).
+      constexpr int kBytes = (IsGated(A) ? 3 : 2) * kTile * kTile;
+      const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
+                                                  [&](int device) -> std::optional<bool> {
+        ScopedDevice on(device);
+        status = on.ok() ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes)
+                         : cudaErrorInvalidDevice;
+        if (status == cudaSuccess) return true;
+        cudaGetLastError();   // reported below; leave no error for the launch check
+        return std::nullopt;  // the next call asks again
+      });
+      if (allowed) {
+        kernel<<<grid, kTileThreads, kBytes, stream>>>(p, f, static_cast<const T*>(h), static_cast<const T*>(da),
+                                                       static_cast<const T*>(scales), amax_a, o);
+        status = cudaGetLastError();
+      }
+    });
+  });
+  return CheckCuda(status, "launching the FP8 activation tiles kernel");
+}
+
+ffi::Error ActivationBackwardRows(cudaStream_t stream, ffi::DataType t, const int64_t* offsets, int64_t E, int64_t M,
+                                  int64_t f, int64_t d, const float* ds_parts, const void* dy, const void* b2,
+                                  void* dscales, void* dx) {
+  By16BitType(t, [&](auto tag) {
+    using T = decltype(tag);
+    ActBackwardRowsKernel<T, 8><<<AmaxGridBlocks(M, 1), kThreads, 0, stream>>>(
+        offsets, E, M, d, ds_parts, Fp8ActTileParts(f), static_cast<const T*>(dy), static_cast<const T*>(b2),
+        static_cast<T*>(dscales), static_cast<T*>(dx));
+  });
+  return CheckCuda(cudaGetLastError(), "launching the FP8 activation rows kernel");
 }
 
 }  // namespace jaxmlp
