@@ -394,7 +394,7 @@ Error MlpFp8Backward(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer
                                                       late ? given + 1 : nullptr));
   }
   // RunIndependent's promise: none of its products reads another's output. dx (2) and dw2 (1) read dhq, w1,
-  // at or a16 and dyt or dy, and write dx and dw2 (what lives there, dyq and aq, is dead by now). dw1's
+  // at or a16 and dyt or dy, and write dx and dw2 (what lived in dx, dyq, is dead by now). dw1's
   // product (3) comes after them, on its own: it overwrites what they read (CarveBackward). That costs
   // nothing: the FP8 paths enqueue a list's products one by one, in order, anyway.
   JAXMLP_RETURN_IF_ERROR(gemms.RunIndependent({2, 1}));
