@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fp8_cases import DTYPES, NUMPY_MODEL, platform, recipe_error  # noqa: F401  (the fixture)
+from fp8_cases import DTYPES, NUDGE, NUMPY_MODEL, platform, recipe_error  # noqa: F401  (the fixture)
 
 import jaxmlp
 from jaxmlp import dispatch
@@ -68,17 +68,27 @@ def test_fp8_over_a_plan_equals_fp8_over_the_dispatched_rows(platform, rng, reci
     grad = lambda *a: jax.grad(lambda *a: gathered(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(*a)
     assert _reads_tokens(grad, (x, w1, w2, scales), d, dtype) == (recipe == "tensorwise")
 
-  # The recipe's float64 model over the rows; x's gradient each token's rows' summed.
+  # The recipe's float64 model over the rows; x's gradient each token's rows' summed. As check_against_model,
+  # the model at nudge 0 or +-NUDGE (elements on an e4m3 rounding boundary, which float32 sums may put on
+  # either side: at nudge 0 alone, dw2's largest element failed the tolerance for seed 2479878044).
   n = lambda a: np.asarray(a, np.float64)
   model = NUMPY_MODEL[fp8.name]
   kw = {} if fp8.fp8_weight_gradients is not False else dict(fp8_weight_gradients=False)
-  want_y, want_g = model(n(rows), n(w1), n(w2), np.asarray(sizes), "swiglu", n(scales), n(dy), DTYPES[dtype], **kw)
   token = np.asarray(plan.slot_of_row) // K
-  want_dx = np.zeros((T, d))
-  np.add.at(want_dx, token[token >= 0], want_g["x"][token >= 0])
-  for name, a, b in [("y", got[0], want_y), ("x", got[1], want_dx), ("w1", got[2], want_g["w1"]),
-                     ("w2", got[3], want_g["w2"]), ("scales", got[4], want_g["scales"])]:
-    assert recipe_error(a, b, platform) is None, name
+  failed = {}
+  for nudge in (0.0, NUDGE, -NUDGE):
+    want_y, want_g = model(n(rows), n(w1), n(w2), np.asarray(sizes), "swiglu", n(scales), n(dy), DTYPES[dtype],
+                           nudge=nudge, **kw)
+    want_dx = np.zeros((T, d))
+    np.add.at(want_dx, token[token >= 0], want_g["x"][token >= 0])
+    failed[nudge] = {name: e for name, a, b in [("y", got[0], want_y), ("x", got[1], want_dx),
+                                                ("w1", got[2], want_g["w1"]), ("w2", got[3], want_g["w2"]),
+                                                ("scales", got[4], want_g["scales"])]
+                     if (e := recipe_error(a, b, platform)) is not None}
+    if not failed[nudge]:
+      break
+  else:
+    raise AssertionError(f"(relative, largest element's) errors past the tolerance, by nudge: {failed}")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.full)])
