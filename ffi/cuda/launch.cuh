@@ -85,6 +85,24 @@ auto OncePerDeviceAndKernel(int device, const void* kernel, Query query) ->
   return *result;
 }
 
+// Allows `kernel` `bytes` of dynamic shared memory on `device` (above 48 KB it is opt-in per kernel and
+// device), once per (device, kernel): cudaSuccess, or the error, with none left pending for the launch's
+// check (a failed setting is tried again by the next call).
+template <typename Kernel>
+cudaError_t AllowDynamicSharedMemory(int device, Kernel kernel, int bytes) {
+  cudaError_t status = cudaSuccess;
+  const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
+                                              [&](int device) -> std::optional<bool> {
+    ScopedDevice on(device);  // the attribute is set for the current device
+    status = on.ok() ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)
+                     : cudaErrorInvalidDevice;
+    if (status == cudaSuccess) return true;
+    cudaGetLastError();
+    return std::nullopt;
+  });
+  return allowed ? cudaSuccess : status;
+}
+
 // The number of SMs of `device`, queried once; 0 where the query fails (then asked again next time).
 inline int MultiProcessorCount(int device) {
   static const char key = 0;  // this query's own entry in OncePerDeviceAndKernel's cache

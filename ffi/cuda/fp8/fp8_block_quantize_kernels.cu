@@ -3,7 +3,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <optional>
 #include <type_traits>
 
 #include "activations.h"
@@ -222,17 +221,8 @@ ffi::Error LaunchRowsAndColumns(cudaStream_t stream, int32_t device, const Sourc
   // The tiles' 34 KB (16-bit types) and 66 KB (float) of shared memory: the latter over the 48 KB a launch
   // gets without asking, asked once per device and kernel, not in every call (launch.cuh).
   const auto kernel = RowsAndColumnsKernel<Source>;
-  cudaError_t status = cudaSuccess;
-  const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
-                                              [&](int device) -> std::optional<bool> {
-    ScopedDevice on(device);  // the attribute is set for the current device
-    status = on.ok() ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileBytes<T>)
-                     : cudaErrorInvalidDevice;
-    if (status == cudaSuccess) return true;
-    cudaGetLastError();   // reported below; leave no error for the launch check
-    return std::nullopt;  // the next call asks again
-  });
-  if (!allowed) return CheckCuda(status, "allowing the rows-and-columns quantizer its shared memory");
+  const cudaError_t allowed = AllowDynamicSharedMemory(device, kernel, kTileBytes<T>);
+  if (allowed != cudaSuccess) return CheckCuda(allowed, "allowing the rows-and-columns quantizer its shared memory");
   const unsigned grid = unsigned(o.B * ScaleBlocks(o.C));
   kernel<<<grid, 256, kTileBytes<T>, stream>>>(v, o.M, o.C, o.first, o.count, o.B, o.q, o.e, o.qt, o.ec,
                                                static_cast<typename Source::Stored*>(o.values));

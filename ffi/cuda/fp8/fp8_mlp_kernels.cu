@@ -1,7 +1,6 @@
 #include "cuda/fp8/fp8_mlp_kernels.h"
 
 #include <algorithm>
-#include <optional>
 #include <string>
 
 #include "activations.h"
@@ -401,16 +400,8 @@ ffi::Error ActivationBackwardTiles(cudaStream_t stream, int device, ffi::DataTyp
       // 32 or 48 KB of tiles and the block's other shared memory: over the 48 KB a launch gets without asking
       // (gated), asked once per device and kernel (launch.cuh).
       constexpr int kBytes = (IsGated(A) ? 3 : 2) * kTile * kTile;
-      const bool allowed = OncePerDeviceAndKernel(device, reinterpret_cast<const void*>(kernel),
-                                                  [&](int device) -> std::optional<bool> {
-        ScopedDevice on(device);
-        status = on.ok() ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes)
-                         : cudaErrorInvalidDevice;
-        if (status == cudaSuccess) return true;
-        cudaGetLastError();   // reported below; leave no error for the launch check
-        return std::nullopt;  // the next call asks again
-      });
-      if (allowed) {
+      status = AllowDynamicSharedMemory(device, kernel, kBytes);
+      if (status == cudaSuccess) {
         kernel<<<grid, kTileThreads, kBytes, stream>>>(p, f, static_cast<const T*>(h), static_cast<const T*>(da),
                                                        static_cast<const T*>(scales), amax_a, o);
         status = cudaGetLastError();
